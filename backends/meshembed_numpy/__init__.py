@@ -1,0 +1,5 @@
+"""NumPy reference backend: logical shards in one process. Readable first — the executable spec."""
+
+from meshembed_numpy.backend import NumpyBackend, NumpyShardedTable
+
+__all__ = ["NumpyBackend", "NumpyShardedTable"]

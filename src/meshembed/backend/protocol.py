@@ -1,0 +1,151 @@
+"""The Backend protocol: what a backend must supply (storage, movement, compilation).
+
+A backend never holds optimizer math. It stores sharded row tables and dense arrays,
+gathers/scatters rows, sums duplicate ids, routes data between shards or ranks and
+compiles the core's pure functions. The engine and the dense optimizer call only this.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from meshembed.sharding.placement import Placement
+
+Array = Any  # a backend's own array type (np.ndarray, torch.Tensor, jax.Array, cupy.ndarray)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; tests and the engine branch on these, never on names."""
+
+    devices: int = 1
+    float64: bool = True
+    in_place: bool = True
+    deterministic_scatter: bool = True
+    autodiff: bool = False
+    compiles: bool = False
+    distributed: bool = False
+    runs_hlo: bool = False
+
+
+class ShardedTable(abc.ABC):
+    """A ``[vocabulary_size, dim]`` table whose rows are split over shards by a Placement.
+
+    Slots of a table are separate ShardedTables with the same placement (co-sharded).
+    """
+
+    placement: Placement
+
+    @property
+    @abc.abstractmethod
+    def shape(self) -> tuple[int, int]: ...
+
+    @property
+    @abc.abstractmethod
+    def dtype(self) -> Any: ...
+
+
+class Backend(abc.ABC):
+    """Base class of every backend. Subclasses are registered under the entry-point group
+    ``meshembed.backends`` and instantiated lazily, once per process."""
+
+    name: str = "abstract"
+
+    # -- discovery ---------------------------------------------------------------------
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """None when usable here; otherwise why not and what to install."""
+        return None
+
+    @property
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    @property
+    @abc.abstractmethod
+    def xp(self) -> Any:
+        """The Array-API namespace the core's math runs in (array_api_compat wrapped)."""
+
+    # -- dense arrays ------------------------------------------------------------------
+    @abc.abstractmethod
+    def asarray(self, x: Any, dtype: Any = None) -> Array:
+        """Convert NumPy / Python / own arrays into this backend's arrays.
+
+        ``dtype`` may be a NumPy dtype or a string such as ``"float32"``."""
+
+    @abc.abstractmethod
+    def to_numpy(self, x: Array) -> np.ndarray: ...
+
+    def is_native(self, x: Any) -> bool:
+        """Whether ``x`` is already this backend's array type."""
+        return isinstance(x, np.ndarray)
+
+    # -- sharded row tables ------------------------------------------------------------
+    @abc.abstractmethod
+    def create_table(self, values: np.ndarray, placement: Placement) -> ShardedTable:
+        """Place a logical ``[V, D]`` NumPy table over ``placement.num_shards`` shards."""
+
+    @abc.abstractmethod
+    def unshard(self, table: ShardedTable) -> np.ndarray:
+        """The logical ``[V, D]`` table as NumPy (inverse of create_table)."""
+
+    @abc.abstractmethod
+    def gather(self, table: ShardedTable, ids: Array) -> Array:
+        """Rows ``table[ids]`` for global ids (duplicates allowed), shape ``[len(ids), D]``."""
+
+    @abc.abstractmethod
+    def scatter(self, table: ShardedTable, ids: Array, rows: Array) -> ShardedTable:
+        """Write ``rows`` at *unique* global ``ids``; returns the (possibly new) table."""
+
+    @abc.abstractmethod
+    def segment_sum(self, ids: Array, values: Array) -> tuple[Array, Array]:
+        """Sum rows of ``values`` that share an id: returns (unique ids sorted, sums)."""
+
+    def update_rows(
+        self,
+        tables: Sequence[ShardedTable],
+        ids: Array,
+        grads: Array,
+        fn: Callable[..., tuple[Array, ...]],
+    ) -> list[ShardedTable]:
+        """Apply ``fn(grad_rows, *table_rows) -> new table_rows`` once per unique id.
+
+        ``ids`` may repeat; their gradients are summed first (duplicate ids are combined
+        before any scatter). ``fn`` is the core's pure optimizer function. Backends
+        override this to fuse, compile or route to the owning ranks.
+        """
+        uids, g = self.segment_sum(ids, grads)
+        rows = [self.gather(t, uids) for t in tables]
+        new_rows = fn(g, *rows)
+        return [self.scatter(t, uids, r) for t, r in zip(tables, new_rows)]
+
+    def compile(self, fn: Callable, **options: Any) -> Callable:
+        """Compile a pure function of arrays (jax.jit, torch.compile, ...). Default: as is."""
+        return fn
+
+    # -- dense mesh (me.Mesh / me.Layout / me.Variable) ----------------------------------
+    def make_mesh(self, dim_names: Sequence[str], shape: Sequence[int], devices: Any = None) -> Any:
+        """The backend's own mesh object (jax Mesh, torch DeviceMesh) or None for logical."""
+        return None
+
+    def place(self, value: Array, layout: Any) -> Array:
+        """Put ``value`` on the devices of ``layout`` (NamedSharding, DTensor placements)."""
+        return value
+
+    def sharding_of(self, value: Array) -> Any:
+        """The backend's own sharding object of an array (None when not tracked)."""
+        return None
+
+    def value_and_grad(self, fn: Callable[..., Array], values: Sequence[Array]) -> tuple[Array, list[Array]]:
+        """Loss and gradients of ``fn(*values)`` through the backend's own autodiff."""
+        raise NotImplementedError(
+            f"Backend {self.name!r} has no autodiff: compute gradients yourself and call "
+            "`apply_gradients([(grad, var), ...])`, or use the 'torch' or 'jax' backend."
+        )
+
+    def __repr__(self) -> str:
+        return f"<meshembed backend {self.name!r}>"

@@ -1,0 +1,119 @@
+"""Backend discovery and selection.
+
+Backends are found through the entry-point group ``meshembed.backends`` (meshembed's own
+register the same way) and loaded lazily. Precedence of the default:
+explicit ``backend=`` argument > ``use_backend`` > ``MESHEMBED_BACKEND`` > ``"numpy"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import os
+from importlib.metadata import entry_points
+from typing import Callable, Iterator
+
+from meshembed.backend.protocol import Backend
+from meshembed.errors import BackendUnavailableError
+
+ENTRY_POINT_GROUP = "meshembed.backends"
+
+# Used only when meshembed runs from a source tree that was not pip-installed.
+_BUILTIN = {
+    "numpy": "meshembed_numpy:NumpyBackend",
+    "torch": "meshembed_torch:TorchBackend",
+    "jax": "meshembed_jax:JaxBackend",
+    "cupy": "meshembed_cupy:CupyBackend",
+}
+_INSTALL_HINT = {
+    "torch": "pip install 'meshembed[torch]'  (torch==2.13.0)",
+    "jax": "pip install 'meshembed[jax]'",
+    "cupy": "pip install 'meshembed[cupy]' on a machine with an NVIDIA GPU and CUDA 12",
+}
+
+_extra: dict[str, Callable[[], Backend] | str] = {}
+_instances: dict[str, Backend] = {}
+_process_default: str | None = None
+_scoped: contextvars.ContextVar[str | None] = contextvars.ContextVar("meshembed_backend", default=None)
+
+
+def _targets() -> dict[str, Callable[[], Backend] | str]:
+    found: dict[str, Callable[[], Backend] | str] = dict(_BUILTIN)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        found[ep.name] = ep.value
+    found.update(_extra)
+    return found
+
+
+def register_backend(name: str, factory: Callable[[], Backend] | str) -> None:
+    """Register a backend by hand (a ``"module:Class"`` string or a zero-argument factory)."""
+    _extra[name] = factory
+    _instances.pop(name, None)
+
+
+def _load(name: str) -> Backend:
+    if name in _instances:
+        return _instances[name]
+    targets = _targets()
+    if name not in targets:
+        raise BackendUnavailableError(
+            f"Invalid `backend`. Expected one of {sorted(targets)}. Received: backend={name!r}"
+        )
+    target = targets[name]
+    hint = _INSTALL_HINT.get(name, f"install the package that provides backend {name!r}")
+    try:
+        if isinstance(target, str):
+            module, _, attr = target.partition(":")
+            factory = getattr(importlib.import_module(module), attr)
+        else:
+            factory = target
+    except ImportError as exc:
+        raise BackendUnavailableError(f"Backend {name!r} cannot be imported ({exc}). Fix: {hint}.") from exc
+    reason = factory.unavailable_reason() if hasattr(factory, "unavailable_reason") else None
+    if reason:
+        raise BackendUnavailableError(f"Backend {name!r} is unavailable here: {reason}. Fix: {hint}.")
+    _instances[name] = factory()
+    return _instances[name]
+
+
+def available_backends() -> tuple[str, ...]:
+    """Names of the backends usable in this process, NumPy first."""
+    names = []
+    for name in _targets():
+        try:
+            _load(name)
+        except BackendUnavailableError:
+            continue
+        names.append(name)
+    return tuple(sorted(names, key=lambda n: (n != "numpy", n)))
+
+
+def default_backend_name() -> str:
+    return _scoped.get() or _process_default or os.environ.get("MESHEMBED_BACKEND") or "numpy"
+
+
+def get_backend(name: str | Backend | None = None) -> Backend:
+    """The backend called ``name``; ``None`` means the current default."""
+    if isinstance(name, Backend):
+        return name
+    return _load(name or default_backend_name())
+
+
+def set_backend(name: str | None) -> None:
+    """Set the process default (``None`` clears it). Fails early if unusable."""
+    global _process_default
+    if name is not None:
+        _load(name)
+    _process_default = name
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[Backend]:
+    """Scoped default backend: ``with me.use_backend("jax"): ...``."""
+    backend = _load(name)
+    token = _scoped.set(name)
+    try:
+        yield backend
+    finally:
+        _scoped.reset(token)

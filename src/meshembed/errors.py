@@ -1,0 +1,30 @@
+"""Exception types. Every error names what was wrong, where (table/feature) and the fix."""
+
+from __future__ import annotations
+
+
+class MeshembedError(Exception):
+    """Base class of every error meshembed raises on purpose."""
+
+
+class BackendUnavailableError(MeshembedError, ImportError):
+    """A backend is unknown, or its framework is not installed / cannot run here."""
+
+
+class ConfigError(MeshembedError, ValueError):
+    """An embedding configuration (typed or proto) is invalid."""
+
+
+class InputError(MeshembedError, ValueError):
+    """Ids, weights, gradients or learning rates passed to the engine are invalid.
+
+    Raised before any table or slot is touched, so state is unchanged.
+    """
+
+
+class StateError(MeshembedError, RuntimeError):
+    """An engine call came in the wrong order (e.g. apply_gradients without dequeue)."""
+
+
+class CapacityError(InputError):
+    """A batch has more unique ids than a static-shape backend was compiled for."""
