@@ -78,3 +78,8 @@ class NumpyBackend(Backend):
         sums = np.zeros((uids.shape[0],) + values.shape[1:], dtype=values.dtype)
         np.add.at(sums, inverse.reshape(-1), values)
         return uids, sums
+
+    def segment_sum_to(self, values: np.ndarray, segment_ids: np.ndarray, num_segments: int) -> np.ndarray:
+        out = np.zeros((num_segments,) + values.shape[1:], dtype=values.dtype)
+        np.add.at(out, np.asarray(segment_ids, dtype=np.int64), values)
+        return out

@@ -105,6 +105,12 @@ class Backend(abc.ABC):
     def segment_sum(self, ids: Array, values: Array) -> tuple[Array, Array]:
         """Sum rows of ``values`` that share an id: returns (unique ids sorted, sums)."""
 
+    @abc.abstractmethod
+    def segment_sum_to(self, values: Array, segment_ids: Array, num_segments: int) -> Array:
+        """Dense segment sum: ``out[k] = Σ values[i] for segment_ids[i] == k``, shape
+        ``[num_segments, ...]`` (the combiner's forward reduction; the Array API has no
+        scatter-add)."""
+
     def update_rows(
         self,
         tables: Sequence[ShardedTable],
