@@ -1,0 +1,73 @@
+"""The conformance suite runs every test against every available backend.
+
+``MESHEMBED_TEST_BACKENDS=numpy,torch`` narrows the list; a named backend that is not
+usable here is still collected and skipped with the reason. Expected failures per backend
+live in ``conformance/xfail.toml`` with a reason each.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import tomllib
+
+import pytest
+
+import meshembed as me
+from meshembed.errors import BackendUnavailableError
+
+_HERE = pathlib.Path(__file__).parent
+GOLDEN = _HERE / "golden"
+
+
+def _requested() -> list[str]:
+    env = os.environ.get("MESHEMBED_TEST_BACKENDS", "").strip()
+    if env:
+        return [n.strip() for n in env.split(",") if n.strip()]
+    return list(me.available_backends())
+
+
+def _params() -> list:
+    params = []
+    for name in _requested():
+        try:
+            me.get_backend(name)
+        except BackendUnavailableError as exc:
+            params.append(pytest.param(name, marks=pytest.mark.skip(reason=str(exc)), id=name))
+            continue
+        params.append(pytest.param(name, id=name))
+    return params
+
+
+BACKEND_PARAMS = _params()
+
+
+@pytest.fixture(params=BACKEND_PARAMS)
+def backend_name(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def backend(backend_name):
+    """The Backend instance under test."""
+    return me.get_backend(backend_name)
+
+
+@pytest.fixture
+def golden() -> pathlib.Path:
+    return GOLDEN
+
+
+def _xfails() -> dict[str, dict[str, str]]:
+    path = _HERE / "xfail.toml"
+    return tomllib.loads(path.read_text()) if path.exists() else {}
+
+
+def pytest_collection_modifyitems(config, items):
+    manifest = _xfails()
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        name = callspec.params.get("backend_name") if callspec else None
+        for pattern, reason in manifest.get(name or "", {}).items():
+            if pattern in item.nodeid:
+                item.add_marker(pytest.mark.xfail(reason=f"[{name}] {reason}", strict=True))

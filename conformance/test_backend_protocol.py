@@ -1,0 +1,123 @@
+"""Every backend stores, moves and sums rows exactly as the NumPy reference.
+
+Row i of a test table holds the value i (plus the column index / 1000), so a misplaced
+row is obvious in any failure message.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conformance.tolerances import assert_close
+from meshembed.sharding import Placement
+
+SHARDINGS = [(v, n, s) for v, n in [(13, 1), (13, 2), (13, 3), (16, 8), (10, 3)] for s in ("mod", "div")]
+DTYPES = ["float32", "float64"]
+
+
+def _table(vocab: int, dim: int, dtype: str) -> np.ndarray:
+    return (np.arange(vocab)[:, None] + np.arange(dim)[None, :] / 1000.0).astype(dtype)
+
+
+def _skip_dtype(backend, dtype):
+    if dtype == "float64" and not backend.capabilities.float64:
+        pytest.skip(f"backend {backend.name!r} declares no float64 support")
+
+
+@pytest.mark.parametrize("vocab,shards,strategy", SHARDINGS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_create_unshard_round_trip(backend, vocab, shards, strategy, dtype):
+    _skip_dtype(backend, dtype)
+    values = _table(vocab, 4, dtype)
+    table = backend.create_table(values, Placement(vocab, shards, strategy))
+    assert table.shape == (vocab, 4)
+    out = backend.unshard(table)
+    assert out.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(out, values)
+
+
+@pytest.mark.parametrize("vocab,shards,strategy", SHARDINGS)
+def test_gather_with_duplicates(backend, vocab, shards, strategy):
+    values = _table(vocab, 3, "float32")
+    table = backend.create_table(values, Placement(vocab, shards, strategy))
+    ids = np.array([vocab - 1, 0, 2, 2, vocab - 1, 1], dtype=np.int64)
+    rows = backend.to_numpy(backend.gather(table, backend.asarray(ids)))
+    np.testing.assert_array_equal(rows, values[ids])
+
+
+@pytest.mark.parametrize("vocab,shards,strategy", SHARDINGS)
+def test_scatter_touches_only_given_rows(backend, vocab, shards, strategy):
+    values = _table(vocab, 3, "float32")
+    table = backend.create_table(values, Placement(vocab, shards, strategy))
+    ids = np.array([vocab - 1, 0, 4], dtype=np.int64)
+    new_rows = -np.ones((3, 3), dtype=np.float32) * np.array([[1.0], [2.0], [3.0]], dtype=np.float32)
+    table = backend.scatter(table, backend.asarray(ids), backend.asarray(new_rows))
+    expected = values.copy()
+    expected[ids] = new_rows
+    np.testing.assert_array_equal(backend.unshard(table), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_segment_sum(backend, dtype):
+    _skip_dtype(backend, dtype)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 20, size=200)
+    vals = rng.standard_normal((200, 5)).astype(dtype)
+    uids, sums = backend.segment_sum(backend.asarray(ids), backend.asarray(vals))
+    uids, sums = backend.to_numpy(uids), backend.to_numpy(sums)
+    expected_ids = np.unique(ids)
+    expected = np.stack([vals[ids == i].sum(0) for i in expected_ids])
+    order = np.argsort(uids)
+    np.testing.assert_array_equal(uids[order], expected_ids)
+    assert_close(sums[order], expected, dtype=dtype, rtol=1e-5 if dtype == "float32" else 1e-12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_segment_sum_to(backend, dtype):
+    _skip_dtype(backend, dtype)
+    rng = np.random.default_rng(1)
+    seg = rng.integers(0, 7, size=50)
+    vals = rng.standard_normal((50, 3)).astype(dtype)
+    out = backend.to_numpy(backend.segment_sum_to(backend.asarray(vals), backend.asarray(seg), 9))
+    expected = np.zeros((9, 3))
+    np.add.at(expected, seg, vals)
+    assert out.shape == (9, 3)
+    assert_close(out, expected, dtype=dtype, rtol=1e-5 if dtype == "float32" else 1e-12)
+
+
+@pytest.mark.parametrize("vocab,shards,strategy", SHARDINGS)
+def test_update_rows_sums_duplicates_then_applies_once(backend, vocab, shards, strategy):
+    """fn must see one summed gradient per unique row; untouched rows stay bit-identical."""
+    values = _table(vocab, 2, "float32")
+    slot = np.full((vocab, 2), 0.5, dtype=np.float32)
+    placement = Placement(vocab, shards, strategy)
+    tables = [backend.create_table(values, placement), backend.create_table(slot, placement)]
+    ids = np.array([1, 3, 1, 1, vocab - 1], dtype=np.int64)
+    grads = np.array([[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]], dtype=np.float32)
+    xp = backend.xp
+
+    def fn(g, p, s):  # a nonlinear rule, so summing after squaring would differ
+        s2 = s + g * g
+        return p - g / xp.sqrt(s2), s2
+
+    new = backend.update_rows(tables, backend.asarray(ids), backend.asarray(grads), fn)
+    p, s = backend.unshard(new[0]), backend.unshard(new[1])
+    ep, es = values.copy(), slot.copy()
+    for row in np.unique(ids):
+        g = grads[ids == row].sum(0)
+        es[row] = slot[row] + g * g
+        ep[row] = values[row] - g / np.sqrt(es[row])
+    assert_close(p, ep, dtype="float32")
+    assert_close(s, es, dtype="float32")
+    untouched = np.setdiff1d(np.arange(vocab), ids)
+    np.testing.assert_array_equal(p[untouched], values[untouched])
+    np.testing.assert_array_equal(s[untouched], slot[untouched])
+
+
+def test_asarray_round_trip(backend):
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    y = backend.asarray(x)
+    assert backend.is_native(y)
+    np.testing.assert_array_equal(backend.to_numpy(y), x)
+    assert backend.to_numpy(backend.asarray([1, 2], dtype="int64")).dtype == np.int64
