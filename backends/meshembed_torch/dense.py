@@ -1,0 +1,108 @@
+"""Dense mesh support of the Torch backend: ``DeviceMesh`` + DTensor placements, autograd.
+
+Mixed into ``TorchBackend`` so the dense optimizer (``me.Variable``, ``me.optimizers``)
+can place variables and slots on a mesh and take gradients without knowing torch.
+
+Single process (no ``torch.distributed`` process group initialised): there is no
+``DeviceMesh`` to build, so ``make_mesh`` returns ``None`` and the mesh is *logical*, exactly
+as on NumPy: every value is a plain ``torch.Tensor`` holding the whole array and
+``sharding_of`` returns ``None``. With a process group, the mesh is a real ``DeviceMesh``
+over all ranks and values become ``DTensor``s with ``Shard(axis)``/``Replicate()``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+class TorchDenseMixin:
+    """``make_mesh`` / ``place`` / ``sharding_of`` / ``value_and_grad`` for torch."""
+
+    def make_mesh(self, dim_names: Sequence[str], shape: Sequence[int], devices: Any = None) -> Any:
+        """A ``DeviceMesh`` over all ranks, or ``None`` (logical mesh) in a single process.
+
+        ``devices`` is the device type (``"cpu"``, ``"cuda"``); by default ``"cuda"`` when
+        the process group runs NCCL, else ``"cpu"``.
+        """
+        if not _dist_ready():
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = torch.distributed.get_world_size()
+        if math.prod(shape) != world:
+            raise ValueError(
+                f"Invalid `shape`. Expected the mesh size (product of shape) to equal the "
+                f"torch.distributed world size {world}. Received: shape={tuple(shape)}"
+            )
+        if devices is None:
+            devices = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+        elif isinstance(devices, torch.device):
+            devices = devices.type
+        if not isinstance(devices, str):
+            raise ValueError(
+                "Invalid `devices`. Expected a torch device type such as 'cpu' or 'cuda' "
+                f"(the process group decides which devices). Received: devices={devices!r}"
+            )
+        return init_device_mesh(devices, tuple(int(s) for s in shape), mesh_dim_names=tuple(dim_names))
+
+    def _placements(self, layout: Any) -> tuple[Any, ...]:
+        from torch.distributed.tensor import Replicate, Shard
+
+        specs = tuple(layout.sharding_specs)
+        out = []
+        for name in layout.mesh.dim_names:
+            out.append(Shard(specs.index(name)) if name in specs else Replicate())
+        return tuple(out)
+
+    def place(self, value: Any, layout: Any) -> Any:
+        """A DTensor with the layout's placements on its mesh (a plain tensor when the mesh
+        is logical). The value must be the same global array on every rank."""
+        native = None if layout is None else layout.mesh.native
+        if native is None:
+            if _is_dtensor(value):
+                return value.full_tensor()
+            return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        placements = self._placements(layout)
+        if _is_dtensor(value):
+            if value.device_mesh == native and tuple(value.placements) == placements:
+                return value
+            return value.redistribute(native, placements)
+        from torch.distributed.tensor import distribute_tensor
+
+        tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        return distribute_tensor(tensor.detach(), native, placements)
+
+    def sharding_of(self, value: Any) -> Any:
+        """``(DeviceMesh, placements)`` of a DTensor; ``None`` for a plain tensor."""
+        if _is_dtensor(value):
+            return (value.device_mesh, tuple(value.placements))
+        return None
+
+    def value_and_grad(self, fn: Callable[..., Any], values: Sequence[Any]) -> tuple[Any, list[Any]]:
+        """Loss and d loss / d values by torch autograd, on detached copies so the caller's
+        tensors never join a graph. Values the loss does not use get zero gradients."""
+        leaves = [v.detach().requires_grad_(True) for v in values]
+        with torch.enable_grad():
+            loss = fn(*leaves)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(
+                    "Invalid `loss`. Expected a callable returning a scalar tensor. "
+                    f"Received: loss value of type {type(loss).__name__}"
+                    + (f" with shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                )
+            grads = torch.autograd.grad(loss.sum() if loss.dim() else loss, leaves, allow_unused=True)
+        out = [torch.zeros_like(v) if g is None else g.detach() for v, g in zip(leaves, grads)]
+        return loss.detach(), out
