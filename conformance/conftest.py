@@ -58,6 +58,19 @@ def golden() -> pathlib.Path:
     return GOLDEN
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """Attach the largest errors of each comparison to the test report (for the CLI table)."""
+    from conformance import tolerances
+
+    tolerances.RECORDS.clear()
+    yield
+    for against in ("golden", "reference"):
+        rows = [r for r in tolerances.RECORDS if r[0] == against]
+        if rows:
+            item.user_properties.append((f"err_{against}", (max(r[1] for r in rows), max(r[2] for r in rows))))
+
+
 def _xfails() -> dict[str, dict[str, str]]:
     path = _HERE / "xfail.toml"
     return tomllib.loads(path.read_text()) if path.exists() else {}

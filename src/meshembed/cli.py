@@ -1,0 +1,49 @@
+"""The ``meshembed`` command: ``demo``, ``conformance`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshembed", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a small recommender on synthetic clicks")
+    demo.add_argument("--backend", default=None, help="numpy, torch, jax ... (default: the current default)")
+    demo.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's own)")
+
+    conf = sub.add_parser("conformance", help="run the conformance suite on each backend and print one table")
+    conf.add_argument("--backends", default=None, help="comma-separated backends (default: every available one)")
+    conf.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    conf.add_argument("--markdown", default=None, help="also write the table as Markdown to this file")
+    conf.add_argument("-k", dest="select", default=None, help="only tests matching this pytest -k expression")
+
+    bench = sub.add_parser("bench", help="side-by-side benchmarks (W1 sparse step, W2 dense Adadelta)")
+    bench.add_argument("--backends", default=None)
+    bench.add_argument("--workload", default="all", choices=["W1", "W2", "all", "tiny"])
+    bench.add_argument("--peers", action="store_true", help="also time installed peer libraries")
+    bench.add_argument("--repeats", type=int, default=7)
+    bench.add_argument("--json", default=None)
+    bench.add_argument("--png", default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "demo":
+        from meshembed import demo
+
+        return demo.main(backend=args.backend, steps=args.steps) or 0
+    if args.command == "conformance":
+        from meshembed import conformance_report
+
+        return conformance_report.main(args)
+    from meshembed import bench
+
+    return bench.main(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
