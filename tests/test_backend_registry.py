@@ -77,5 +77,10 @@ def test_entry_point_group_lists_builtin_backends():
     from importlib.metadata import entry_points
 
     names = {ep.name for ep in entry_points(group="meshembed.backends")}
-    assert {"numpy", "torch", "jax", "cupy"} <= names
+    assert {"numpy", "torch", "jax"} <= names
     assert isinstance(me.get_backend("numpy").asarray([1.0]), np.ndarray)
+
+
+def test_cupy_says_why_it_is_not_shipped():
+    with pytest.raises(me.BackendUnavailableError, match="only be verified on an NVIDIA GPU"):
+        me.get_backend("cupy")
