@@ -73,7 +73,7 @@ def _load(name: str) -> Backend:
             factory = getattr(importlib.import_module(module), attr)
         else:
             factory = target
-    except ImportError as exc:
+    except (ImportError, AttributeError) as exc:
         raise BackendUnavailableError(f"Backend {name!r} cannot be imported ({exc}). Fix: {hint}.") from exc
     reason = factory.unavailable_reason() if hasattr(factory, "unavailable_reason") else None
     if reason:
