@@ -1,0 +1,355 @@
+"""The Torch backend: tables and slots as torch tensors, on CPU or CUDA, one process or many.
+
+* One process: every logical shard of a table lives in one tensor on one device (a MOD/DIV
+  placement is an index computation, see :class:`meshembed_torch.kernels.RowMap`).
+* ``torch.distributed`` initialised (gloo on CPU, NCCL on CUDA): shard ``s`` lives on rank
+  ``s % world_size`` (shard id = rank when ``num_shards == world_size``), over a 1-D
+  ``DeviceMesh``. ``gather``/``scatter``/``update_rows`` route ids and rows to the owners with
+  all-to-all (:mod:`meshembed_torch.distributed`); ``unshard`` all-gathers. They are
+  collective: every rank calls them in the same order.
+
+torch is imported lazily (in ``__init__`` and the helper modules), so this module imports
+without torch and :meth:`TorchBackend.unavailable_reason` says what is missing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from meshembed.backend.protocol import Backend, Capabilities
+from meshembed.errors import InputError
+from meshembed.sharding.placement import Placement
+from meshembed.sharding.placement import unshard as unshard_numpy
+from meshembed_torch.table import TorchShardedTable
+
+try:
+    from meshembed_torch.dense import TorchDenseMixin
+except ImportError as _exc:  # torch missing: keep the class importable so discovery reports why
+    _DENSE_IMPORT_ERROR: ImportError | None = _exc
+
+    class TorchDenseMixin:  # type: ignore[no-redef]
+        """Placeholder base used only when torch cannot be imported (backend unavailable)."""
+
+else:
+    _DENSE_IMPORT_ERROR = None
+
+DEVICE_ENV = "MESHEMBED_TORCH_DEVICE"
+
+
+class TorchBackend(TorchDenseMixin, Backend):
+    """meshembed on PyTorch. ``TorchBackend(device="cuda:0")`` pins a device; by default the
+    device comes from ``$MESHEMBED_TORCH_DEVICE``, else CUDA under an NCCL process group,
+    else CPU."""
+
+    name = "torch"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        try:
+            import torch
+        except ImportError as exc:
+            return f"torch is not installed ({exc})"
+        if _DENSE_IMPORT_ERROR is not None:
+            return f"meshembed_torch.dense cannot be imported ({_DENSE_IMPORT_ERROR})"
+        wanted = os.environ.get(DEVICE_ENV, "")
+        if wanted.startswith("cuda") and not torch.cuda.is_available():
+            return f"{DEVICE_ENV}={wanted} but torch sees no CUDA device"
+        return None
+
+    def __init__(self, device: Any = None):
+        import torch
+
+        from meshembed_torch import distributed, kernels
+
+        self._torch = torch
+        self._k = kernels
+        self._dist = distributed
+        self._device_option = device if device is not None else (os.environ.get(DEVICE_ENV) or None)
+        self._dtypes: dict[Any, Any] = {}
+
+    # -- discovery -----------------------------------------------------------------------
+    @property
+    def device(self) -> Any:
+        """Where new tables and converted arrays live (decided per call, so a process group
+        initialised after the backend was created is still honoured)."""
+        torch = self._torch
+        if self._device_option is not None:
+            return torch.device(self._device_option)
+        if self._dist.is_initialized() and torch.distributed.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
+    def capabilities(self) -> Capabilities:
+        distributed = self._dist.is_initialized()
+        cpu = self.device.type == "cpu"
+        return Capabilities(
+            devices=self._torch.distributed.get_world_size() if distributed else 1,
+            float64=self.device.type != "mps",
+            in_place=True,
+            deterministic_scatter=cpu,  # CUDA index_add_/embedding_bag backward use atomics
+            autodiff=True,
+            compiles=True,
+            distributed=True,
+        )
+
+    @property
+    def xp(self) -> Any:
+        import array_api_compat.torch as xp_torch
+
+        return xp_torch
+
+    # -- dense arrays ----------------------------------------------------------------------
+    def torch_dtype(self, dtype: Any) -> Any:
+        """A torch dtype from a torch dtype, NumPy dtype or string such as ``"float32"``."""
+        torch = self._torch
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        key = np.dtype(dtype)
+        if key not in self._dtypes:
+            self._dtypes[key] = torch.from_numpy(np.empty(0, dtype=key)).dtype
+        return self._dtypes[key]
+
+    def asarray(self, x: Any, dtype: Any = None) -> Any:
+        """A tensor on this backend's device. Tensors pass through without a copy (detached
+        from autograd, so ``loss.backward()`` gradients can be fed straight in); NumPy arrays
+        are shared, not copied, when their layout allows."""
+        torch = self._torch
+        tdtype = None if dtype is None else self.torch_dtype(dtype)
+        device = self.device
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad:
+                x = x.detach()
+            if (tdtype is None or x.dtype == tdtype) and x.device == device:
+                return x
+            return x.to(device=device, dtype=tdtype)
+        if not isinstance(x, (np.ndarray, np.generic, list, tuple, int, float, bool, complex)) and hasattr(x, "__dlpack__"):
+            try:  # JAX / CuPy arrays: zero-copy when the device matches
+                t = torch.from_dlpack(x)
+                return t.to(device=device, dtype=tdtype)
+            except (RuntimeError, TypeError, BufferError):
+                pass
+        arr = np.asarray(x, dtype=None if dtype is None or isinstance(dtype, torch.dtype) else np.dtype(dtype))
+        if arr.dtype == object:
+            raise InputError(f"Invalid array: cannot convert {type(x).__name__} to a tensor. Received: {x!r:.80}")
+        if not arr.flags.writeable or not arr.dtype.isnative or any(s < 0 for s in arr.strides):
+            arr = np.array(arr, dtype=arr.dtype.newbyteorder("="), copy=True)
+        t = torch.from_numpy(arr)
+        if tdtype is not None and t.dtype != tdtype:
+            t = t.to(tdtype)
+        return t if t.device == device else t.to(device)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        torch = self._torch
+        if isinstance(x, torch.Tensor):
+            if hasattr(x, "full_tensor") and type(x).__name__ == "DTensor":
+                x = x.full_tensor()
+            x = x.detach()
+            if x.device.type != "cpu":
+                x = x.cpu()
+            if x.dtype == torch.bfloat16:
+                x = x.float()
+            return x.resolve_conj().resolve_neg().numpy()
+        return np.asarray(x)
+
+    def is_native(self, x: Any) -> bool:
+        return isinstance(x, self._torch.Tensor)
+
+    # -- sharded row tables ----------------------------------------------------------------
+    def _rank_group(self) -> Any:
+        """The RankGroup of the current process group, or None in a single process."""
+        if not self._dist.is_initialized():
+            return None
+        return self._dist.RankGroup(self._dist.device_mesh(self.device.type))
+
+    def create_table(self, values: np.ndarray, placement: Placement) -> TorchShardedTable:
+        """Keep only the shards this process holds (every shard, in a single process)."""
+        torch = self._torch
+        vals = self.to_numpy(values) if isinstance(values, torch.Tensor) else np.asarray(values)
+        if vals.ndim != 2 or vals.shape[0] != placement.vocabulary_size:
+            raise ValueError(
+                f"Invalid table values: expected shape ({placement.vocabulary_size}, dim). "
+                f"Received: shape={vals.shape}"
+            )
+        group = self._rank_group()
+        world, rank = (1, 0) if group is None else (group.world, group.rank)
+        held = tuple(s for s in range(placement.num_shards) if s % world == rank)
+        device = self.device
+        rowmap = self._k.RowMap(placement.vocabulary_size, placement.num_shards, placement.strategy, held, device)
+        if rowmap.identity and group is None:
+            local = vals
+        elif held:
+            local = np.concatenate([vals[placement.global_ids(s)] for s in held])
+        else:
+            local = np.empty((0, vals.shape[1]), dtype=vals.dtype)
+        data = torch.empty(local.shape, dtype=self.torch_dtype(local.dtype), device=device)
+        data.copy_(torch.from_numpy(np.ascontiguousarray(local)))
+        return TorchShardedTable(data, placement, rowmap, group)
+
+    def unshard(self, table: TorchShardedTable) -> np.ndarray:
+        """The logical table as a new NumPy array (collective: all-gather of every shard)."""
+        p = table.placement
+        if table.group is None:
+            if table.rowmap.identity:
+                return self.to_numpy(table.data).copy()
+            shards = table.shards
+            return unshard_numpy([self.to_numpy(shards[s]) for s in range(p.num_shards)], p)
+        group = table.group
+        held_by = [tuple(s for s in range(p.num_shards) if s % group.world == r) for r in range(group.world)]
+        rows_by = [sum(p.rows_in_shard(s) for s in held) for held in held_by]
+        parts = group.all_gather_rows("unshard", table.data, max(rows_by))
+        shards: dict[int, np.ndarray] = {}
+        for r, part in enumerate(parts):
+            arr, start = self.to_numpy(part), 0
+            for s in held_by[r]:
+                n = p.rows_in_shard(s)
+                shards[s] = arr[start:start + n]
+                start += n
+        return unshard_numpy([shards[s] for s in range(p.num_shards)], p)
+
+    def _ids(self, ids: Any, table: TorchShardedTable) -> Any:
+        """Ids as a 1-D int64 tensor on the table's device, checked against the vocabulary
+        (an out-of-range id would otherwise land on another shard's row under MOD)."""
+        t = self.asarray(ids)
+        if t.dtype != self._torch.int64:
+            if t.is_floating_point() or t.dtype == self._torch.bool:
+                raise InputError(f"Invalid `ids`. Expected integer ids. Received: dtype={t.dtype}")
+            t = t.to(self._torch.int64)
+        t = t.reshape(-1).to(table.data.device)
+        if t.numel():
+            lo, hi = (int(v) for v in self._torch.aminmax(t))
+            vocab = table.placement.vocabulary_size
+            if lo < 0 or hi >= vocab:
+                raise InputError(
+                    f"Invalid `ids`. Expected ids in [0, {vocab}) for a table of vocabulary_size "
+                    f"{vocab}. Received: min={lo}, max={hi}"
+                )
+        return t
+
+    def _owner_rank(self, table: TorchShardedTable, ids: Any) -> Any:
+        owner = table.rowmap.owner(ids)
+        return owner if table.placement.num_shards == table.group.world else owner % table.group.world
+
+    def gather(self, table: TorchShardedTable, ids: Any) -> Any:
+        ids = self._ids(ids, table)
+        if table.group is None:
+            return table.data.index_select(0, table.rowmap.local_index(ids))
+        seg = self._k.segments(ids)  # send each distinct id once
+        route = self._dist.Route(table.group, self._owner_rank(table, seg.unique))
+        asked = route.send("ids", seg.unique)
+        rows = route.reply("rows", table.data.index_select(0, table.rowmap.local_index(asked)))
+        return rows.index_select(0, self._k.inverse(seg))
+
+    def scatter(self, table: TorchShardedTable, ids: Any, rows: Any) -> TorchShardedTable:
+        ids = self._ids(ids, table)
+        rows = self.asarray(rows).to(device=table.data.device, dtype=table.data.dtype)
+        if table.group is not None:
+            route = self._dist.Route(table.group, self._owner_rank(table, ids))
+            rows = route.send("rows", rows)
+            ids = route.send("ids", ids)
+        table.data.index_copy_(0, table.rowmap.local_index(ids), rows.reshape(ids.shape[0], -1))
+        return table
+
+    def segment_sum(self, ids: Any, values: Any) -> tuple[Any, Any]:
+        ids = self.asarray(ids)
+        return self._k.segment_sum(ids.to(self._torch.int64), self.asarray(values))
+
+    def segment_sum_to(self, values: Any, segment_ids: Any, num_segments: int) -> Any:
+        seg = self.asarray(segment_ids).to(self._torch.int64)
+        return self._k.segment_sum_to(self.asarray(values), seg, int(num_segments))
+
+    def gather_combine(self, table: TorchShardedTable, ids: Any, segment_ids: Any, num_segments: int,
+                       weights: Any = None) -> Any:
+        """``segment_sum_to(weights[:, None] * gather(table, ids), segment_ids, num_segments)``
+        in one ``embedding_bag`` pass: the ``[len(ids), D]`` rows are never materialised.
+
+        An optional fast path for the engine's forward combiner (not in the protocol)."""
+        torch = self._torch
+        ids = self._ids(ids, table)
+        seg_ids = self.asarray(segment_ids).to(torch.int64).reshape(-1)
+        w = None if weights is None else self.asarray(weights).reshape(-1).to(table.data.dtype)
+        if table.group is None:
+            source, index = table.data, table.rowmap.local_index(ids)
+        else:
+            seg = self._k.segments(ids)
+            route = self._dist.Route(table.group, self._owner_rank(table, seg.unique))
+            asked = route.send("ids", seg.unique)
+            source = route.reply("rows", table.data.index_select(0, table.rowmap.local_index(asked)))
+            index = self._k.inverse(seg)
+        if source.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            rows = source.index_select(0, index)
+            return self.segment_sum_to(rows if w is None else rows * w[:, None], seg_ids, num_segments)
+        if seg_ids.numel() > 1 and not bool((seg_ids[1:] >= seg_ids[:-1]).all()):
+            seg_ids, perm = torch.sort(seg_ids, stable=True)
+            index = index.index_select(0, perm)
+            w = None if w is None else w.index_select(0, perm)
+        if seg_ids.numel() and (int(seg_ids[0]) < 0 or int(seg_ids[-1]) >= num_segments):
+            raise InputError(f"Invalid `segment_ids`. Expected values in [0, {num_segments}).")
+        offsets = torch.searchsorted(seg_ids, torch.arange(num_segments, device=seg_ids.device))
+        return torch.nn.functional.embedding_bag(index, source, offsets, mode="sum", per_sample_weights=w)
+
+    def update_rows(
+        self,
+        tables: Sequence[TorchShardedTable],
+        ids: Any,
+        grads: Any,
+        fn: Callable[..., tuple[Any, ...]],
+        *,
+        grad_index: Any = None,
+        grad_weights: Any = None,
+    ) -> list[TorchShardedTable]:
+        """Dedup → gather params and slots → ``fn`` once per unique row → scatter.
+
+        The sums come from one stable sort + ``embedding_bag`` (see :mod:`.kernels`), one
+        storage index serves every table's gather and scatter. Distributed: each rank sums its
+        own duplicates, sends (id, row-gradient) pairs to the owners (all-to-all), and each
+        owner sums what every rank sent (spec §3.1: sum across replicas) before ``fn``.
+
+        Optional (not in the protocol): with ``grad_index`` the gradient of ``ids[i]`` is
+        ``grad_weights[i] * grads[grad_index[i]]`` — e.g. per-sample gradients of a combiner —
+        summed without expanding ``grads`` to one row per id.
+        """
+        torch = self._torch
+        if not tables:
+            return []
+        first = tables[0]
+        ids = self._ids(ids, first)
+        g_src = self.asarray(grads).to(first.data.device)
+        rows_of = None if grad_index is None else self.asarray(grad_index).to(torch.int64).reshape(-1)
+        w = None if grad_weights is None else self.asarray(grad_weights).reshape(-1)
+        if rows_of is None and g_src.shape[0] != ids.shape[0]:
+            raise InputError(
+                f"Invalid `grads`: expected one row per id ({ids.shape[0]}). Received: shape={tuple(g_src.shape)}"
+            )
+        seg = self._k.segments(ids)
+        g = self._k.sum_segments(seg, g_src, weights=w, rows=rows_of)
+        uids = seg.unique
+        if first.group is not None:  # owners sum the contributions of every rank
+            route = self._dist.Route(first.group, self._owner_rank(first, uids))
+            g = route.send("gradients", g.reshape(uids.shape[0], -1))
+            uids = route.send("ids", uids)
+            seg = self._k.segments(uids)
+            uids, g = seg.unique, self._k.sum_segments(seg, g)
+        index = first.rowmap.local_index(uids)
+        rows = [t.data.index_select(0, index) for t in tables]
+        new_rows = fn(g, *rows)
+        for t, r in zip(tables, new_rows):
+            r = torch.as_tensor(r).to(dtype=t.data.dtype)
+            if tuple(r.shape) != (index.shape[0], t.data.shape[1]):  # a broadcast result
+                r = r.expand(index.shape[0], t.data.shape[1])
+            t.data.index_copy_(0, index, r)
+        return list(tables)
+
+    def compile(self, fn: Callable, **options: Any) -> Callable:
+        """``torch.compile`` only when asked: ``compile(fn, mode=..., force=True)``.
+
+        Measured on the 2-core CPU box (see README): for the per-row optimizer functions the
+        inductor-compiled version is not faster than eager at W1 sizes once recompilation for
+        the varying number of unique rows is counted, so eager is the default.
+        """
+        if not options.pop("force", False):
+            return fn
+        return self._torch.compile(fn, dynamic=options.pop("dynamic", True), **options)

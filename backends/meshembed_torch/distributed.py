@@ -1,0 +1,129 @@
+"""Row-wise model parallelism over ``torch.distributed`` ranks (torchrec's scheme).
+
+Each rank holds the rows of its own shard(s). Ids travel to the rank that owns them and
+rows travel back with ``all_to_all_single`` in three exchanges: the per-destination counts
+first (so every rank can size its receive buffers), then the ids, then the rows. Whole
+tables are only ever gathered by :meth:`RankGroup.all_gather_rows` (checkpoints/retrieve).
+
+Every collective is wrapped so that a peer that died or stopped answering surfaces as a
+:class:`RankFailureError` naming the operation, not a bare gloo/NCCL message or a hang:
+the process group's own timeout (``init_process_group(timeout=...)``) bounds the wait.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from meshembed.errors import MeshembedError
+
+
+class RankFailureError(MeshembedError, RuntimeError):
+    """A collective failed: another rank died, crashed or did not answer in time."""
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+_MESHES: dict[tuple[str, int], Any] = {}
+
+
+def device_mesh(device_type: str) -> Any:
+    """The 1-D ``DeviceMesh`` ("shard",) over every rank, built once per device type.
+
+    Table rows are sharded along it; collectives run on its process group.
+    """
+    world = dist.get_world_size()
+    key = (device_type, world)
+    if key not in _MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESHES[key] = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    return _MESHES[key]
+
+
+class RankGroup:
+    """The ranks a table is sharded over, with error-wrapped collectives."""
+
+    def __init__(self, mesh: Any):
+        self.mesh = mesh
+        self.pg = mesh.get_group()
+        self.rank = dist.get_rank(self.pg)
+        self.world = dist.get_world_size(self.pg)
+
+    def _run(self, what: str, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except (RuntimeError, dist.DistError) as exc:  # DistBackendError, gloo/NCCL errors
+            raise RankFailureError(
+                f"torch.distributed {what} failed on rank {self.rank} of {self.world}: another "
+                "rank probably died or did not reach this step within the process group's "
+                "timeout. The tables on this rank are unchanged by the failed step only if the "
+                "error came before the owner applied it, so restart every rank from the last "
+                f"checkpoint (emb.save / TPUEmbedding.restore). Cause: {exc}"
+            ) from exc
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """How many items every rank sends to this one (first all-to-all)."""
+        recv = torch.empty_like(send_counts)
+        self._run("all_to_all (counts)", lambda: dist.all_to_all_single(recv, send_counts, group=self.pg))
+        return recv
+
+    def all_to_all(self, what: str, tensor: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """Send ``tensor``'s consecutive blocks of ``send[r]`` rows to rank r."""
+        out = tensor.new_empty((sum(recv),) + tuple(tensor.shape[1:]))
+        self._run(
+            f"all_to_all ({what})",
+            lambda: dist.all_to_all_single(out, tensor.contiguous(), recv, send, group=self.pg),
+        )
+        return out
+
+    def all_gather_rows(self, what: str, local: torch.Tensor, rows: int) -> list[torch.Tensor]:
+        """Every rank's ``local`` (padded to ``rows`` rows so sizes match)."""
+        if local.shape[0] < rows:
+            pad = local.new_zeros((rows - local.shape[0],) + tuple(local.shape[1:]))
+            local = torch.cat([local, pad])
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        self._run(f"all_gather ({what})", lambda: dist.all_gather(parts, local.contiguous(), group=self.pg))
+        return parts
+
+
+class Route:
+    """A plan that sends items to their destination ranks and brings answers back.
+
+    ``dest[i]`` is the rank item i goes to. Building the plan costs one all-to-all of
+    counts; each :meth:`send` of a payload then costs one all-to-all, and :meth:`reply`
+    returns one answer row per received item to where it came from, in input order.
+    """
+
+    def __init__(self, group: RankGroup, dest: torch.Tensor):
+        self.group = group
+        n = dest.numel()
+        if n > 1 and not bool((dest[1:] >= dest[:-1]).all()):
+            self.order: torch.Tensor | None = torch.sort(dest, stable=True)[1]
+        else:  # already grouped by rank (DIV placement of sorted ids): no permutation
+            self.order = None
+        counts = torch.bincount(dest, minlength=group.world).to(torch.int64)
+        recv = group.exchange_counts(counts)
+        self.send_counts: list[int] = counts.tolist()
+        self.recv_counts: list[int] = recv.tolist()
+        self.n = n
+
+    def send(self, what: str, payload: torch.Tensor) -> torch.Tensor:
+        """The items other ranks sent here, grouped by source rank."""
+        if self.order is not None:
+            payload = payload.index_select(0, self.order)
+        return self.group.all_to_all(what, payload, self.send_counts, self.recv_counts)
+
+    def reply(self, what: str, answers: torch.Tensor) -> torch.Tensor:
+        """Send one answer per received item back; returns answers in input order."""
+        back = self.group.all_to_all(what, answers, self.recv_counts, self.send_counts)
+        if self.order is None:
+            return back
+        out = torch.empty_like(back)
+        out.index_copy_(0, self.order, back)
+        return out
+

@@ -1,0 +1,171 @@
+"""Row kernels of the Torch backend: dedup + segment sums, id → storage-row maps.
+
+Measured on the 2-core CPU box (W1: 131,072 ids, Zipf(1.1) over 10⁶ rows, ~29,800 unique,
+64 float32 columns; medians of 15):
+
+=========================================  =========
+``torch.unique(return_inverse)``            1.3 ms
+``torch.unique(sorted=False, ...)``         1.3 ms (no gain on CPU)
+``torch.sort(stable=True)``                 1.1 ms
+dense id → slot map (index_fill/nonzero)    1.2 ms (no gain over sort)
+sum rows: ``index_add_`` by inverse          6.3 ms (one thread)
+sum rows: ``scatter_add_`` / ``index_put_`` 6.4 / 15 ms
+sum rows: CSR ``@`` (MKL)                    6.1 ms
+sum rows: ``sparse_coo.coalesce()``         22.6 ms
+sum rows: sort + ``embedding_bag(sum)``      5.2 ms total (bag 2.8 ms, both cores)
+=========================================  =========
+
+So a segment sum is a stable sort of the ids followed by ``embedding_bag`` in ``sum`` mode
+with the sort permutation as indices and the segment starts as offsets: the bag kernel is
+the only multi-threaded row reduction in ATen on CPU, and a stable sort keeps each
+segment's rows in input order, so the sums are added in the same order as NumPy's
+``np.add.at`` (bit-identical results). Dedup is the sort; no separate ``unique`` pass.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+_BAG_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+class Segments(NamedTuple):
+    """Ids grouped by value: ``unique`` (sorted), ``perm`` (input positions grouped by id,
+    input order kept inside a group) and ``starts`` (offset of each group in ``perm``)."""
+
+    unique: torch.Tensor
+    perm: torch.Tensor
+    starts: torch.Tensor
+
+
+def segments(ids: torch.Tensor) -> Segments:
+    """Group equal ids with one stable sort (no separate ``unique`` pass)."""
+    ids = ids.reshape(-1)
+    if ids.numel() == 0:
+        empty = ids.new_empty(0)
+        return Segments(empty, empty, empty)
+    sorted_ids, perm = torch.sort(ids, stable=True)
+    first = torch.empty_like(sorted_ids, dtype=torch.bool)
+    first[0] = True
+    torch.ne(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
+    starts = torch.nonzero(first).reshape(-1)
+    return Segments(sorted_ids.index_select(0, starts), perm, starts)
+
+
+def inverse(seg: Segments) -> torch.Tensor:
+    """Group number of every input position (what ``unique(return_inverse=True)`` gives)."""
+    n = seg.perm.numel()
+    counts = torch.diff(seg.starts, append=seg.starts.new_tensor([n]))
+    groups = torch.repeat_interleave(torch.arange(seg.starts.numel(), device=seg.perm.device), counts)
+    out = torch.empty_like(seg.perm)
+    out.index_copy_(0, seg.perm, groups)
+    return out
+
+
+def sum_segments(seg: Segments, values: torch.Tensor, weights: torch.Tensor | None = None,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[k] = Σ_{i in group k} w_i · values[rows_i]`` (``rows`` defaults to ``i``).
+
+    ``rows`` lets a caller sum rows of a *smaller* source without expanding it first, e.g.
+    per-sample gradients reused by every id of the sample (the combiner backward): this
+    skips materialising the ``[num_ids, D]`` gradient entirely.
+    """
+    tail = values.shape[1:]
+    n = seg.unique.shape[0]
+    if n == 0:
+        return values.new_zeros((0,) + tuple(tail))
+    flat = values.reshape(values.shape[0], -1)
+    index = seg.perm if rows is None else rows.reshape(-1).index_select(0, seg.perm)
+    if flat.dtype in _BAG_DTYPES and flat.shape[1] > 0:
+        psw = None if weights is None else weights.reshape(-1).index_select(0, seg.perm).to(flat.dtype)
+        out = F.embedding_bag(index, flat, seg.starts, mode="sum", per_sample_weights=psw)
+    else:  # integer / bool / empty rows: the bag kernel takes floats only
+        src = flat.index_select(0, rows.reshape(-1)) if rows is not None else flat
+        if weights is not None:
+            src = src * weights.reshape(-1, 1).to(src.dtype)
+        out = torch.zeros((n, flat.shape[1]), dtype=src.dtype, device=src.device)
+        out.index_add_(0, inverse(seg), src)
+    return out.reshape((n,) + tuple(tail))
+
+
+def segment_sum(ids: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted unique ids, per-id sums of ``values`` rows)."""
+    seg = segments(ids)
+    return seg.unique, sum_segments(seg, values)
+
+
+def segment_sum_to(values: torch.Tensor, segment_ids: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """Dense segment sum into ``num_segments`` rows (empty segments are zero).
+
+    Segment ids that are already non-decreasing (sample-major combiner input, the usual
+    case) need no sort: the bag kernel runs on offsets found by ``searchsorted``.
+    """
+    segment_ids = segment_ids.reshape(-1)
+    tail = tuple(values.shape[1:])
+    n = segment_ids.numel()
+    if n == 0:
+        return values.new_zeros((num_segments,) + tail)
+    flat = values.reshape(n, -1)
+    if flat.dtype not in _BAG_DTYPES or flat.shape[1] == 0:
+        out = torch.zeros((num_segments, flat.shape[1]), dtype=flat.dtype, device=flat.device)
+        return out.index_add_(0, segment_ids, flat).reshape((num_segments,) + tail)
+    if n > 1 and not bool((segment_ids[1:] >= segment_ids[:-1]).all()):
+        sorted_ids, perm = torch.sort(segment_ids, stable=True)
+    else:
+        sorted_ids, perm = segment_ids, torch.arange(n, device=flat.device)
+    if int(sorted_ids[0]) < 0 or int(sorted_ids[-1]) >= num_segments:
+        raise IndexError(
+            f"Invalid `segment_ids`. Expected values in [0, {num_segments}). "
+            f"Received: min={int(sorted_ids[0])}, max={int(sorted_ids[-1])}"
+        )
+    bounds = torch.arange(num_segments, device=flat.device, dtype=sorted_ids.dtype)
+    offsets = torch.searchsorted(sorted_ids, bounds)
+    return F.embedding_bag(perm, flat, offsets, mode="sum").reshape((num_segments,) + tail)
+
+
+class RowMap:
+    """Maps global ids to rows of a contiguous local storage holding some shards.
+
+    The storage is the held shards' rows concatenated in shard order; shard ``s`` holds
+    its rows in local-row order (``Placement.global_ids``). For one process holding every
+    DIV shard that is the identity, so no arithmetic is done at all.
+    """
+
+    def __init__(self, vocabulary_size: int, num_shards: int, strategy: str,
+                 held: tuple[int, ...], device: torch.device):
+        self.vocabulary_size = vocabulary_size
+        self.n = num_shards
+        self.strategy = strategy
+        self.q, self.r = divmod(vocabulary_size, num_shards)
+        self.held = held
+        sizes = [self.q + (1 if s < self.r else 0) for s in range(num_shards)]
+        offsets = [0] * num_shards
+        acc = 0
+        for s in held:
+            offsets[s] = acc
+            acc += sizes[s]
+        self.local_rows = acc
+        self.identity = (num_shards == 1) or (strategy == "div" and held == tuple(range(num_shards)))
+        self._offsets = torch.tensor(offsets, dtype=torch.int64, device=device)
+
+    def owner(self, ids: torch.Tensor) -> torch.Tensor:
+        """Shard of each global id (``Placement.owner`` in torch)."""
+        if self.n == 1:
+            return torch.zeros_like(ids)
+        if self.strategy == "mod":
+            return torch.remainder(ids, self.n)
+        return torch.maximum(ids // (self.q + 1), (ids - self.r) // self.q)
+
+    def local_index(self, ids: torch.Tensor) -> torch.Tensor:
+        """Storage row of each id; every id must belong to a held shard."""
+        if self.identity:
+            return ids
+        owner = self.owner(ids)
+        if self.strategy == "mod":
+            local = ids // self.n
+        else:
+            local = ids - (owner * self.q + torch.clamp(owner, max=self.r))
+        return local + self._offsets.index_select(0, owner)
