@@ -1,0 +1,486 @@
+"""``TPUEmbedding``: the TPU embedding mid-level API on any meshembed backend.
+
+One step is ``enqueue`` (host: validate and flatten ids, compute combiner factors) →
+``dequeue`` (device: gather rows, segment-sum into output slots) → ``apply_gradients``
+(device: combiner backward, sum per row, one optimizer application per looked-up row), the
+semantics of TensorFlow's Enqueue / RecvTPUEmbeddingActivations / SendTPUEmbeddingGradients.
+
+The engine calls only the Backend protocol and ``backend.xp`` Array-API math, so the same
+code runs on NumPy, Torch, JAX and CuPy. Every call validates all of its inputs before it
+touches any table, slot or pending batch: a rejected call leaves the state bit-identical.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from meshembed.backend import Backend, get_backend
+from meshembed.embedding import combiners, inputs
+from meshembed.embedding.initializers import initial_values, table_rng
+from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec, build_layout
+from meshembed.embedding.updates import apply_table
+from meshembed.errors import ConfigError, InputError, StateError
+from meshembed.sharding.placement import Placement
+
+
+@dataclass
+class _DeviceFeature:
+    host_ids: np.ndarray
+    ids: Any
+    slots: Any
+    scale: Any
+    num_slots: int
+
+
+@dataclass
+class _Pending:
+    mode: str
+    features: list[_DeviceFeature]
+    dequeued: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def _load_config(config: Any) -> Any:
+    """An EmbeddingConfig (or any object with ``tables``/``features``) or proto input."""
+    if hasattr(config, "tables"):
+        return config
+    from meshembed.config import EmbeddingConfig
+
+    if isinstance(config, (bytes, bytearray, str)) or hasattr(config, "__fspath__"):
+        return EmbeddingConfig.from_proto(config)
+    raise ConfigError(
+        "Invalid `config`. Expected a me.EmbeddingConfig, serialized TPUEmbeddingConfiguration "
+        f"bytes, text format or a path. Received: {type(config).__name__}"
+    )
+
+
+class TPUEmbedding:
+    """Embedding tables with their optimizer slots, sharded over ``num_shards`` by the
+    config's ``sharding_strategy`` (MOD or DIV) on one backend.
+
+    Args:
+        config: ``me.EmbeddingConfig`` (or its proto bytes / text / path).
+        backend: backend name or instance; default per ``me.get_backend()``.
+        num_shards: shards the rows are placed over (devices or ranks); default the
+            mesh's size, else the backend's device count.
+        mesh: a ``me.Mesh``; supplies the backend and the shard count when not given.
+        seed: seeds the default TruncatedNormal initialisers (per table).
+        initializers: optional ``{table_name: initializer}`` overriding the config's.
+        allow_nonfinite: let NaN/Inf gradients through instead of raising.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        backend: str | Backend | None = None,
+        num_shards: int | None = None,
+        mesh: Any = None,
+        seed: int = 0,
+        *,
+        initializers: Mapping[str, Any] | None = None,
+        allow_nonfinite: bool = False,
+    ) -> None:
+        self.config = _load_config(config)
+        if backend is None and mesh is not None:
+            backend = getattr(mesh, "backend", None)
+        self.backend: Backend = get_backend(backend)
+        self.layout: Layout = build_layout(self.config)
+        if num_shards is None:
+            num_shards = int(mesh.size) if mesh is not None else int(self.backend.capabilities.devices)
+        self.num_shards = int(num_shards)
+        self.mesh = mesh
+        self.seed = int(seed)
+        self.allow_nonfinite = bool(allow_nonfinite)
+        self.step = 0
+        self._pending: _Pending | None = None
+        overrides = dict(initializers or {})
+        unknown = set(overrides) - {t.name for t in self.layout.tables}
+        if unknown:
+            raise ConfigError(f"Invalid `initializers`: unknown tables {sorted(unknown)}.")
+        self._placements: dict[int, Placement] = {}
+        self._state: dict[int, list[Any]] = {}
+        for t in self.layout.tables:
+            if t.vocabulary_size < self.num_shards:
+                raise ConfigError(
+                    f"Table {t.name!r} has {t.vocabulary_size} rows, fewer than num_shards="
+                    f"{self.num_shards}: every shard must hold a row. Fix: use fewer shards or a "
+                    "larger `vocabulary_size`."
+                )
+            self._placements[t.index] = Placement(t.vocabulary_size, self.num_shards, self.layout.strategy)
+            init = overrides.get(t.name, t.initializer)
+            values = initial_values(init, (t.vocabulary_size, t.dimension), table_rng(self.seed, t.index), t.name)
+            self._state[t.index] = self._fresh_state(t, values)
+
+    # -- construction helpers ---------------------------------------------------------------
+    def _slot_names(self, table: TableSpec) -> tuple[str, ...]:
+        return tuple(table.optimizer.slot_names)
+
+    def _fresh_state(self, table: TableSpec, values: np.ndarray) -> list[Any]:
+        placement = self._placements[table.index]
+        state = [self.backend.create_table(values, placement)]
+        for init in table.optimizer.slot_initial_values():
+            state.append(self.backend.create_table(np.full(values.shape, init, dtype=np.float32), placement))
+        return state
+
+    # -- introspection ---------------------------------------------------------------------
+    @property
+    def table_names(self) -> list[str]:
+        return [t.name for t in self.layout.tables]
+
+    @property
+    def feature_names(self) -> list[str]:
+        return [f.name for f in self.layout.features]
+
+    @property
+    def embedding_tables(self) -> dict[str, np.ndarray]:
+        """The logical ``[V, D]`` parameters of every table, as NumPy (a copy)."""
+        return {t.name: self.backend.unshard(self._state[t.index][0]) for t in self.layout.tables}
+
+    def output_shape(self, feature: int | str) -> tuple[int, ...]:
+        """Shape of a feature's activation / gradient: ``input_shape + [dimension]``."""
+        f = self._feature(feature)
+        return f.output_shape + (self.layout.tables[f.table].dimension,)
+
+    def _feature(self, key: int | str) -> FeatureSpec:
+        for f in self.layout.features:
+            if f.name == key or (isinstance(key, int) and f.index == key):
+                return f
+        raise InputError(f"Invalid feature. Expected one of {self.feature_names}. Received: {key!r}")
+
+    def _info(self, f: FeatureSpec) -> inputs.FeatureInfo:
+        t = self.layout.tables[f.table]
+        return inputs.FeatureInfo(f.name, t.name, t.vocabulary_size, f.output_shape)
+
+    # -- enqueue ---------------------------------------------------------------------------
+    def _by_feature(self, values: Any, what: str, allow_none: bool = False) -> list[Any]:
+        """A list in config order from a sequence or a ``{feature_name: value}`` mapping."""
+        names = self.feature_names
+        if values is None and allow_none:
+            return [None] * len(names)
+        if isinstance(values, Mapping):
+            extra = sorted(set(values) - set(names))
+            missing = [n for n in names if n not in values]
+            if extra or (missing and not allow_none):
+                raise InputError(
+                    f"Invalid `{what}`: expected one entry per feature {names}. "
+                    f"Missing: {missing}; unknown: {extra}"
+                )
+            return [values.get(n) for n in names]
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            if len(names) == 1 and not isinstance(values, (str, bytes)):
+                return [values]
+            raise InputError(
+                f"Invalid `{what}`: expected a list with one entry per feature (in config order) "
+                f"or a dict keyed by feature name. Received: {type(values).__name__}"
+            )
+        values = list(values)
+        if len(values) != len(names):
+            raise InputError(
+                f"Invalid `{what}`: expected {len(names)} entries, one per feature {names}. "
+                f"Received: {len(values)} entries."
+            )
+        return values
+
+    def _resolve_mode(self, training: bool | None, mode_override: Any) -> str:
+        mode = inputs.parse_mode(mode_override)
+        if mode is None and training is not None:
+            mode = "training" if training else "inference"
+        return mode or self.layout.mode
+
+    def _check_can_enqueue(self) -> None:
+        p = self._pending
+        if p is not None and p.mode != "inference":
+            raise StateError(
+                "Cannot enqueue: the previous training batch has not been consumed. Fix: call "
+                "`apply_gradients(...)` for it first (after `dequeue()`), or enqueue evaluation "
+                "batches with `training=False`."
+            )
+
+    def enqueue(
+        self,
+        features: Any,
+        weights: Any = None,
+        *,
+        training: bool | None = None,
+        mode_override: str | None = None,
+    ) -> None:
+        """Queue one batch: one entry per feature in config order (or a dict by name).
+
+        Each entry is a dense int array of the feature's ``input_shape`` (one id per slot),
+        ``me.SparseIds`` or ``me.RaggedIds``; ``weights`` mirrors it (None = all ones).
+        ``training=False`` (or ``mode_override="inference"``) runs the forward pass only;
+        ``mode_override="backward_pass_only"`` skips it.
+        """
+        mode = self._resolve_mode(training, mode_override)
+        self._check_can_enqueue()
+        ids_list = self._by_feature(features, "features")
+        weight_list = self._by_feature(weights, "weights", allow_none=True)
+        batches = [
+            inputs.normalize(x, w, self._info(f), self.backend)
+            for f, x, w in zip(self.layout.features, ids_list, weight_list)
+        ]
+        self._enqueue_batches(batches, mode)
+
+    def _enqueue_batches(
+        self, batches: Sequence[inputs.FeatureBatch], mode: str, combiners_override: Sequence[str] | None = None
+    ) -> None:
+        """Compute combiner factors and move the flat batch to the device (validated input)."""
+        self._check_can_enqueue()
+        if len(batches) != len(self.layout.features):
+            raise InputError(f"Expected {len(self.layout.features)} feature batches. Received: {len(batches)}")
+        device = []
+        for f, b in zip(self.layout.features, batches):
+            table = self.layout.tables[f.table]
+            combiner = combiners_override[f.table] if combiners_override else table.combiner
+            scale = combiners.combiner_scale(b.slots, b.weights, b.num_slots, combiner)
+            device.append(
+                _DeviceFeature(
+                    host_ids=b.ids,
+                    ids=self.backend.asarray(b.ids, dtype="int64"),
+                    slots=self.backend.asarray(b.slots, dtype="int64"),
+                    scale=self.backend.asarray(scale.reshape(-1, 1), dtype="float32"),
+                    num_slots=b.num_slots,
+                )
+            )
+        self._pending = _Pending(mode, device)
+
+    # -- dequeue ---------------------------------------------------------------------------
+    def dequeue(self) -> list[Any]:
+        """Activations, one backend array per feature, shape ``input_shape + [dimension]``."""
+        p = self._pending
+        if p is None:
+            raise StateError("Cannot dequeue: nothing was enqueued. Fix: call `enqueue(features)` first.")
+        if p.mode == "backward_pass_only":
+            raise StateError(
+                "Cannot dequeue in 'backward_pass_only' mode: the forward pass is not run. Fix: "
+                "call `apply_gradients(...)`, or enqueue with `mode_override='training'`."
+            )
+        xp = self.backend.xp
+        outs = []
+        for f, d in zip(self.layout.features, p.features):
+            t = self.layout.tables[f.table]
+            rows = self.backend.gather(self._state[t.index][0], d.ids)
+            quant = getattr(t.optimizer, "simulated_quantization", None)
+            if quant is not None and getattr(quant, "enabled", True):
+                from meshembed.math import quantize
+
+                rows = quantize(xp, rows, quant.lower, quant.upper, quant.num_buckets)
+            act = combiners.forward(self.backend, rows, d.scale, d.slots, d.num_slots)
+            outs.append(xp.reshape(act, f.output_shape + (t.dimension,)))
+        p.dequeued = True
+        return outs
+
+    # -- apply_gradients ---------------------------------------------------------------------
+    def _check_can_apply(self) -> _Pending:
+        p = self._pending
+        if p is None:
+            raise StateError(
+                "Cannot apply gradients: no batch is pending. Fix: call `enqueue(...)` and "
+                "`dequeue()` first; each batch takes one `apply_gradients`."
+            )
+        if p.mode == "inference":
+            raise StateError(
+                "Cannot apply gradients to a batch enqueued in 'inference' mode. Fix: enqueue "
+                "with `training=True` (or mode_override='training') to train on it."
+            )
+        if p.mode == "training" and not p.dequeued:
+            raise StateError(
+                "Cannot apply gradients before `dequeue()`: the activations of this batch were "
+                "never read. Fix: call `dequeue()` first, or enqueue with "
+                "mode_override='backward_pass_only'."
+            )
+        return p
+
+    def _check_learning_rates(self, learning_rates: Any) -> list[float]:
+        n = self.layout.num_dynamic_inputs
+        lrs = [] if learning_rates is None else list(learning_rates)
+        if len(lrs) != n:
+            raise InputError(
+                f"Invalid `learning_rates`: the config uses {n} dynamic tag(s), so expected {n} "
+                f"value(s), learning_rates[k] for tag k. Received: {len(lrs)}."
+            )
+        out = []
+        for k, v in enumerate(lrs):
+            arr = inputs.to_host(v, self.backend)
+            if arr.ndim != 0:
+                raise InputError(
+                    f"Invalid `learning_rates[{k}]`: expected a scalar (rank 0). Received: shape={arr.shape}"
+                )
+            if arr.dtype.kind not in "fiu" or not np.isfinite(arr):
+                raise InputError(f"Invalid `learning_rates[{k}]`: expected a finite number. Received: {arr!r}")
+            out.append(float(arr))
+        return out
+
+    def _check_gradients(self, gradients: Any, allow_nonfinite: bool) -> list[Any]:
+        xp = self.backend.xp
+        grads = self._by_feature(gradients, "gradients")
+        out = []
+        for f, g in zip(self.layout.features, grads):
+            t = self.layout.tables[f.table]
+            shape = f.output_shape + (t.dimension,)
+            if g is None:
+                warnings.warn(
+                    f"No gradient for feature {f.name!r}; sending zeros (its looked-up rows still "
+                    "count as touched, which moves lazy Adam/Momentum state).",
+                    stacklevel=3,
+                )
+                g = np.zeros(shape, dtype=np.float32)
+            if not self.backend.is_native(g):
+                g = inputs.to_host(g)
+            if tuple(g.shape) != shape:
+                raise InputError(
+                    f"Invalid gradient for feature {f.name!r} (table {t.name!r}): expected shape "
+                    f"{shape} (input_shape + [dimension]). Received: shape={tuple(g.shape)}"
+                )
+            g = self.backend.asarray(g, dtype="float32")
+            if not allow_nonfinite and not bool(xp.all(xp.isfinite(g))):
+                raise InputError(
+                    f"Invalid gradient for feature {f.name!r} (table {t.name!r}): it contains NaN "
+                    "or Inf. Nothing was updated. Fix: check the loss, clip the gradients, or pass "
+                    "`allow_nonfinite=True` to apply them anyway."
+                )
+            out.append(xp.reshape(g, (int(np.prod(f.output_shape)), t.dimension)))
+        return out
+
+    def apply_gradients(
+        self,
+        gradients: Any,
+        learning_rates: Sequence[Any] = (),
+        *,
+        allow_nonfinite: bool | None = None,
+    ) -> None:
+        """SendTPUEmbeddingGradients: one gradient per feature (``∂loss/∂activation``, the
+        shape of its activation), and ``learning_rates[k]`` for dynamic tag k."""
+        p = self._check_can_apply()
+        allow = self.allow_nonfinite if allow_nonfinite is None else bool(allow_nonfinite)
+        grads = self._check_gradients(gradients, allow)
+        lrs = self._check_learning_rates(learning_rates)
+        xp = self.backend.xp
+        per_table: dict[int, tuple[list[np.ndarray], list[Any]]] = {t.index: ([], []) for t in self.layout.tables}
+        for f, d, g in zip(self.layout.features, p.features, grads):
+            ids, rows = per_table[f.table]
+            ids.append(d.host_ids)
+            rows.append(combiners.backward(self.backend, g, d.scale, d.slots))
+        new_state = {}
+        for t in self.layout.tables:
+            ids, rows = per_table[t.index]
+            host_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+            row_grads = xp.concat(rows, axis=0) if len(rows) > 1 else rows[0] if rows else None
+            if row_grads is None:
+                row_grads = self.backend.asarray(np.zeros((0, t.dimension), np.float32))
+            new_state[t.index] = apply_table(self.backend, self._state[t.index], t, host_ids, row_grads, lrs)
+        self._state.update(new_state)
+        self._pending = None
+        self.step += 1
+
+    # -- parameters --------------------------------------------------------------------------
+    def _shard_ids(self, table: TableSpec, num_shards: int | None, shard_id: int | None) -> np.ndarray | None:
+        """Global ids of a Load/Retrieve host shard (spec §3.4); None = the whole table."""
+        if num_shards is None and shard_id is None:
+            return None
+        if num_shards is None or shard_id is None:
+            raise InputError("Pass both `num_shards` and `shard_id`, or neither.")
+        num_shards, shard_id = int(num_shards), int(shard_id)
+        if num_shards < 1 or not 0 <= shard_id < num_shards:
+            raise InputError(
+                f"Invalid `shard_id`. Expected 0 <= shard_id < num_shards. Received: shard_id={shard_id}, "
+                f"num_shards={num_shards}"
+            )
+        if num_shards > table.vocabulary_size:
+            raise InputError(
+                f"All embedding shards must be non-empty: table {table.name!r} has "
+                f"{table.vocabulary_size} rows but num_shards={num_shards}."
+            )
+        return Placement(table.vocabulary_size, num_shards, self.layout.strategy).global_ids(shard_id)
+
+    def retrieve_parameters(
+        self, table: str | int, num_shards: int | None = None, shard_id: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """``{"parameters": ..., <slot>: ...}`` as NumPy, the whole table or one host shard."""
+        t = self.layout.table(table)
+        ids = self._shard_ids(t, num_shards, shard_id)
+        names = ("parameters",) + self._slot_names(t)
+        out = {}
+        for name, st in zip(names, self._state[t.index]):
+            if ids is None:
+                out[name] = self.backend.unshard(st)
+            else:
+                out[name] = np.asarray(self.backend.to_numpy(self.backend.gather(st, self.backend.asarray(ids, dtype="int64"))))
+        return out
+
+    def load_parameters(
+        self,
+        table: str | int,
+        parameters: Any = None,
+        *,
+        num_shards: int | None = None,
+        shard_id: int | None = None,
+        **slots: Any,
+    ) -> None:
+        """Overwrite a table's parameters and/or slots (whole table or one host shard).
+
+        Arrays not passed are left as they are. All shapes are checked before any write."""
+        t = self.layout.table(table)
+        ids = self._shard_ids(t, num_shards, shard_id)
+        names = ("parameters",) + self._slot_names(t)
+        unknown = sorted(set(slots) - set(names[1:]))
+        if unknown:
+            raise InputError(
+                f"Invalid slot(s) {unknown} for table {t.name!r} ({type(t.optimizer).__name__}). "
+                f"Expected some of {list(names[1:])}."
+            )
+        given = dict(slots, parameters=parameters)
+        rows = t.vocabulary_size if ids is None else ids.shape[0]
+        values = {}
+        for name in names:
+            v = given.get(name)
+            if v is None:
+                continue
+            arr = np.asarray(inputs.to_host(v, self.backend), dtype=np.float32)
+            if arr.shape != (rows, t.dimension):
+                raise InputError(
+                    f"Invalid `{name}` for table {t.name!r}: expected shape {(rows, t.dimension)}. "
+                    f"Received: shape={arr.shape}"
+                )
+            values[name] = np.array(arr, copy=True)
+        state = list(self._state[t.index])
+        for k, name in enumerate(names):
+            if name not in values:
+                continue
+            if ids is None:
+                state[k] = self.backend.create_table(values[name], self._placements[t.index])
+            else:
+                state[k] = self.backend.scatter(
+                    state[k], self.backend.asarray(ids, dtype="int64"), self.backend.asarray(values[name], dtype="float32")
+                )
+        self._state[t.index] = state
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save(self, path: Any) -> None:
+        """Write a checkpoint directory atomically (see ``meshembed.embedding.checkpoint``)."""
+        from meshembed.embedding.checkpoint import save
+
+        save(self, path)
+
+    @classmethod
+    def restore(
+        cls,
+        path: Any,
+        backend: str | Backend | None = None,
+        num_shards: int | None = None,
+        mesh: Any = None,
+    ) -> "TPUEmbedding":
+        """A new engine from a checkpoint, on any backend and shard count."""
+        from meshembed.embedding.checkpoint import restore
+
+        return restore(cls, path, backend=backend, num_shards=num_shards, mesh=mesh)
+
+    def __repr__(self) -> str:
+        return (
+            f"TPUEmbedding(tables={self.table_names}, features={len(self.layout.features)}, "
+            f"backend={self.backend.name!r}, num_shards={self.num_shards}, step={self.step})"
+        )

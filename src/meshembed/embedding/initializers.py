@@ -1,0 +1,100 @@
+"""Table initialisers, TF2-like.
+
+The default is TF2's ``TruncatedNormal(mean=0, stddev=1/sqrt(dim))`` (values beyond two
+standard deviations are redrawn), seeded per table from the engine seed and the table index,
+so the same config and seed give the same tables on every backend and shard count.
+A table's initialiser may be a callable ``(shape, rng) -> array`` or ``(shape) -> array``,
+an array of the table's shape, or a constant.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from meshembed.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TruncatedNormal:
+    """Normal(mean, stddev) with draws beyond 2 stddev redrawn; stddev None → 1/sqrt(dim)."""
+
+    mean: float = 0.0
+    stddev: float | None = None
+
+    def __call__(self, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+        std = self.stddev if self.stddev is not None else 1.0 / math.sqrt(shape[1])
+        out = rng.standard_normal(shape)
+        bad = np.abs(out) > 2.0
+        while np.any(bad):
+            out[bad] = rng.standard_normal(int(bad.sum()))
+            bad = np.abs(out) > 2.0
+        return (self.mean + std * out).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Constant:
+    """Every entry equal to ``value``."""
+
+    value: float = 0.0
+
+    def __call__(self, shape: tuple[int, int], rng: np.random.Generator | None = None) -> np.ndarray:
+        return np.full(shape, self.value, dtype=np.float32)
+
+
+def Zeros() -> Constant:  # noqa: N802 - reads like the TF/Keras class
+    """All zeros."""
+    return Constant(0.0)
+
+
+@dataclass(frozen=True)
+class RowIdInitializer:
+    """Row ``i`` holds ``offset + i`` in every column: a misplaced row is obvious in tests.
+
+    Unlike TF's, it numbers logical rows, so it does not restart on every host shard."""
+
+    offset: float = 0.0
+
+    def __call__(self, shape: tuple[int, int], rng: np.random.Generator | None = None) -> np.ndarray:
+        rows = np.arange(shape[0], dtype=np.float32)[:, None] + np.float32(self.offset)
+        return np.broadcast_to(rows, shape).astype(np.float32)
+
+
+def table_rng(seed: int, table_index: int) -> np.random.Generator:
+    """Independent stream per table, fixed by (seed, table index)."""
+    return np.random.default_rng([int(seed), int(table_index)])
+
+
+def initial_values(init: Any, shape: tuple[int, int], rng: np.random.Generator, table: str) -> np.ndarray:
+    """Materialise ``init`` (None, callable, array or number) as a float32 ``shape`` array."""
+    if init is None:
+        init = TruncatedNormal()
+    if isinstance(init, str):
+        named = {"zeros": Zeros(), "ones": Constant(1.0), "truncated_normal": TruncatedNormal()}
+        if init not in named:
+            raise ConfigError(
+                f"Invalid initializer for table {table!r}. Expected one of {sorted(named)}, a "
+                f"callable, an array or a number. Received: {init!r}"
+            )
+        init = named[init]
+    if callable(init):
+        try:
+            takes_rng = len(inspect.signature(init).parameters) >= 2
+        except (TypeError, ValueError):
+            takes_rng = True
+        values = init(shape, rng) if takes_rng else init(shape)
+    elif np.ndim(init) == 0:
+        values = np.full(shape, float(init), dtype=np.float32)
+    else:
+        values = init
+    values = np.asarray(values, dtype=np.float32)
+    if values.shape != tuple(shape):
+        raise ConfigError(
+            f"Invalid initializer for table {table!r}: expected values of shape {tuple(shape)}. "
+            f"Received: shape={values.shape}"
+        )
+    return np.array(values, dtype=np.float32, copy=True)

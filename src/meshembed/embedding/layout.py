@@ -1,0 +1,149 @@
+"""The engine's flat view of an EmbeddingConfig: tables and features by index, dynamic tags.
+
+Kept apart from the engine so the engine never depends on how the config classes spell
+things; this is the one place that reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from meshembed.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    index: int
+    name: str
+    vocabulary_size: int
+    dimension: int
+    optimizer: Any
+    combiner: str
+    initializer: Any = None
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    index: int
+    name: str
+    table: int
+    output_shape: tuple[int, ...]
+
+
+def _is_dynamic(value: Any) -> bool:
+    return hasattr(value, "tag") and not isinstance(value, (int, float, bool))
+
+
+def _strategy(config: Any) -> str:
+    raw = getattr(config, "sharding_strategy", "div")
+    name = getattr(raw, "name", raw)
+    name = str(name).lower()
+    if name in ("mod", "1"):
+        return "mod"
+    if name in ("div", "div_default", "0", ""):
+        return "div"
+    raise ConfigError(f"Invalid `sharding_strategy`. Expected one of ['div', 'mod']. Received: {raw!r}")
+
+
+def _mode(config: Any) -> str:
+    raw = getattr(config, "mode", "training")
+    name = str(getattr(raw, "name", raw)).lower()
+    return {"inference": "inference", "backward_pass_only": "backward_pass_only"}.get(name, "training")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tables: tuple[TableSpec, ...]
+    features: tuple[FeatureSpec, ...]
+    strategy: str
+    mode: str
+    num_dynamic_inputs: int
+    per_table_layout: bool  # legacy Recv/Send: one tensor per table, not per feature
+
+    def table(self, key: Any) -> TableSpec:
+        """A table by name or index, with a precise error."""
+        if isinstance(key, TableSpec):
+            return key
+        if isinstance(key, int) and not isinstance(key, bool):
+            if 0 <= key < len(self.tables):
+                return self.tables[key]
+        else:
+            for t in self.tables:
+                if t.name == key:
+                    return t
+        raise ConfigError(
+            f"Invalid `table`. Expected one of {[t.name for t in self.tables]}. Received: table={key!r}"
+        )
+
+    def features_of(self, table: TableSpec) -> list[FeatureSpec]:
+        return [f for f in self.features if f.table == table.index]
+
+
+def _dynamic_tags(tables: tuple[TableSpec, ...]) -> int:
+    tags: set[int] = set()
+    for t in tables:
+        opt = t.optimizer
+        values = [getattr(opt, "learning_rate", None), *getattr(opt, "dynamic_inputs", tuple)()]
+        tags.update(int(v.tag) for v in values if v is not None and _is_dynamic(v))
+    if tags and tags != set(range(len(tags))):
+        raise ConfigError(
+            f"Invalid dynamic learning-rate tags {sorted(tags)}: every tag in [0, {max(tags) + 1}) must "
+            "be used, none skipped."
+        )
+    return len(tags)
+
+
+def build_layout(config: Any) -> Layout:
+    """Read tables and features (in config order) from an EmbeddingConfig."""
+    tables = []
+    for i, t in enumerate(config.tables):
+        combiner = str(getattr(t, "combiner", "mean") or "mean").lower()
+        tables.append(
+            TableSpec(
+                index=i,
+                name=t.name,
+                vocabulary_size=int(t.vocabulary_size),
+                dimension=int(getattr(t, "dimension", getattr(t, "dim", 0))),
+                optimizer=t.optimizer,
+                combiner=combiner,
+                initializer=getattr(t, "initializer", None),
+            )
+        )
+    names = {t.name: t.index for t in tables}
+    features = []
+    raw_features = list(getattr(config, "features", ()) or ())
+    per_table = not raw_features
+    if per_table:
+        # Legacy configuration (spec §1.5): one pseudo-feature per table of shape [B * nf].
+        batch = int(getattr(config, "batch_size_per_tensor_core", 0) or 0)
+        for t, raw in zip(tables, config.tables):
+            nf = int(getattr(raw, "num_features", 0) or 0)
+            if batch <= 0 or nf <= 0:
+                raise ConfigError(
+                    f"Table {t.name!r} has no features. Fix: add a FeatureConfig for it, or set "
+                    "`batch_size_per_tensor_core` and the table's `num_features` (legacy layout)."
+                )
+            features.append(FeatureSpec(t.index, t.name, t.index, (batch * nf,)))
+    else:
+        for i, f in enumerate(raw_features):
+            table = f.table
+            key = getattr(table, "name", table)
+            if isinstance(key, int) and not isinstance(key, bool):
+                tid = key
+            elif key in names:
+                tid = names[key]
+            else:
+                raise ConfigError(f"Feature {getattr(f, 'name', i)!r} refers to unknown table {key!r}.")
+            shape = tuple(int(d) for d in getattr(f, "input_shape", getattr(f, "output_shape", ())))
+            name = getattr(f, "name", None) or f"feature_{i}"
+            features.append(FeatureSpec(i, name, tid, shape))
+    tables_t = tuple(tables)
+    return Layout(
+        tables=tables_t,
+        features=tuple(features),
+        strategy=_strategy(config),
+        mode=_mode(config),
+        num_dynamic_inputs=_dynamic_tags(tables_t),
+        per_table_layout=per_table,
+    )
