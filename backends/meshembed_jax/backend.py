@@ -1,0 +1,395 @@
+"""The JAX backend: sharded ``jax.Array`` tables, jit + donation, shard_map routing.
+
+Importing this module never imports jax (``unavailable_reason`` must work without it);
+jax is imported when the backend is instantiated.
+
+Design (see ``layout.py`` and ``kernels.py``):
+
+* a table is one padded ``[num_shards, max_rows, D]`` array with a ``NamedSharding`` over a
+  one-axis mesh; slots are created with the same placement and so share the sharding;
+* lookup/scatter/update are ``jax.jit``-compiled ``shard_map`` kernels, cached by static
+  shape, with table and slot buffers donated;
+* batch sizes are rounded up to buckets (at most 8 per octave) so varying batches reuse a
+  few compiled shapes; unique ids per device are bounded by a *capacity*, explicit
+  (``JaxBackend(capacity=...)`` / ``MESHEMBED_JAX_CAPACITY``: overflow raises
+  ``CapacityError``) or automatic (grows and retries, tables unchanged meanwhile);
+* with several JAX processes (``jax.distributed.initialize``) every call is collective:
+  each process passes its own part of the batch and gets its own rows back.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import os
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from meshembed.backend.protocol import Backend, Capabilities
+from meshembed.errors import CapacityError, InputError
+from meshembed.sharding.placement import Placement
+from meshembed_jax import fnspec
+from meshembed_jax.dense import JaxDenseMixin
+from meshembed_jax.layout import JaxShardedTable, ShardLayout, choose_devices, pad_shards, unpad_shards
+
+_KERNEL_CACHE_SIZE = 128
+
+
+def bucket(n: int) -> int:
+    """Round ``n`` up to one of at most 8 sizes per power of two (min 8): shapes repeat
+    across steps with varying batch sizes while padding wastes at most 12.5%."""
+    if n <= 8:
+        return 8
+    step = 1 << max((n - 1).bit_length() - 3, 0)
+    return -(-n // step) * step
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value else None
+
+
+class JaxBackend(JaxDenseMixin, Backend):
+    """Tables on a ``jax.sharding.Mesh``; compiled, donated, shard_map-routed row kernels.
+
+    Args:
+        capacity: max unique ids one device may own per step (static shape of the update).
+            ``None``: ``MESHEMBED_JAX_CAPACITY`` or automatic (start at a quarter of the
+            batch bucket, grow on overflow).
+        dedup: ``"dense"`` (row -> slot map, no sort), ``"sort"`` or ``None`` = pick per
+            table (dense while a device's rows are at most 64x the batch);
+            ``MESHEMBED_JAX_DEDUP`` overrides ``None``.
+        enable_x64: turn on ``jax_enable_x64`` (float64 tables, NumPy-parity dtypes).
+            ``None``: ``MESHEMBED_JAX_X64`` (default ``1``). With it off, float64 is not a
+            capability and float64 tables are refused.
+    """
+
+    name = "jax"
+
+    def __init__(self, capacity: int | None = None, dedup: str | None = None, enable_x64: bool | None = None):
+        import jax
+
+        if enable_x64 is None:
+            enable_x64 = os.environ.get("MESHEMBED_JAX_X64", "1").strip() not in ("0", "false", "False", "")
+        if enable_x64 and not jax.config.jax_enable_x64:
+            jax.config.update("jax_enable_x64", True)
+        self._jax = jax
+        self.capacity = capacity if capacity is not None else _env_int("MESHEMBED_JAX_CAPACITY")
+        self.dedup = dedup or os.environ.get("MESHEMBED_JAX_DEDUP") or None
+        if self.dedup is not None and self.dedup not in ("dense", "sort"):
+            raise ValueError(f"Invalid `dedup`. Expected one of ('dense', 'sort'). Received: dedup={self.dedup!r}")
+        self._layouts: dict[tuple[Placement, tuple[int, ...]], ShardLayout] = {}
+        self._meshes: dict[tuple[int, ...], Any] = {}
+        self._kernels: collections.OrderedDict[Any, Callable] = collections.OrderedDict()
+        self._auto_capacity: dict[tuple[Any, int], int] = {}
+        self._static_only: set[Any] = set()
+
+    # -- discovery ---------------------------------------------------------------------
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if importlib.util.find_spec("jax") is None:
+            return "jax is not installed"
+        try:
+            import jax
+
+            jax.devices()
+        except Exception as exc:  # a broken install or no usable platform
+            return f"jax cannot start ({type(exc).__name__}: {exc})"
+        return None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        jax = self._jax
+        platform = jax.devices()[0].platform
+        return Capabilities(
+            devices=len(jax.devices()),
+            float64=bool(jax.config.jax_enable_x64),
+            in_place=True,  # donated buffers; the table object is updated and returned
+            deterministic_scatter=platform in ("cpu", "tpu"),
+            autodiff=True,
+            compiles=True,
+            distributed=jax.process_count() > 1,
+            runs_hlo=True,
+        )
+
+    @property
+    def xp(self) -> Any:
+        import array_api_compat
+        import jax.numpy as jnp
+
+        return array_api_compat.array_namespace(jnp.zeros(()))
+
+    # -- dense arrays ------------------------------------------------------------------
+    def asarray(self, x: Any, dtype: Any = None) -> Any:
+        import jax.numpy as jnp
+
+        dtype = None if dtype is None else np.dtype(dtype)
+        if dtype is not None and dtype.itemsize == 8 and not self._jax.config.jax_enable_x64:
+            raise InputError(
+                f"Invalid `dtype` {dtype} for the jax backend without jax_enable_x64. "
+                "Fix: MESHEMBED_JAX_X64=1 (the default) or use 32-bit dtypes."
+            )
+        if self.is_native(x):
+            return x if dtype is None or x.dtype == dtype else x.astype(dtype)
+        if not isinstance(x, (np.ndarray, np.generic, int, float, bool, list, tuple)):
+            x = np.asarray(x)  # torch CPU tensors, cupy via __array__, ...
+        return jnp.asarray(x, dtype=dtype)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        if isinstance(x, JaxShardedTable):
+            return self.unshard(x)
+        if self.is_native(x) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    def is_native(self, x: Any) -> bool:
+        return isinstance(x, self._jax.Array)
+
+    def compile(self, fn: Callable, **options: Any) -> Callable:
+        """``jax.jit``; options such as ``donate_argnums``/``static_argnames`` pass through."""
+        return self._jax.jit(fn, **options)
+
+    # -- layout --------------------------------------------------------------------------
+    def layout(self, placement: Placement) -> ShardLayout:
+        """The (cached) device layout of a placement; equal placements share one sharding."""
+        jax = self._jax
+        devices = choose_devices(placement.num_shards, list(jax.devices()), jax.process_count())
+        key = (placement, tuple(d.id for d in devices))
+        found = self._layouts.get(key)
+        if found is None:
+            mesh = self._meshes.get(key[1])
+            if mesh is None:
+                from jax.sharding import Mesh
+
+                from meshembed_jax.layout import AXIS
+
+                mesh = self._meshes[key[1]] = Mesh(np.array(devices, dtype=object), (AXIS,))
+            found = self._layouts[key] = ShardLayout(placement, len(devices), mesh)
+        return found
+
+    def _put(self, host: np.ndarray, sharding: Any) -> Any:
+        """Host array (the same on every process) -> global array with ``sharding``."""
+        jax = self._jax
+        if jax.process_count() == 1:
+            return jax.device_put(host, sharding)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    # -- sharded row tables ------------------------------------------------------------
+    def create_table(self, values: Any, placement: Placement) -> JaxShardedTable:
+        values = np.asarray(values.shape and self.to_numpy(values) if self.is_native(values) else values)
+        if values.ndim != 2 or values.shape[0] != placement.vocabulary_size:
+            raise InputError(
+                f"Invalid table values. Expected shape ({placement.vocabulary_size}, dim). "
+                f"Received: shape={values.shape}"
+            )
+        if values.dtype.itemsize == 8 and not self._jax.config.jax_enable_x64:
+            raise InputError(
+                f"Invalid table dtype {values.dtype}: 64-bit tables need jax_enable_x64. "
+                "Fix: MESHEMBED_JAX_X64=1 (the default) or use float32 values."
+            )
+        layout = self.layout(placement)
+        data = self._put(pad_shards(values, placement), layout.sharding)
+        return JaxShardedTable(data, layout, values.shape[1])
+
+    def unshard(self, table: JaxShardedTable) -> np.ndarray:
+        return unpad_shards(self.to_numpy(table.data), table.placement)
+
+    def _kernel(self, key: Any, build: Callable[[], Callable]) -> Callable:
+        """LRU cache of compiled kernels, keyed by everything static about them."""
+        fn = self._kernels.get(key)
+        if fn is None:
+            fn = self._kernels[key] = build()
+            while len(self._kernels) > _KERNEL_CACHE_SIZE:
+                self._kernels.popitem(last=False)
+        else:
+            self._kernels.move_to_end(key)
+        return fn
+
+    def _global_batch(self, layout: ShardLayout, ids: Any, *rows: Any) -> tuple[Any, ...]:
+        """Pad ``ids`` (with -1) and row arrays (with 0) to a bucket, replicated on the mesh.
+
+        Returns ``(ids, *rows, n_local, offset)``: with several processes each one passes its
+        own part and the parts are concatenated in process order; ``offset`` is where this
+        process's part starts.
+        """
+        import jax.numpy as jnp
+
+        from meshembed_jax.kernels import index_dtype
+
+        jax = self._jax
+        idt = np.dtype(index_dtype(layout))
+        if jax.process_count() > 1:
+            return self._global_batch_multiprocess(layout, idt, ids, *rows)
+        n = int(np.prod(ids.shape))
+        nb = bucket(n)
+        if self.is_native(ids):
+            ids = ids.reshape(-1).astype(idt)
+            if nb > n:
+                ids = jnp.concatenate([ids, jnp.full((nb - n,), -1, idt)])
+        else:
+            host = np.full((nb,), -1, idt)
+            host[:n] = np.asarray(ids).reshape(-1)
+            ids = host
+        out = [jax.device_put(ids, layout.replicated)]
+        for r in rows:
+            if self.is_native(r):
+                r = r.reshape(n, -1)
+                if nb > n:
+                    r = jnp.concatenate([r, jnp.zeros((nb - n, r.shape[1]), r.dtype)])
+            else:
+                r = np.asarray(r).reshape(n, -1)
+                if nb > n:
+                    r = np.concatenate([r, np.zeros((nb - n, r.shape[1]), r.dtype)])
+            out.append(jax.device_put(r, layout.replicated))
+        return (*out, n, 0)
+
+    def _global_batch_multiprocess(self, layout: ShardLayout, idt: np.dtype, ids: Any, *rows: Any) -> tuple:
+        from jax.experimental import multihost_utils
+
+        local = [np.asarray(self.to_numpy(ids)).reshape(-1).astype(idt)]
+        n = local[0].shape[0]
+        local += [np.asarray(self.to_numpy(r)).reshape(n, -1) for r in rows]
+        sizes = np.asarray(multihost_utils.process_allgather(np.array([n], np.int64))).reshape(-1)
+        top = int(sizes.max())
+        offset = int(sizes[: self._jax.process_index()].sum())
+        total = int(sizes.sum())
+        nb = bucket(total)
+        out = []
+        for i, part in enumerate(local):
+            fill = -1 if i == 0 else 0
+            padded = np.full((top,) + part.shape[1:], fill, part.dtype)
+            padded[:n] = part
+            every = np.asarray(multihost_utils.process_allgather(padded))  # [P, top, ...]
+            full = np.full((nb,) + part.shape[1:], fill, part.dtype)
+            full[:total] = np.concatenate([every[p, : sizes[p]] for p in range(len(sizes))])
+            out.append(self._put(full, layout.replicated))
+        return (*out, n, offset)
+
+    def _local_result(self, x: Any, n: int, offset: int) -> Any:
+        """This process's rows of a replicated kernel result."""
+        if self._jax.process_count() > 1:
+            x = x.addressable_data(0)
+        return x[offset : offset + n] if (offset or x.shape[0] != n) else x
+
+    def gather(self, table: JaxShardedTable, ids: Any) -> Any:
+        from meshembed_jax import kernels
+
+        layout, dim = table.layout, table.shape[1]
+        shape = tuple(ids.shape)
+        gids, n, offset = self._global_batch(layout, ids)
+        lookup = self._kernel(("lookup", layout, dim), lambda: kernels.make_lookup(layout, dim))
+        rows = self._local_result(lookup(table.data, gids), n, offset)
+        return rows.reshape(shape + (dim,)) if len(shape) != 1 else rows
+
+    def scatter(self, table: JaxShardedTable, ids: Any, rows: Any) -> JaxShardedTable:
+        from meshembed_jax import kernels
+
+        layout, dim = table.layout, table.shape[1]
+        gids, grows, _, _ = self._global_batch(layout, ids, rows)
+        write = self._kernel(("scatter", layout, dim), lambda: kernels.make_scatter(layout, dim))
+        table.data = write(table.data, gids, grows)
+        return table
+
+    def segment_sum(self, ids: Any, values: Any) -> tuple[Any, Any]:
+        import jax.numpy as jnp
+
+        from meshembed_jax import kernels
+
+        ids = self.asarray(ids)
+        values = self.asarray(values)
+        n = ids.shape[0]
+        nb = bucket(n)
+        if nb > n:
+            ids = jnp.concatenate([ids, jnp.full((nb - n,), -1, ids.dtype)])
+            values = jnp.concatenate([values, jnp.zeros((nb - n,) + values.shape[1:], values.dtype)])
+        fn = self._kernel(("segment_sum", nb), lambda: kernels.make_segment_sum(nb))
+        uniq, sums, count = fn(ids, values)
+        c = int(count)
+        return uniq[:c], sums[:c]
+
+    def segment_sum_to(self, values: Any, segment_ids: Any, num_segments: int) -> Any:
+        jax = self._jax
+        fn = self._kernel(
+            "segment_sum_to",
+            lambda: jax.jit(lambda v, s, k: jax.ops.segment_sum(v, s, num_segments=k), static_argnums=2),
+        )
+        return fn(self.asarray(values), self.asarray(segment_ids), int(num_segments))
+
+    # -- the fused update --------------------------------------------------------------
+    def _dedup_for(self, layout: ShardLayout, nb: int) -> str:
+        if self.dedup:
+            return self.dedup
+        return "dense" if layout.rows_per_device <= 64 * nb else "sort"
+
+    def _capacity_for(self, layout: ShardLayout, nb: int) -> int:
+        if self.capacity is not None:
+            return int(self.capacity)
+        learned = self._auto_capacity.get((layout, nb))
+        if learned is not None:
+            return learned
+        return min(nb, bucket(layout.rows_per_device), max(min(nb, 1024), bucket(nb // 4)))
+
+    def update_rows(
+        self,
+        tables: Sequence[JaxShardedTable],
+        ids: Any,
+        grads: Any,
+        fn: Callable[..., tuple[Any, ...]],
+    ) -> list[JaxShardedTable]:
+        """One compiled step: route, dedup + segment-sum, gather rows, ``fn``, scatter back.
+
+        Table and slot buffers are donated. On overflow of an explicit capacity it raises
+        ``CapacityError`` with every table unchanged.
+        """
+        tables = list(tables)
+        layout, dim = tables[0].layout, tables[0].shape[1]
+        for t in tables[1:]:
+            if t.layout != layout or t.shape[1] != dim:
+                raise InputError(
+                    "Invalid `tables`: a table and its slots must share placement and dimension. "
+                    f"Received: {tables[0]!r} and {t!r}"
+                )
+        gids, ggrads, _, _ = self._global_batch(layout, ids, grads)
+        nb = int(gids.shape[0])
+        return self._update(tables, layout, dim, gids, ggrads, fn, nb)
+
+    def _update(self, tables, layout, dim, gids, ggrads, fn, nb) -> list[JaxShardedTable]:
+        from meshembed_jax import kernels
+
+        jax = self._jax
+        capacity = self._capacity_for(layout, nb)
+        dedup = self._dedup_for(layout, nb)
+        spec = fnspec.split(fn)
+        if spec.key in self._static_only:
+            spec = fnspec.split(fn, trace_scalars=False)
+        key = ("update", layout, dim, len(tables), capacity, dedup, spec.key)
+        step = self._kernel(key, lambda: kernels.make_update(layout, dim, len(tables), capacity, dedup, spec.call))
+        datas = tuple(t.data for t in tables)
+        try:
+            new, count = step(datas, gids, ggrads, spec.dyn)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+            if not spec.dyn:
+                raise
+            # fn branches on a hyper-parameter in Python: keep those values static (one
+            # compilation per distinct value) instead of traced.
+            self._kernels.pop(key, None)
+            self._static_only.add(spec.key)
+            return self._update(tables, layout, dim, gids, ggrads, fn, nb)
+        for t, d in zip(tables, new):
+            t.data = d
+        worst = int(count.addressable_data(0))  # replicated scalar; syncs the step
+        if worst > capacity:
+            if self.capacity is not None:
+                raise CapacityError(
+                    f"Batch too large for table {tables[0]!r}: one device owns {worst} unique ids "
+                    f"this step but the jax backend's capacity is {capacity}. Nothing was "
+                    f"updated. Fix: raise the capacity (JaxBackend(capacity=...), "
+                    f"MESHEMBED_JAX_CAPACITY or backend.capacity) to at least {worst}, or leave "
+                    "it unset for automatic sizing, or split the batch."
+                )
+            self._auto_capacity[(layout, nb)] = bucket(worst + worst // 4)
+            return self._update(tables, layout, dim, gids, ggrads, fn, nb)
+        return tables
