@@ -1,0 +1,193 @@
+"""TableConfig, FeatureConfig, SpmdSharding: the per-table and per-feature halves of a config.
+
+Frozen, hashable data. Each validates what it can see alone; checks that need the whole
+config (table references, dynamic tags, layouts) live in `validation.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from meshembed.config._common import as_bool, as_int, invalid, located
+from meshembed.config.optimizers import OptimizerSpec, QuantizationConfig
+
+__all__ = ["COMBINERS", "DTYPES", "FeatureConfig", "SpmdSharding", "TableConfig"]
+
+COMBINERS = ("sum", "mean", "sqrtn")
+DTYPES = ("float32", "int32")
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One embedding table (TF2 ``tf.tpu.experimental.embedding.TableConfig``).
+
+    ``optimizer`` may be None when the EmbeddingConfig supplies a default. ``quantization``
+    is TF2's ``quantization_config``; it is stored in the optimizer's
+    ``simulated_quantization`` (the proto keeps it there), and both attributes always agree.
+    ``num_features`` is the legacy per-table feature count (0 with feature descriptors).
+    ``initializer`` (a callable ``(shape) -> array`` or None for TF2's truncated normal with
+    stddev 1/sqrt(dimension)) and ``combiner`` are not part of the proto.
+    """
+
+    name: str
+    vocabulary_size: int
+    dimension: int
+    optimizer: OptimizerSpec | None = None
+    combiner: str = "mean"
+    initializer: Callable[..., Any] | None = field(default=None, compare=False)
+    quantization: QuantizationConfig | None = None
+    dtype: str = "float32"
+    num_features: int = 0
+    _: KW_ONLY
+    unknown_fields: bytes = field(default=b"", repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise invalid("name", "TableConfig", "a non-empty string", self.name)
+        where = f"table '{self.name}'"
+        object.__setattr__(self, "vocabulary_size", as_int("vocabulary_size", self.vocabulary_size, where, minimum=1))
+        object.__setattr__(self, "dimension", as_int("dimension", self.dimension, where, minimum=1))
+        object.__setattr__(self, "num_features", as_int("num_features", self.num_features, where, minimum=0))
+        if not isinstance(self.combiner, str) or self.combiner.lower() not in COMBINERS:
+            raise invalid("combiner", where, f"one of {set(COMBINERS)}", self.combiner)
+        object.__setattr__(self, "combiner", self.combiner.lower())
+        try:
+            dtype = np.dtype(self.dtype).name
+        except TypeError:
+            dtype = str(self.dtype)
+        if dtype not in DTYPES:
+            raise invalid("dtype", where, f"one of {set(DTYPES)}", self.dtype)
+        object.__setattr__(self, "dtype", dtype)
+        if self.initializer is not None and not callable(self.initializer):
+            raise invalid("initializer", where, "a callable (shape) -> array, or None", self.initializer)
+        if self.optimizer is not None and not isinstance(self.optimizer, OptimizerSpec):
+            raise invalid("optimizer", where, "an optimizer spec (meshembed.embedding.SGD, Adagrad, ...)",
+                          self.optimizer)
+        if self.quantization is not None and not isinstance(self.quantization, QuantizationConfig):
+            raise invalid("quantization", where, "a QuantizationConfig or None", self.quantization)
+        self._sync_quantization(where)
+
+    def _sync_quantization(self, where: str) -> None:
+        opt = self.optimizer
+        if opt is None:
+            return
+        q, oq = self.quantization, opt.simulated_quantization
+        if q is not None and oq is not None and q != oq:
+            raise invalid("quantization", where,
+                          f"the optimizer's simulated_quantization ({oq!r}) or None", q)
+        if q is not None and oq is None:
+            object.__setattr__(self, "optimizer", dataclasses.replace(opt, simulated_quantization=q))
+        elif oq is not None and q is None:
+            object.__setattr__(self, "quantization", oq)
+
+    @property
+    def dim(self) -> int:
+        """TF2's name for ``dimension``."""
+        return self.dimension
+
+    def replace(self, **changes: Any) -> TableConfig:
+        with located(f"table '{changes.get('name', self.name)}'"):
+            return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """One input feature (one Recv output in the per-feature layout).
+
+    ``table`` is a table name or a TableConfig. ``input_shape`` is the proto's
+    ``FeatureDescriptor.input_shape``: the activation shape without the embedding dimension
+    (``(B,)`` for one vector per sample). Rank 2 ``(B, M)`` is a sequence feature: output
+    ``[B, M, dim]``, positions >= M dropped, missing positions zero. ``max_sequence_length``
+    M > 0 with a rank-1 shape ``(B,)`` is TF2's spelling of the same and becomes ``(B, M)``;
+    for rank 2 it always equals ``input_shape[1]``.
+    """
+
+    table: str | TableConfig
+    input_shape: tuple[int, ...]
+    name: str | None = None
+    max_sequence_length: int = 0
+    _: KW_ONLY
+    unknown_fields: bytes = field(default=b"", repr=False)
+
+    def __post_init__(self) -> None:
+        where = self.where
+        if not isinstance(self.table, (str, TableConfig)) or self.table == "":
+            raise invalid("table", where, "a table name or a TableConfig", self.table)
+        if self.name is not None and not isinstance(self.name, str):
+            raise invalid("name", where, "a string or None", self.name)
+        if self.name == "":
+            object.__setattr__(self, "name", None)
+        shape = self.input_shape
+        if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+            shape = (shape,)
+        if not isinstance(shape, (Sequence, np.ndarray)) or isinstance(shape, str):
+            raise invalid("input_shape", where, "a non-empty tuple of integers > 0", self.input_shape)
+        shape = tuple(shape)
+        if not shape or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d <= 0 for d in shape):
+            raise invalid("input_shape", where, "a non-empty tuple of integers > 0", self.input_shape)
+        shape = tuple(int(d) for d in shape)
+        m = as_int("max_sequence_length", self.max_sequence_length, where, minimum=0)
+        if m and len(shape) == 1:
+            shape = (shape[0], m)
+        elif len(shape) == 2:
+            if m and m != shape[1]:
+                raise invalid("max_sequence_length", where,
+                              f"0 or input_shape[1] ({shape[1]}) for input_shape={shape}", m)
+            m = shape[1]
+        elif m:
+            raise invalid("max_sequence_length", where,
+                          f"0 for an input_shape of rank {len(shape)} (sequence features have rank 2)", m)
+        object.__setattr__(self, "input_shape", shape)
+        object.__setattr__(self, "max_sequence_length", m)
+
+    @property
+    def where(self) -> str:
+        return f"feature '{self.name}'" if self.name else "feature"
+
+    @property
+    def table_name(self) -> str:
+        return self.table if isinstance(self.table, str) else self.table.name
+
+    @property
+    def is_sequence(self) -> bool:
+        return len(self.input_shape) == 2
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        """TF2's name: the activation shape without the embedding dimension."""
+        return self.input_shape
+
+    @property
+    def num_ids_per_core(self) -> int:
+        """``prod(input_shape)``: output slots this feature has per TensorCore."""
+        return math.prod(self.input_shape)
+
+    def replace(self, **changes: Any) -> FeatureConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class SpmdSharding:
+    """``TPUEmbeddingConfiguration.SpmdSharding``: model parallelism on the TensorCore."""
+
+    enabled: bool = False
+    num_cores_per_replica: int = 0
+    use_manual_partitioning: bool = False
+    use_shardy_partitioner: bool = False
+    _: KW_ONLY
+    unknown_fields: bytes = field(default=b"", repr=False)
+
+    def __post_init__(self) -> None:
+        where = "spmd_sharding"
+        for name in ("enabled", "use_manual_partitioning", "use_shardy_partitioner"):
+            object.__setattr__(self, name, as_bool(name, getattr(self, name), where))
+        n = as_int("num_cores_per_replica", self.num_cores_per_replica, where, minimum=0)
+        if self.enabled and n < 1:
+            raise invalid("num_cores_per_replica", where, "an integer > 0 when SPMD is enabled", n)
+        object.__setattr__(self, "num_cores_per_replica", n)
