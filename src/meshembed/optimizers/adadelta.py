@@ -1,0 +1,80 @@
+"""Mesh-aware Adadelta with the Keras optimizer surface (``tf.keras.dtensor.experimental.optimizers.Adadelta``).
+
+Slots (Keras names; TPU and other frameworks call them differently):
+
+====================  ======================  ====================  =================
+meshembed / Keras      TPU proto slot          Optax state           torch state
+====================  ======================  ====================  =================
+accumulated_grad       accumulators (E[g²])    ``e_g``               ``square_avg``
+accumulated_delta_var  updates (E[Δx²])        ``e_x``               ``acc_delta``
+====================  ======================  ====================  =================
+
+Defaults are Keras' (lr 1e-3, ρ 0.95, ε 1e-7); torch (1.0, 0.9, 1e-6) and Optax (ρ 0.9, ε 1e-6)
+differ, so pass the hyper-parameters explicitly when comparing. The rule itself is the core's
+``meshembed.math.adadelta``, shared with the embedding engine.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from meshembed.errors import ConfigError
+from meshembed.math import AdadeltaSlots, adadelta
+from meshembed.optimizers.base import Optimizer
+from meshembed.optimizers.options import EMAOption, GradientsClipOption
+from meshembed.sharding.mesh import Mesh
+from meshembed.variable import Variable
+
+__all__ = ["Adadelta"]
+
+
+def _number(name: str, value: Any, low: float, high: float | None = None) -> float:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and value >= low
+    if not ok or (high is not None and value > high):
+        bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ConfigError(f"Invalid `{name}`. Expected a number {bounds}. Received: {name}={value!r}")
+    return float(value)
+
+
+class Adadelta(Optimizer):
+    """Adadelta: ``a ← ρa + (1−ρ)g²``; ``d = √(u+ε)/√(a+ε)·g``; ``u ← ρu + (1−ρ)d²``; ``w ← w − lr·d``.
+
+    Slots are created from each variable's reference, so they share its layout (sharding)."""
+
+    def __init__(
+        self,
+        learning_rate: Any = 0.001,
+        rho: float = 0.95,
+        epsilon: float = 1e-7,
+        gradients_clip_option: GradientsClipOption | None = None,
+        ema_option: EMAOption | None = None,
+        name: str = "Adadelta",
+        mesh: Mesh | None = None,
+        jit_compile: bool = False,
+    ) -> None:
+        super().__init__(learning_rate, name, gradients_clip_option, ema_option, mesh, jit_compile)
+        self.rho = _number("rho", rho, 0.0, 1.0)
+        self.epsilon = _number("epsilon", epsilon, 0.0)
+
+    def build(self, var_list: list[Variable]) -> None:
+        if self.built:
+            return
+        super().build(var_list)
+        self._accumulated_grads = [self.add_variable_from_reference(v, "accumulated_grad") for v in var_list]
+        self._accumulated_delta_vars = [self.add_variable_from_reference(v, "accumulated_delta_var") for v in var_list]
+
+    def update_step(self, grad: Any, variable: Variable) -> None:
+        i = self._slot_index(variable)
+        grad, touched = self._densify(self._convert_gradient(grad, variable), variable)
+        acc_g, acc_d = self._accumulated_grads[i], self._accumulated_delta_vars[i]
+        params, slots = adadelta(
+            variable.backend.xp, self._read(variable), grad, AdadeltaSlots(self._read(acc_g), self._read(acc_d)),
+            lr=self.learning_rate, rho=self.rho, epsilon=self.epsilon,
+        )
+        self._write(variable, params, touched)
+        self._write(acc_g, slots.accumulators, touched)
+        self._write(acc_d, slots.updates, touched)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "rho": self.rho, "epsilon": self.epsilon}

@@ -1,0 +1,154 @@
+"""Gradient-clipping and EMA options of the dense optimizer (Keras DTensor optimizer names).
+
+Keras' DTensor ``Adadelta`` accepted these two objects and ignored them; meshembed honours
+them with tf_keras' semantics, and their configs flatten into the optimizer config under
+Keras' own keys (``clipnorm``, ``use_ema``, ...) so a config moves between the two.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from typing import Any, Sequence
+
+from meshembed.errors import ConfigError
+
+__all__ = ["EMAOption", "GradientsClipOption"]
+
+
+def _positive_or_none(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"Invalid `{name}`. Expected a positive number or None. Received: {name}={value!r}")
+    return float(value)
+
+
+class GradientsClipOption:
+    """Gradient clipping as tf_keras does it, applied before the update.
+
+    * ``clipnorm=c``: each gradient ``g·c/max(‖g‖, c)`` (its own L2 norm);
+    * ``global_clipnorm=c``: all gradients times ``c·min(1/n, 1/c)``, ``n`` their joint norm;
+    * ``clipvalue=v``: each element clipped to ``[-v, v]``.
+
+    At most one of the two norms may be set. As in tf_keras, a norm takes precedence over
+    ``clipvalue`` (which is then not applied; a warning says so). For ``IndexedSlices`` the
+    norms and values are those of the slices' rows, before duplicates are summed (as TF).
+    """
+
+    def __init__(
+        self,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+    ) -> None:
+        self.clipnorm = _positive_or_none("clipnorm", clipnorm)
+        self.clipvalue = _positive_or_none("clipvalue", clipvalue)
+        self.global_clipnorm = _positive_or_none("global_clipnorm", global_clipnorm)
+        if self.clipnorm is not None and self.global_clipnorm is not None:
+            raise ConfigError(
+                "Invalid `gradients_clip_option`. Expected at most one of `clipnorm` and "
+                f"`global_clipnorm`. Received: clipnorm={clipnorm}, global_clipnorm={global_clipnorm}"
+            )
+        if self.clipvalue is not None and (self.clipnorm or self.global_clipnorm):
+            warnings.warn(
+                "`clipvalue` is ignored when `clipnorm` or `global_clipnorm` is set (tf_keras "
+                "semantics: only the norm clipping is applied).",
+                stacklevel=2,
+            )
+
+    @property
+    def active(self) -> bool:
+        return any(v is not None for v in (self.clipnorm, self.clipvalue, self.global_clipnorm))
+
+    def clip(self, xp: Any, grads: Sequence[Any]) -> list[Any]:
+        """Clipped copies of ``grads`` (arrays of namespace ``xp``); pure, no in-place."""
+        grads = list(grads)
+        if self.clipnorm is not None:
+            c = self.clipnorm
+            return [g * c / xp.maximum(xp.sqrt(xp.sum(g * g)), c) for g in grads]
+        if self.global_clipnorm is not None:
+            c = self.global_clipnorm
+            total = None
+            for g in grads:
+                s = xp.sum(g * g)
+                total = s if total is None else total + xp.astype(s, total.dtype)
+            norm = xp.sqrt(total)
+            # tf.clip_by_global_norm: scale = c·min(1/n, 1/c) (so n = 0 leaves g unchanged).
+            tiny = xp.finfo(norm.dtype).tiny
+            scale = c * xp.minimum(1.0 / xp.maximum(norm, tiny), 1.0 / c)
+            return [g * xp.astype(scale, g.dtype) for g in grads]
+        if self.clipvalue is not None:
+            v = self.clipvalue
+            return [xp.minimum(xp.maximum(g, -v), v) for g in grads]
+        return grads
+
+    def get_config(self) -> dict[str, Any]:
+        return {"clipnorm": self.clipnorm, "global_clipnorm": self.global_clipnorm, "clipvalue": self.clipvalue}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "GradientsClipOption":
+        return cls(**config)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GradientsClipOption) and self.get_config() == other.get_config()
+
+    def __repr__(self) -> str:
+        return "GradientsClipOption(" + ", ".join(f"{k}={v}" for k, v in self.get_config().items()) + ")"
+
+
+class EMAOption:
+    """Exponential moving average of the model variables, tf_keras semantics.
+
+    The average of each variable starts at the variable's value when the optimizer is built
+    and after every step becomes ``m·avg + (1−m)·var``. With ``ema_overwrite_frequency=k``
+    the variables are overwritten by their averages after steps k, 2k, ...;
+    ``finalize_variable_values`` copies the averages into the variables.
+    """
+
+    def __init__(
+        self,
+        use_ema: bool = False,
+        ema_momentum: float = 0.99,
+        ema_overwrite_frequency: int | None = None,
+    ) -> None:
+        if not isinstance(use_ema, bool):
+            raise ConfigError(f"Invalid `use_ema`. Expected a bool. Received: use_ema={use_ema!r}")
+        if (
+            isinstance(ema_momentum, bool)
+            or not isinstance(ema_momentum, numbers.Real)
+            or not 0.0 <= float(ema_momentum) <= 1.0
+        ):
+            raise ConfigError(
+                f"Invalid `ema_momentum`. Expected a number in [0, 1]. Received: ema_momentum={ema_momentum!r}"
+            )
+        if ema_overwrite_frequency is not None and (
+            isinstance(ema_overwrite_frequency, bool)
+            or not isinstance(ema_overwrite_frequency, numbers.Integral)
+            or ema_overwrite_frequency < 1
+        ):
+            raise ConfigError(
+                "Invalid `ema_overwrite_frequency`. Expected an integer >= 1 or None. "
+                f"Received: ema_overwrite_frequency={ema_overwrite_frequency!r}"
+            )
+        self.use_ema = use_ema
+        self.ema_momentum = float(ema_momentum)
+        self.ema_overwrite_frequency = None if ema_overwrite_frequency is None else int(ema_overwrite_frequency)
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "use_ema": self.use_ema,
+            "ema_momentum": self.ema_momentum,
+            "ema_overwrite_frequency": self.ema_overwrite_frequency,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "EMAOption":
+        return cls(**config)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EMAOption) and self.get_config() == other.get_config()
+
+    def __repr__(self) -> str:
+        return "EMAOption(" + ", ".join(f"{k}={v}" for k, v in self.get_config().items()) + ")"

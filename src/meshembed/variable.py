@@ -1,0 +1,168 @@
+"""``me.Variable`` (a named, laid-out backend array) and ``me.IndexedSlices`` (a sparse gradient).
+
+A Variable owns one backend array and keeps it on its layout: every ``assign`` re-places the
+new value, so optimizer slots created from a variable's layout stay co-sharded with it
+whatever the array library's own sharding propagation does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from meshembed.errors import InputError
+from meshembed.sharding.mesh import Layout
+
+__all__ = ["IndexedSlices", "Variable", "dtype_name"]
+
+
+def dtype_name(dtype: Any) -> str:
+    """Backend-neutral dtype name (``"float32"``) of a NumPy, torch or JAX dtype."""
+    text = str(dtype)
+    if text.startswith("torch."):
+        return text[len("torch."):]
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return text
+
+
+def _full_array(value: Any) -> Any:
+    """The whole logical array of a possibly sharded value (torch DTensor -> local tensor)."""
+    full = getattr(value, "full_tensor", None)
+    return full() if callable(full) else value
+
+
+class Variable:
+    """A mutable, named array on a backend, optionally laid out over a mesh.
+
+    ``initial_value`` may be an array-like or a zero-argument callable returning one.
+    ``backend`` defaults to the layout's mesh backend, then to the current default backend.
+    """
+
+    def __init__(
+        self,
+        initial_value: Any,
+        name: str | None = None,
+        layout: Layout | None = None,
+        trainable: bool = True,
+        backend: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        from meshembed.backend import get_backend
+
+        if layout is not None and not isinstance(layout, Layout):
+            raise InputError(f"Invalid `layout`. Expected a meshembed.Layout or None. Received: layout={layout!r}")
+        if name is not None and not isinstance(name, str):
+            raise InputError(f"Invalid `name`. Expected a string or None. Received: name={name!r}")
+        if backend is None and layout is not None:
+            backend = layout.mesh.backend
+        self._backend = get_backend(backend)
+        if layout is not None and layout.mesh.backend is not self._backend:
+            raise InputError(
+                f"Invalid `layout`. Expected a mesh on backend {self._backend.name!r}. "
+                f"Received: layout={layout!r}"
+            )
+        if callable(initial_value) and not self._backend.is_native(initial_value):
+            initial_value = initial_value()
+        self.name: str = name if name is not None else "Variable"
+        self.layout: Layout | None = layout
+        self.trainable: bool = bool(trainable)
+        self._value: Any = None
+        self._value = self._prepare(initial_value, dtype=dtype, copy=True, check_shape=False)
+
+    # -- conversion -------------------------------------------------------------------
+    def _prepare(self, value: Any, *, dtype: Any = None, copy: bool, check_shape: bool = True) -> Any:
+        """Convert ``value`` to this backend's array of the right dtype/shape on the layout."""
+        backend = self._backend
+        if isinstance(value, Variable):
+            value = value.value
+        if dtype is None and self._value is not None:
+            dtype = self.dtype
+        if isinstance(value, np.ndarray) and copy:
+            value = np.array(value, copy=True)  # never alias a caller's NumPy buffer
+        if not backend.is_native(value) or (dtype is not None and dtype_name(value.dtype) != dtype_name(dtype)):
+            if backend.sharding_of(value) is not None:
+                value = _full_array(value)
+            value = backend.asarray(value if backend.is_native(value) else np.asarray(value), dtype=None if dtype is None else dtype_name(dtype))
+        elif copy and backend.sharding_of(value) is None:
+            value = backend.xp.asarray(value, copy=True)
+        shape = tuple(int(d) for d in value.shape)
+        if check_shape and shape != self.shape:
+            raise InputError(
+                f"Invalid value for variable {self.name!r}. Expected shape {self.shape}. Received: shape={shape}"
+            )
+        if self.layout is not None:
+            try:
+                self.layout.check_shape(shape)
+            except Exception as exc:
+                raise InputError(f"{exc} (variable {self.name!r})") from None
+            value = backend.place(value, self.layout)
+        return value
+
+    # -- public surface ---------------------------------------------------------------
+    @property
+    def value(self) -> Any:
+        """The backend array (``np.ndarray``, ``torch.Tensor``/``DTensor``, ``jax.Array``)."""
+        return self._value
+
+    @property
+    def backend(self) -> Any:
+        return self._backend
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self._value.shape)
+
+    @property
+    def dtype(self) -> str:
+        """Dtype name, e.g. ``"float32"`` (the same string on every backend)."""
+        return dtype_name(self._value.dtype)
+
+    @property
+    def sharding(self) -> Any:
+        """The backend's own sharding object of the value (None when not tracked)."""
+        return self._backend.sharding_of(self._value)
+
+    def numpy(self) -> np.ndarray:
+        """A NumPy copy of the whole (global) value."""
+        return np.array(self._backend.to_numpy(_full_array(self._value)), copy=True)
+
+    def assign(self, value: Any) -> "Variable":
+        """Replace the value (same shape; cast to this dtype; placed on the layout)."""
+        self._value = self._prepare(value, copy=True)
+        return self
+
+    def _assign_fresh(self, value: Any) -> None:
+        """Assign an array the optimizer just computed (no defensive copy needed)."""
+        self._value = self._prepare(value, copy=False)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.numpy()
+        return out if dtype is None else out.astype(dtype)
+
+    def __repr__(self) -> str:
+        layout = "" if self.layout is None else f", layout={list(self.layout.sharding_specs)}"
+        return f"<meshembed.Variable {self.name!r} shape={self.shape} dtype={self.dtype}{layout} backend={self._backend.name!r}>"
+
+
+class IndexedSlices:
+    """A sparse gradient: rows ``values[k]`` belong at row ``indices[k]`` of a ``dense_shape``
+    array. Indices may repeat; optimizers sum duplicates and update only the touched rows."""
+
+    def __init__(self, values: Any, indices: Any, dense_shape: Sequence[int]) -> None:
+        try:
+            dense_shape = tuple(int(d) for d in dense_shape)
+        except TypeError:
+            raise InputError(
+                f"Invalid `dense_shape`. Expected a sequence of ints. Received: dense_shape={dense_shape!r}"
+            ) from None
+        if not dense_shape:
+            raise InputError("Invalid `dense_shape`. Expected rank >= 1. Received: dense_shape=()")
+        self.values = values
+        self.indices = indices
+        self.dense_shape: tuple[int, ...] = dense_shape
+
+    def __repr__(self) -> str:
+        return f"IndexedSlices(indices shape={tuple(np.shape(self.indices))}, dense_shape={self.dense_shape})"
