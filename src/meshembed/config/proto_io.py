@@ -350,4 +350,5 @@ def optimizer_from_message(msg: opt_pb2.OptimizationParameters) -> OptimizerSpec
     if algorithm == "user_defined_program":
         kwargs["program"] = params.program
     kwargs["unknown_fields"] = residual_bytes(msg)
-    return cls(**kwargs)
+    with parsing_proto():
+        return cls(**kwargs)
