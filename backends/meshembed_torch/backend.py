@@ -250,7 +250,7 @@ class TorchBackend(TorchDenseMixin, Backend):
             route = self._dist.Route(table.group, self._owner_rank(table, ids))
             rows = route.send("rows", rows)
             ids = route.send("ids", ids)
-        table.data.index_copy_(0, table.rowmap.local_index(ids), rows.reshape(ids.shape[0], -1))
+        table.data.index_copy_(0, table.rowmap.local_index(ids), rows.reshape(ids.shape[0], table.data.shape[1]))
         return table
 
     def segment_sum(self, ids: Any, values: Any) -> tuple[Any, Any]:
@@ -329,7 +329,7 @@ class TorchBackend(TorchDenseMixin, Backend):
         uids = seg.unique
         if first.group is not None:  # owners sum the contributions of every rank
             route = self._dist.Route(first.group, self._owner_rank(first, uids))
-            g = route.send("gradients", g.reshape(uids.shape[0], -1))
+            g = route.send("gradients", g.reshape(uids.shape[0], first.data.shape[1]))
             uids = route.send("ids", uids)
             seg = self._k.segments(uids)
             uids, g = seg.unique, self._k.sum_segments(seg, g)
