@@ -58,7 +58,7 @@ class JaxBackend(JaxDenseMixin, Backend):
             ``None``: ``MESHEMBED_JAX_CAPACITY`` or automatic (start at a quarter of the
             batch bucket, grow on overflow).
         dedup: ``"dense"`` (row -> slot map, no sort), ``"sort"`` or ``None`` = pick per
-            table (dense while a device's rows are at most 64x the batch);
+            table (dense while a device holds at most max(64 x batch, 2^24) rows);
             ``MESHEMBED_JAX_DEDUP`` overrides ``None``.
         enable_x64: turn on ``jax_enable_x64`` (float64 tables, NumPy-parity dtypes).
             ``None``: ``MESHEMBED_JAX_X64`` (default ``1``). With it off, float64 is not a
@@ -322,7 +322,7 @@ class JaxBackend(JaxDenseMixin, Backend):
     def _dedup_for(self, layout: ShardLayout, nb: int) -> str:
         if self.dedup:
             return self.dedup
-        return "dense" if layout.rows_per_device <= 64 * nb else "sort"
+        return "dense" if layout.rows_per_device <= max(64 * nb, 1 << 24) else "sort"
 
     def _capacity_for(self, layout: ShardLayout, nb: int) -> int:
         if self.capacity is not None:

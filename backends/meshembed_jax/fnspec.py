@@ -49,14 +49,6 @@ class FnSpec:
 _MARK = object()  # placeholder of a dynamic value inside a key
 
 
-def _hashable(key: Any) -> bool:
-    try:
-        hash(key)
-    except TypeError:
-        return False
-    return True
-
-
 def _safe_static(value: Any) -> bool:
     """Values that cannot change behind the key's back: a closure over a mutable object
     (an engine reading ``self.lr`` at trace time) must not reuse an old trace."""
@@ -70,61 +62,86 @@ def _safe_static(value: Any) -> bool:
     return bool(params is not None and params.frozen)
 
 
+class _Unsafe(Exception):
+    """A value that cannot be part of a static key (mutable, unhashable or stateful)."""
+
+
+def _split_value(value: Any, trace: bool) -> tuple[Any, list[Any], Callable[[Any], Any]]:
+    """(static description, dynamic leaves, rebuild(leaf_iterator)) of one captured value.
+
+    Recurses through dicts with string keys, tuples, lists and NamedTuples (the engine binds
+    hyper-parameters as a dict); other values must be safe statics.
+    """
+    if trace and _is_dynamic(value):
+        return _MARK, [_trace_value(value)], lambda it: next(it)
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        keys = sorted(value)
+        parts = [_split_value(value[k], trace) for k in keys]
+        static = ("dict", tuple((k, p[0]) for k, p in zip(keys, parts)))
+        return static, [leaf for p in parts for leaf in p[1]], lambda it: {k: p[2](it) for k, p in zip(keys, parts)}
+    if isinstance(value, (tuple, list)):
+        parts = [_split_value(v, trace) for v in value]
+        kind = type(value)
+        static = (kind, tuple(p[0] for p in parts))
+        leaves = [leaf for p in parts for leaf in p[1]]
+        if hasattr(value, "_fields"):  # NamedTuple
+            return static, leaves, lambda it: kind(*[p[2](it) for p in parts])
+        return static, leaves, lambda it: kind([p[2](it) for p in parts])
+    if isinstance(value, (float, np.floating)) or _safe_static(value):
+        _check_hashable(value)
+        return (type(value), value), [], lambda it: value
+    raise _Unsafe(type(value).__name__)
+
+
+def _check_hashable(value: Any) -> None:
+    try:
+        hash(value)
+    except TypeError as exc:
+        raise _Unsafe(str(exc)) from None
+
+
 def _by_identity(fn: Callable) -> FnSpec:
+    """Fallback key: the object itself (kept alive by the cache, so its id is not reused)."""
     return FnSpec(("id", id(fn), fn), lambda dyn, g, *rows: fn(g, *rows), ())
 
 
 def split(fn: Callable, trace_scalars: bool = True) -> FnSpec:
     """Split ``fn`` into (static key, dynamic values). ``trace_scalars=False`` keeps every
     value static (the fallback when a function branches on a hyper-parameter in Python)."""
-    if isinstance(fn, functools.partial):
-        names = sorted(fn.keywords)
-        dyn_names = tuple(n for n in names if trace_scalars and _is_dynamic(fn.keywords[n]))
-        static_kw = tuple((n, fn.keywords[n]) for n in names if n not in dyn_names)
-        dyn_args = tuple(i for i, a in enumerate(fn.args) if trace_scalars and _is_dynamic(a))
-        static_args = tuple(_MARK if i in dyn_args else a for i, a in enumerate(fn.args))
-        key = ("partial", fn.func, static_args, static_kw, dyn_names, dyn_args)
-        statics = [a for a in static_args if a is not _MARK] + [v for _, v in static_kw]
-        if not (_hashable(key) and _safe_static(fn.func) and all(_safe_static(v) for v in statics)):
-            return _by_identity(fn)
-        func, args, kw = fn.func, fn.args, dict(static_kw)
+    try:
+        if isinstance(fn, functools.partial):
+            if not _safe_static(fn.func):
+                return _by_identity(fn)
+            static, leaves, rebuild = _split_value((fn.args, dict(fn.keywords)), trace_scalars)
+            key = ("partial", fn.func, static)
+            _check_hashable(key)
+            func = fn.func
 
-        def call_partial(dyn: tuple[Any, ...], g: Any, *rows: Any) -> Any:
-            a = list(args)
-            for i, v in zip(dyn_args, dyn[: len(dyn_args)]):
-                a[i] = v
-            k = dict(kw)
-            k.update(zip(dyn_names, dyn[len(dyn_args):]))
-            return func(*a, g, *rows, **k)
+            def call_partial(dyn: tuple[Any, ...], g: Any, *rows: Any) -> Any:
+                args, kw = rebuild(iter(dyn))
+                return func(*args, g, *rows, **kw)
 
-        dyn = tuple(_trace_value(fn.args[i]) for i in dyn_args) + tuple(
-            _trace_value(fn.keywords[n]) for n in dyn_names
-        )
-        return FnSpec(key, call_partial, dyn)
+            return FnSpec(key, call_partial, tuple(leaves))
 
-    if inspect.isfunction(fn):
-        cells = tuple(c.cell_contents for c in (fn.__closure__ or ()))
-        dyn_idx = tuple(i for i, v in enumerate(cells) if trace_scalars and _is_dynamic(v))
-        static_cells = tuple(_MARK if i in dyn_idx else v for i, v in enumerate(cells))
-        defaults = fn.__defaults__ or ()
-        kwdefaults = tuple(sorted((fn.__kwdefaults__ or {}).items()))
-        key = ("function", fn.__code__, id(fn.__globals__), static_cells, defaults, kwdefaults)
-        statics = [v for v in static_cells if v is not _MARK] + list(defaults) + [v for _, v in kwdefaults]
-        if not (_hashable(key) and all(_safe_static(v) for v in statics)):
-            return _by_identity(fn)
-        if not dyn_idx:
-            return FnSpec(key, lambda dyn, g, *rows: fn(g, *rows), ())
-        code, glob, name = fn.__code__, fn.__globals__, fn.__name__
-        fn_defaults, fn_kwdefaults = fn.__defaults__, fn.__kwdefaults__
+        if inspect.isfunction(fn):
+            cells = tuple(c.cell_contents for c in (fn.__closure__ or ()))
+            captured = (cells, fn.__defaults__ or (), dict(fn.__kwdefaults__ or {}))
+            static, leaves, rebuild = _split_value(captured, trace_scalars)
+            key = ("function", fn.__code__, id(fn.__globals__), static)
+            _check_hashable(key)
+            if not leaves:
+                return FnSpec(key, lambda dyn, g, *rows: fn(g, *rows), ())
+            code, glob, name = fn.__code__, fn.__globals__, fn.__name__
 
-        def call_closure(dyn: tuple[Any, ...], g: Any, *rows: Any) -> Any:
-            values = list(cells)
-            for i, v in zip(dyn_idx, dyn):
-                values[i] = v
-            rebuilt = types.FunctionType(code, glob, name, fn_defaults, tuple(types.CellType(v) for v in values))
-            rebuilt.__kwdefaults__ = fn_kwdefaults
-            return rebuilt(g, *rows)
+            def call_closure(dyn: tuple[Any, ...], g: Any, *rows: Any) -> Any:
+                new_cells, defaults, kwdefaults = rebuild(iter(dyn))
+                rebuilt = types.FunctionType(
+                    code, glob, name, tuple(defaults) or None, tuple(types.CellType(v) for v in new_cells)
+                )
+                rebuilt.__kwdefaults__ = kwdefaults or None
+                return rebuilt(g, *rows)
 
-        return FnSpec(key, call_closure, tuple(_trace_value(cells[i]) for i in dyn_idx))
-
-    return _by_identity(fn)  # bound methods, callable objects: their state may change
+            return FnSpec(key, call_closure, tuple(leaves))
+    except _Unsafe:
+        pass
+    return _by_identity(fn)  # bound methods, callable objects, mutable captures

@@ -78,18 +78,24 @@ def local_rows(layout: ShardLayout, ids: jax.Array) -> jax.Array:
 
 
 def dedup_dense(flat: jax.Array, m: int, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Unique rows through a dense row -> slot map over the device's ``m`` rows.
+    """Unique rows through a dense row -> first-occurrence map over the device's ``m`` rows.
 
-    O(m + N) with no sort: mark touched rows, prefix-sum the marks into slot numbers (so
-    slots follow row order), look each id's slot up. Best when ``m`` is not much larger than
-    the batch (vocabulary 10^6 -> a 4 MB map).
-    Returns (rows per slot [capacity] with ``m`` for unused, slot per id [N] with
-    ``capacity`` for not owned/overflow, unique count).
+    No sort and no prefix sum over ``m`` (XLA's CPU cumsum over 10^6 elements costs ~20 ms):
+    a scatter-min writes, per row, the first batch position that names it; an id is the
+    representative of its row when that position is its own; a prefix sum over the *batch*
+    numbers the representatives. O(m) memory (4 MB for 10^6 rows), O(N + m) work.
+    Returns (row per slot [capacity] with ``m`` for unused, slot per id [N] with
+    ``capacity`` for not owned/overflow, unique count). Slots follow first occurrence.
     """
-    mark = jnp.zeros((m + 1,), jnp.int32).at[flat].set(1, mode="promise_in_bounds")[:m]
-    pos = jnp.cumsum(mark) - 1
-    count = pos[m - 1] + 1
-    slot = pos.at[flat].get(mode="fill", fill_value=capacity)
+    n = flat.shape[0]
+    iota = lax.iota(jnp.int32, n)
+    first = jnp.full((m + 1,), n, jnp.int32).at[flat].min(iota, mode="promise_in_bounds")
+    rep = first.at[flat].get(mode="promise_in_bounds")
+    owned = flat < m
+    is_rep = owned & (rep == iota)
+    rank = jnp.cumsum(is_rep.astype(jnp.int32)) - 1
+    count = rank[n - 1] + 1
+    slot = jnp.where(owned, rank.at[rep].get(mode="promise_in_bounds"), capacity)
     slot = jnp.where(slot < capacity, slot, capacity)
     uniq = jnp.full((capacity + 1,), m, flat.dtype).at[slot].set(flat, mode="promise_in_bounds")[:capacity]
     return uniq, slot, count
@@ -167,12 +173,12 @@ def make_update(
         uniq = jnp.where(count > capacity, m, uniq)  # overflow: write nothing at all
         g = jnp.zeros((capacity + 1, dim), grads.dtype).at[slot].add(grads, mode="promise_in_bounds")[:capacity]
         flats = [b.reshape(m, dim) for b in blocks]
-        rows = [f.at[uniq].get(mode="fill", fill_value=0, indices_are_sorted=True) for f in flats]
+        rows = [f.at[uniq].get(mode="fill", fill_value=0) for f in flats]
         new = call(dyn, g.astype(flats[0].dtype), *rows)
         new = _as_rows(new, n_tables)
         out = tuple(
             f.at[uniq].set(
-                jnp.asarray(r).astype(f.dtype), mode="drop", indices_are_sorted=True, unique_indices=True
+                jnp.asarray(r).astype(f.dtype), mode="drop", unique_indices=True
             ).reshape(k, r_max, dim)
             for f, r in zip(flats, new)
         )
