@@ -25,6 +25,13 @@ def _positive_or_none(name: str, value: Any) -> float | None:
     return float(value)
 
 
+def _sum_squares(xp: Any, g: Any) -> float:
+    """``Σ g²`` of a (possibly sharded) array as a Python float, summed in g's dtype."""
+    total = xp.sum(g * g)
+    full = getattr(total, "full_tensor", None)  # torch DTensor: all-reduce the partial sums
+    return float(full() if callable(full) else total)
+
+
 class GradientsClipOption:
     """Gradient clipping as tf_keras does it, applied before the update.
 
@@ -63,22 +70,20 @@ class GradientsClipOption:
         return any(v is not None for v in (self.clipnorm, self.clipvalue, self.global_clipnorm))
 
     def clip(self, xp: Any, grads: Sequence[Any]) -> list[Any]:
-        """Clipped copies of ``grads`` (arrays of namespace ``xp``); pure, no in-place."""
+        """Clipped copies of ``grads`` (arrays of namespace ``xp``); no in-place writes.
+
+        Norms are reduced to Python floats: one host sync per step, and the scale then
+        multiplies sharded arrays (DTensor, NamedSharding) without mixing array kinds."""
         grads = list(grads)
         if self.clipnorm is not None:
             c = self.clipnorm
-            return [g * c / xp.maximum(xp.sqrt(xp.sum(g * g)), c) for g in grads]
+            return [g * (c / max(math.sqrt(_sum_squares(xp, g)), c)) for g in grads]
         if self.global_clipnorm is not None:
             c = self.global_clipnorm
-            total = None
-            for g in grads:
-                s = xp.sum(g * g)
-                total = s if total is None else total + xp.astype(s, total.dtype)
-            norm = xp.sqrt(total)
+            norm = math.sqrt(sum(_sum_squares(xp, g) for g in grads))
             # tf.clip_by_global_norm: scale = c·min(1/n, 1/c) (so n = 0 leaves g unchanged).
-            tiny = xp.finfo(norm.dtype).tiny
-            scale = c * xp.minimum(1.0 / xp.maximum(norm, tiny), 1.0 / c)
-            return [g * xp.astype(scale, g.dtype) for g in grads]
+            scale = c * min(1.0 / norm if norm > 0 else math.inf, 1.0 / c)
+            return [g * scale for g in grads]
         if self.clipvalue is not None:
             v = self.clipvalue
             return [xp.minimum(xp.maximum(g, -v), v) for g in grads]
