@@ -140,6 +140,10 @@ class TPUEmbedding:
         """The logical ``[V, D]`` parameters of every table, as NumPy (a copy)."""
         return {t.name: self.backend.unshard(self._state[t.index][0]) for t in self.layout.tables}
 
+    def table_slot_names(self, table: str | int) -> tuple[str, ...]:
+        """TPU slot names of a table after ``parameters``, in Load/Retrieve order."""
+        return self._slot_names(self.layout.table(table))
+
     def output_shape(self, feature: int | str) -> tuple[int, ...]:
         """Shape of a feature's activation / gradient: ``input_shape + [dimension]``."""
         f = self._feature(feature)
@@ -268,7 +272,9 @@ class TPUEmbedding:
             if quant is not None and getattr(quant, "enabled", True):
                 from meshembed.math import quantize
 
-                rows = quantize(xp, rows, quant.lower, quant.upper, quant.num_buckets)
+                lo = -np.inf if quant.lower is None else quant.lower
+                hi = np.inf if quant.upper is None else quant.upper
+                rows = quantize(xp, rows, lo, hi, quant.num_buckets)
             act = combiners.forward(self.backend, rows, d.scale, d.slots, d.num_slots)
             outs.append(xp.reshape(act, f.output_shape + (t.dimension,)))
         p.dequeued = True
@@ -298,6 +304,9 @@ class TPUEmbedding:
     def _check_learning_rates(self, learning_rates: Any) -> list[float]:
         n = self.layout.num_dynamic_inputs
         lrs = [] if learning_rates is None else list(learning_rates)
+        fns = getattr(self.config, "learning_rate_fns", ())
+        if not lrs and n and len(fns) >= n and all(fn is not None for fn in fns[:n]):
+            lrs = [float(fn()) for fn in fns[:n]]  # TF2: callables are evaluated every step
         if len(lrs) != n:
             raise InputError(
                 f"Invalid `learning_rates`: the config uses {n} dynamic tag(s), so expected {n} "

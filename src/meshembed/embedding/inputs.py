@@ -196,72 +196,81 @@ def from_dense(x: Any, weights: Any, info: FeatureInfo, backend: Any = None) -> 
 
 
 def from_sparse(sp: Any, weights: Any, info: FeatureInfo, backend: Any = None) -> FeatureBatch:
-    """COO ids. Index rank ``len(S)+1`` combines the last axis into each slot; rank ``len(S)``
-    with ``len(S) >= 2`` is a sequence: the last axis is the position, cut at ``S[-1]``."""
-    shape = info.output_shape
+    """COO ids (``SparseIds`` or anything with ``indices``/``values``/``dense_shape``)."""
     indices = _int_array(sp.indices, "indices", info, backend)
     ids = _int_array(sp.values, "values", info, backend).reshape(-1)
     dense_shape = _int_array(sp.dense_shape, "dense_shape", info, backend).reshape(-1)
-    if indices.ndim != 2:
-        if indices.size == 0:
-            indices = indices.reshape(0, dense_shape.shape[0])
-        else:
-            raise InputError(
-                f"Invalid sparse `indices` for {_where(info)}: expected shape [nnz, rank]. "
-                f"Received: shape={indices.shape}"
-            )
-    nnz, rank = indices.shape
-    if ids.shape[0] != nnz:
-        raise InputError(
-            f"Invalid sparse ids for {_where(info)}: {nnz} indices but {ids.shape[0]} values."
-        )
-    if dense_shape.shape[0] != rank:
-        raise InputError(
-            f"Invalid sparse ids for {_where(info)}: `dense_shape` has rank {dense_shape.shape[0]} "
-            f"but `indices` has rank {rank}."
-        )
-    if nnz and (np.any(indices < 0) or np.any(indices >= dense_shape)):
-        k = int(np.flatnonzero(np.any((indices < 0) | (indices >= dense_shape), axis=1))[0])
-        raise InputError(
-            f"Invalid sparse ids for {_where(info)}: index {indices[k].tolist()} is outside "
-            f"dense_shape {dense_shape.tolist()}."
-        )
-    if rank == len(shape) + 1:
-        lead_dims = len(shape)
-        keep = np.ones(nnz, dtype=bool)
-    elif rank == len(shape) and rank >= 2:
-        lead_dims = rank - 1
-        keep = indices[:, -1] < shape[-1]  # sequence positions past max length are dropped
-    elif rank == len(shape) == 1:
-        lead_dims, keep = 1, np.ones(nnz, dtype=bool)
-    else:
-        raise InputError(
-            f"Invalid sparse ids for {_where(info)}: rank {rank} does not fit output shape "
-            f"{shape}. Expected rank {len(shape) + 1} (combine the last axis) or rank "
-            f"{len(shape)} (a sequence feature)."
-        )
-    if tuple(dense_shape[:lead_dims].tolist()) != shape[:lead_dims]:
-        raise InputError(
-            f"Invalid sparse ids for {_where(info)}: expected leading dense_shape "
-            f"{list(shape[:lead_dims])}. Received: dense_shape={dense_shape.tolist()}. Fix: the "
-            "batch size must match the feature's `input_shape`."
-        )
+    if indices.ndim != 2 and indices.size == 0:
+        indices = indices.reshape(0, dense_shape.shape[0])
     w = None
     if weights is not None:
-        wvals = weights.values if isinstance(weights, SparseIds) or hasattr(weights, "dense_shape") else weights
         if hasattr(weights, "indices"):
             widx = to_host(weights.indices, backend)
             if widx.shape != indices.shape or not np.array_equal(widx, indices):
                 raise InputError(
                     f"Invalid `weights` for {_where(info)}: the weights' indices must equal the ids' indices."
                 )
-        w = _float_weights(wvals, nnz, info, backend)[keep]
-    sel = indices[keep]
-    if rank == len(shape) and rank >= 2:
-        slots = np.ravel_multi_index(tuple(sel.T), shape) if sel.size else np.zeros(0, np.int64)
+            weights = weights.values
+        w = _float_weights(weights, ids.shape[0], info, backend)
+    return from_coo(indices, ids, w, info, dense_shape)
+
+
+def from_coo(
+    indices: np.ndarray, ids: np.ndarray, weights: np.ndarray | None, info: FeatureInfo,
+    dense_shape: np.ndarray | None = None,
+) -> FeatureBatch:
+    """COO ids. Index rank ``len(S)+1`` combines the last axis into each slot; rank ``len(S)``
+    with ``len(S) >= 2`` is a sequence: the last axis is the position, cut at ``S[-1]``."""
+    shape = info.output_shape
+    if indices.ndim != 2:
+        raise InputError(
+            f"Invalid sparse `indices` for {_where(info)}: expected shape [nnz, rank]. "
+            f"Received: shape={indices.shape}"
+        )
+    nnz, rank = indices.shape
+    if ids.shape[0] != nnz:
+        raise InputError(f"Invalid sparse ids for {_where(info)}: {nnz} indices but {ids.shape[0]} values.")
+    if rank == len(shape) + 1:
+        lead_dims, sequence = len(shape), False
+    elif rank == len(shape) and rank >= 2:
+        lead_dims, sequence = rank - 1, True
+    elif rank == len(shape) == 1:
+        lead_dims, sequence = 1, False
     else:
-        slots = np.ravel_multi_index(tuple(sel[:, :lead_dims].T), shape[:lead_dims]) if sel.size else np.zeros(0, np.int64)
-    return make_batch(ids[keep], slots, w, info)
+        raise InputError(
+            f"Invalid sparse ids for {_where(info)}: index rank {rank} does not fit output shape "
+            f"{shape}. Expected rank {len(shape) + 1} (combine the last axis) or rank "
+            f"{len(shape)} (a sequence feature)."
+        )
+    bound = np.asarray(shape[:lead_dims] + (np.iinfo(np.int64).max,) * (rank - lead_dims))
+    if dense_shape is not None:
+        if dense_shape.shape[0] != rank:
+            raise InputError(
+                f"Invalid sparse ids for {_where(info)}: `dense_shape` has rank {dense_shape.shape[0]} "
+                f"but `indices` has rank {rank}."
+            )
+        if tuple(dense_shape[:lead_dims].tolist()) != shape[:lead_dims]:
+            raise InputError(
+                f"Invalid sparse ids for {_where(info)}: expected leading dense_shape "
+                f"{list(shape[:lead_dims])}. Received: dense_shape={dense_shape.tolist()}. Fix: the "
+                "batch size must match the feature's `input_shape`."
+            )
+        bound = dense_shape
+    if nnz and (np.any(indices < 0) or np.any(indices >= bound)):
+        k = int(np.flatnonzero(np.any((indices < 0) | (indices >= bound), axis=1))[0])
+        raise InputError(
+            f"Invalid sparse ids for {_where(info)}: index {indices[k].tolist()} is outside the "
+            f"shape {list(shape[:lead_dims])} (+ the id axis)."
+        )
+    keep = indices[:, -1] < shape[-1] if sequence else np.ones(nnz, dtype=bool)
+    sel = indices[keep]
+    if not sel.size:
+        slots = np.zeros(0, np.int64)
+    elif sequence:
+        slots = np.ravel_multi_index(tuple(sel.T), shape)
+    else:
+        slots = np.ravel_multi_index(tuple(sel[:, :lead_dims].T), shape[:lead_dims])
+    return make_batch(ids[keep], slots, None if weights is None else weights[keep], info)
 
 
 def check_row_splits(splits: np.ndarray, num_values: int, info: FeatureInfo) -> None:

@@ -86,18 +86,18 @@ def _dynamic_tags(tables: tuple[TableSpec, ...]) -> int:
         opt = t.optimizer
         values = [getattr(opt, "learning_rate", None), *getattr(opt, "dynamic_inputs", tuple)()]
         tags.update(int(v.tag) for v in values if v is not None and _is_dynamic(v))
-    if tags and tags != set(range(len(tags))):
-        raise ConfigError(
-            f"Invalid dynamic learning-rate tags {sorted(tags)}: every tag in [0, {max(tags) + 1}) must "
-            "be used, none skipped."
-        )
-    return len(tags)
+    return max(tags) + 1 if tags else 0
 
 
 def build_layout(config: Any) -> Layout:
     """Read tables and features (in config order) from an EmbeddingConfig."""
     tables = []
     for i, t in enumerate(config.tables):
+        if getattr(t, "optimizer", None) is None:
+            raise ConfigError(
+                f"Table {t.name!r} has no optimizer. Fix: set `optimizer=` on its TableConfig or a "
+                "default `optimizer=` on the EmbeddingConfig (e.g. me.embedding.SGD(0.1))."
+            )
         combiner = str(getattr(t, "combiner", "mean") or "mean").lower()
         tables.append(
             TableSpec(
@@ -114,7 +114,9 @@ def build_layout(config: Any) -> Layout:
     features = []
     raw_features = list(getattr(config, "features", ()) or ())
     per_table = not raw_features
-    if per_table:
+    if per_table and hasattr(config, "effective_features"):
+        raw_features = list(config.effective_features)  # TF's fill-in rule, spec §1.5
+    if not raw_features:
         # Legacy configuration (spec §1.5): one pseudo-feature per table of shape [B * nf].
         batch = int(getattr(config, "batch_size_per_tensor_core", 0) or 0)
         for t, raw in zip(tables, config.tables):
@@ -127,8 +129,7 @@ def build_layout(config: Any) -> Layout:
             features.append(FeatureSpec(t.index, t.name, t.index, (batch * nf,)))
     else:
         for i, f in enumerate(raw_features):
-            table = f.table
-            key = getattr(table, "name", table)
+            key = getattr(f, "table_name", None) or getattr(f.table, "name", f.table)
             if isinstance(key, int) and not isinstance(key, bool):
                 tid = key
             elif key in names:
@@ -144,6 +145,6 @@ def build_layout(config: Any) -> Layout:
         features=tuple(features),
         strategy=_strategy(config),
         mode=_mode(config),
-        num_dynamic_inputs=_dynamic_tags(tables_t),
+        num_dynamic_inputs=int(getattr(config, "num_dynamic_inputs", None) or _dynamic_tags(tables_t)),
         per_table_layout=per_table,
     )
