@@ -50,10 +50,16 @@ def located(where: str) -> Iterator[None]:
         msg = str(err)
         if where in msg:
             raise
-        if msg.startswith("Invalid `") and "`. " in msg:
-            head, _, tail = msg.partition("`. ")
-            raise ConfigError(f"{head}` for {where}. {tail}") from err
+        head, sep, tail = msg.partition(". Expected ")
+        if msg.startswith("Invalid `") and sep:
+            joiner = " of " if " for " in head else " for "
+            raise ConfigError(f"{head}{joiner}{where}{sep}{tail}") from err
         raise ConfigError(f"{where}: {msg}") from err
+
+
+def one_of(names: Any) -> str:
+    """Render choices in a stable order, Keras style: {'a', 'b'}."""
+    return "{" + ", ".join(repr(n) for n in names) + "}"
 
 
 def f32(value: Any) -> float:
@@ -106,4 +112,4 @@ def as_enum(arg: str, value: Any, names: Mapping[str, int], where: str = "",
             key = aliases[key]
         if key in names:
             return key
-    raise invalid(arg, where, f"one of {set(names)}", value)
+    raise invalid(arg, where, f"one of {one_of(names)}", value)

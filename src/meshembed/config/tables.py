@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from meshembed.config._common import as_bool, as_int, invalid, located
+from meshembed.config._common import as_bool, as_int, invalid, located, one_of
 from meshembed.config.optimizers import OptimizerSpec, QuantizationConfig
 
 __all__ = ["COMBINERS", "DTYPES", "FeatureConfig", "SpmdSharding", "TableConfig"]
@@ -55,14 +55,14 @@ class TableConfig:
         object.__setattr__(self, "dimension", as_int("dimension", self.dimension, where, minimum=1))
         object.__setattr__(self, "num_features", as_int("num_features", self.num_features, where, minimum=0))
         if not isinstance(self.combiner, str) or self.combiner.lower() not in COMBINERS:
-            raise invalid("combiner", where, f"one of {set(COMBINERS)}", self.combiner)
+            raise invalid("combiner", where, f"one of {one_of(COMBINERS)}", self.combiner)
         object.__setattr__(self, "combiner", self.combiner.lower())
         try:
             dtype = np.dtype(self.dtype).name
         except TypeError:
             dtype = str(self.dtype)
         if dtype not in DTYPES:
-            raise invalid("dtype", where, f"one of {set(DTYPES)}", self.dtype)
+            raise invalid("dtype", where, f"one of {one_of(DTYPES)}", self.dtype)
         object.__setattr__(self, "dtype", dtype)
         if self.initializer is not None and not callable(self.initializer):
             raise invalid("initializer", where, "a callable (shape) -> array, or None", self.initializer)
