@@ -170,3 +170,31 @@ def test_custom_optimizer_spec_and_update() -> None:
         mm.CustomOptimizer(_sgd_with_velocity, ("velocity",), ())
     with pytest.raises(ValueError, match="use_gradient_accumulation"):
         mm.CustomOptimizer(_sgd_with_velocity, clipvalue=1.0, use_gradient_accumulation=False)
+
+
+def _hlo_program(fn, n_args: int) -> bytes:
+    jax = pytest.importorskip("jax", reason="building and running HLO needs jax")
+    jnp = jax.numpy
+    one = jnp.zeros((1, 1), jnp.float32)
+    args = [one] * (n_args - 1) + [jnp.float32(0)]
+    return jax.jit(fn).lower(*args).compiler_ir("hlo").as_serialized_hlo_module_proto()
+
+
+def test_user_defined_program_runs_real_hlo_under_jax() -> None:
+    """An Adagrad HLO (g, p, acc, lr) -> (p', acc') as a TPU user would write it."""
+    from meshembed.math.user_defined import jax_hlo_runner
+
+    def adagrad_hlo(g, p, acc, lr):
+        acc = acc + g * g
+        return p - lr * g / (acc ** 0.5), acc
+
+    program = _hlo_program(adagrad_hlo, 4)
+    rng = np.random.default_rng(0)
+    p = rng.normal(size=(3, 2)).astype(np.float32)
+    g = rng.normal(size=(3, 2)).astype(np.float32)
+    acc = np.full((3, 2), 0.1, np.float32)
+    out, slots = apply_update(xp, "user_defined_program", p, g, (acc,), lr=0.5,
+                              hyperparameters={"program": program, "hlo_runner": jax_hlo_runner})
+    ref, ref_slots = mm.adagrad(xp, p, g, mm.AdagradSlots(acc), lr=0.5)
+    np.testing.assert_allclose(out, ref, rtol=1e-6)
+    np.testing.assert_allclose(slots[0], ref_slots.accumulators, rtol=1e-6)
