@@ -85,7 +85,7 @@ def test_spec_contract(algorithm):
     assert len(spec.slot_initial_values()) == len(spec.slot_names)
     params = opt_pb2.OptimizationParameters.DESCRIPTOR.fields_by_name[algorithm].message_type
     scalar_fields = {f.name for f in params.fields if f.message_type is None}
-    assert set(spec.hyperparameters()) == scalar_fields - {"program"}
+    assert set(spec.hyperparameters()) == scalar_fields
     assert dataclasses.is_dataclass(spec)
     hash(spec)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -226,6 +226,8 @@ def test_callable_learning_rates_become_tags_in_table_order():
     assert cfg.learning_rate_fns == (lr_a, lr_b)
     assert cfg.num_dynamic_inputs == 2
     assert cfg.evaluate_learning_rates() == (0.1, 0.2)
+    assert cfg.replace(num_hosts=2).learning_rate_fns == (lr_a, lr_b)
+    assert EmbeddingConfig.from_proto(cfg.to_proto()) == cfg
 
 
 def test_step_counter_counts_as_a_dynamic_input():

@@ -307,7 +307,12 @@ class EmbeddingConfig:
         return self.num_hosts
 
     def replace(self, **changes: Any) -> EmbeddingConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``; learning-rate callables carry over while their tags remain."""
+        new = dataclasses.replace(self, **changes)
+        if self.learning_rate_fns and not new.learning_rate_fns \
+                and new.num_dynamic_inputs >= len(self.learning_rate_fns):
+            object.__setattr__(new, "learning_rate_fns", self.learning_rate_fns)
+        return new
 
 
 def _assign_dynamic_tags(tables: tuple[TableConfig, ...]) -> tuple[tuple[TableConfig, ...], tuple[Any, ...]]:

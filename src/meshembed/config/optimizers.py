@@ -702,6 +702,10 @@ class UserDefinedProgram(OptimizerSpec):
         as_int("num_slots", self.num_slots, where, minimum=0)
         super().__post_init__()
 
+    def hyperparameters(self) -> dict[str, Any]:
+        """``{"program": <serialized HLO bytes>}`` — the message's one field."""
+        return {"program": self.program}
+
     @property  # type: ignore[override]
     def slot_names(self) -> tuple[str, ...]:  # type: ignore[override]
         return tuple(f"Slot_{i}" for i in range(self.num_slots))

@@ -30,7 +30,6 @@ from meshembed.config.optimizers import (
     FrequencyAwareAdagrad,
     OptimizerSpec,
     QuantizationConfig,
-    UserDefinedProgram,
 )
 from meshembed.config.tables import FeatureConfig, SpmdSharding, TableConfig
 from meshembed.errors import ConfigError
@@ -168,12 +167,11 @@ def optimizer_to_message(opt: OptimizerSpec) -> opt_pb2.OptimizationParameters:
     params = getattr(msg, opt.algorithm)
     params.SetInParent()
     for name, value in opt.hyperparameters().items():
-        setattr(params, name, value)
+        if value or not isinstance(value, bytes):
+            setattr(params, name, value)
     if isinstance(opt, FrequencyAwareAdagrad) and isinstance(opt.step_counter, DynamicLearningRate):
         params.step_counter.SetInParent()
         params.step_counter.tag = opt.step_counter.tag
-    if isinstance(opt, UserDefinedProgram) and opt.program:
-        params.program = opt.program
     if opt.unknown_fields:
         msg.MergeFromString(opt.unknown_fields)
     return msg
