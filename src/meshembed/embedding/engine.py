@@ -469,11 +469,12 @@ class TPUEmbedding:
         self._state[t.index] = state
 
     # -- checkpoints -----------------------------------------------------------------------
-    def save(self, path: Any) -> None:
-        """Write a checkpoint directory atomically (see ``meshembed.embedding.checkpoint``)."""
+    def save(self, path: Any) -> Any:
+        """Write a checkpoint directory atomically (see ``meshembed.embedding.checkpoint``);
+        returns its path. The pending batch, if any, is not part of it."""
         from meshembed.embedding.checkpoint import save
 
-        save(self, path)
+        return save(self, path)
 
     @classmethod
     def restore(

@@ -1,0 +1,110 @@
+"""Checkpoints: pickle-free files, atomic writes (a failure mid-write keeps the previous
+checkpoint), and restore into another shard count / backend continuing identically."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import numpy as np
+import pytest
+
+import meshembed as me
+from meshembed.embedding import checkpoint
+from conformance.test_engine import assert_same_state, config, run, snapshot
+
+
+def test_restore_into_other_shard_count_continues_identically(tmp_path):
+    straight = me.TPUEmbedding(config(me.embedding.Adadelta(0.5, rho=0.9, epsilon=1e-6), strategy="mod"),
+                               num_shards=2, seed=7)
+    run(straight, steps=4)
+    first = me.TPUEmbedding(config(me.embedding.Adadelta(0.5, rho=0.9, epsilon=1e-6), strategy="mod"),
+                            num_shards=2, seed=7)
+    run(first, steps=2)
+    first.save(tmp_path / "ckpt")
+    resumed = me.TPUEmbedding.restore(tmp_path / "ckpt", num_shards=3)
+    assert resumed.num_shards == 3 and resumed.step == 2
+    run(resumed, steps=2, start=2)
+    assert_same_state(snapshot(straight), snapshot(resumed))
+
+
+@pytest.mark.parametrize("name", ["torch", "jax"])
+def test_restore_on_another_backend(tmp_path, name):
+    if name not in me.available_backends():
+        pytest.skip(f"{name} backend not available")
+    emb = me.TPUEmbedding(config(), num_shards=1)
+    run(emb, steps=2)
+    emb.save(tmp_path / "ckpt")
+    other = me.TPUEmbedding.restore(tmp_path / "ckpt", backend=name, num_shards=2)
+    assert other.backend.name == name
+    assert_same_state(snapshot(emb), snapshot(other))
+
+
+def test_files_are_pickle_free_and_self_describing(tmp_path):
+    emb = me.TPUEmbedding(config())
+    run(emb, steps=1)
+    path = emb.save(tmp_path / "ckpt") or tmp_path / "ckpt"
+    assert sorted(p.name for p in path.iterdir()) == ["arrays.npz", "config.pb", "manifest.json"]
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["step"] == 1 and [t["name"] for t in manifest["tables"]] == ["a", "b"]
+    assert (path / "config.pb").read_bytes() == emb.config.to_proto()
+    with zipfile.ZipFile(path / "arrays.npz") as z:
+        assert all(n.endswith(".npy") for n in z.namelist())
+    with np.load(path / "arrays.npz", allow_pickle=False) as npz:
+        assert set(npz.files) == {"t0.parameters", "t0.accumulators", "t1.parameters", "t1.accumulators"}
+    assert me.EmbeddingConfig.from_proto((path / "config.pb").read_bytes()).to_proto() == emb.config.to_proto()
+
+
+def test_failure_mid_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    emb = me.TPUEmbedding(config())
+    run(emb, steps=1)
+    emb.save(tmp_path / "ckpt")
+    saved = snapshot(emb)
+    run(emb, steps=1, start=1)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full (injected)")
+
+    monkeypatch.setattr(checkpoint, "_write_file", crash)
+    with pytest.raises(OSError, match="injected"):
+        emb.save(tmp_path / "ckpt")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # temp dir cleaned up
+    restored = me.TPUEmbedding.restore(tmp_path / "ckpt")
+    assert restored.step == 1
+    assert_same_state(saved, snapshot(restored))
+
+
+def test_crash_between_renames_falls_back_to_previous(tmp_path, monkeypatch):
+    emb = me.TPUEmbedding(config())
+    emb.save(tmp_path / "ckpt")
+    saved = snapshot(emb)
+    run(emb, steps=1)
+    real_replace = checkpoint.os.replace
+    calls = []
+
+    def replace(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:  # old moved aside, new not yet in place: "power cut"
+            raise OSError("power cut (injected)")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    with pytest.raises(OSError, match="power cut"):
+        emb.save(tmp_path / "ckpt")
+    monkeypatch.undo()
+    assert not (tmp_path / "ckpt").exists()
+    restored = me.TPUEmbedding.restore(tmp_path / "ckpt")
+    assert_same_state(saved, snapshot(restored))
+
+
+def test_corrupt_checkpoint_is_refused(tmp_path):
+    emb = me.TPUEmbedding(config())
+    emb.save(tmp_path / "ckpt")
+    data = bytearray((tmp_path / "ckpt" / "arrays.npz").read_bytes())
+    data[-30] ^= 0xFF
+    (tmp_path / "ckpt" / "arrays.npz").write_bytes(bytes(data))
+    with pytest.raises(me.InputError, match="checksum"):
+        me.TPUEmbedding.restore(tmp_path / "ckpt")
+    with pytest.raises(me.InputError, match="No checkpoint"):
+        me.TPUEmbedding.restore(tmp_path / "missing")

@@ -1,0 +1,96 @@
+"""Host-side normalisation of enqueued ids (dense, SparseIds, RaggedIds) and combiner factors."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+import meshembed as me
+from meshembed.embedding import combiners, inputs
+
+INFO = inputs.FeatureInfo("f", "t", 10, (3,))
+SEQ = inputs.FeatureInfo("s", "t", 10, (2, 3))
+
+
+def test_dense_ids_one_per_slot():
+    b = inputs.normalize(np.array([[4], [5], [6]]), None, INFO)
+    assert b.ids.tolist() == [4, 5, 6] and b.slots.tolist() == [0, 1, 2] and b.num_slots == 3
+
+
+def test_sparse_combined_and_sequence_truncated():
+    sp = me.SparseIds(np.array([[0, 0], [0, 1], [2, 0]]), np.array([1, 2, 3]), [3, 2])
+    b = inputs.normalize(sp, np.array([0.5, 1.5, 1.0]), INFO)
+    assert b.slots.tolist() == [0, 0, 2] and b.weights.tolist() == [0.5, 1.5, 1.0]
+    seq = me.SparseIds(np.array([[0, 0], [0, 3], [1, 2]]), np.array([1, 2, 3]), [2, 5])
+    b = inputs.normalize(seq, None, SEQ)
+    assert b.ids.tolist() == [1, 3] and b.slots.tolist() == [0, 5]  # position 3 >= M=3 dropped
+
+
+def test_ragged_combined_and_sequence():
+    rg = me.RaggedIds.from_lists([[1, 2], [], [3]])
+    assert inputs.normalize(rg, None, INFO).slots.tolist() == [0, 0, 2]
+    rg = me.RaggedIds.from_lists([[1, 2, 3, 4], [5]])
+    b = inputs.normalize(rg, None, SEQ)
+    assert b.ids.tolist() == [1, 2, 3, 5] and b.slots.tolist() == [0, 1, 2, 3]
+
+
+def test_duck_typed_tensorflow_like_inputs():
+    sp = types.SimpleNamespace(indices=np.array([[1, 0]]), values=np.array([7]), dense_shape=np.array([3, 1]))
+    assert inputs.normalize(sp, None, INFO).slots.tolist() == [1]
+    rg = types.SimpleNamespace(row_splits=np.array([0, 1, 1, 2]), values=np.array([7, 8]))
+    assert inputs.normalize(rg, None, INFO).slots.tolist() == [0, 2]
+
+
+@pytest.mark.parametrize("bad,match", [
+    (np.array([1, 2, 10]), r"\[0, 10\)"),
+    (np.array([1, -1, 2]), "id=-1"),
+    (np.array([1, 2]), "shape"),
+    (me.RaggedIds(np.array([0, 2, 1, 3]), np.array([1, 2, 3])), "non-decreasing"),
+    (me.RaggedIds(np.array([0, 1, 2, 4]), np.array([1, 2, 3])), "last split"),
+    (me.SparseIds(np.array([[0, 0]]), np.array([1]), [4, 2]), "batch size"),
+    (me.SparseIds(np.array([[0, 5]]), np.array([1]), [3, 2]), "outside"),
+])
+def test_bad_ids_name_the_feature(bad, match):
+    with pytest.raises(me.InputError, match=match) as info:
+        inputs.normalize(bad, None, INFO)
+    assert "feature 'f' (table 't')" in str(info.value)
+
+
+def test_combiner_scales_and_div_no_nan():
+    slots, w = np.array([0, 0, 1, 2, 2]), np.array([1.0, 3.0, 2.0, 0.0, 0.0], np.float32)
+    np.testing.assert_allclose(combiners.combiner_scale(slots, w, 3, "mean"), [0.25, 0.75, 1.0, 0.0, 0.0])
+    np.testing.assert_allclose(combiners.combiner_scale(slots, w, 3, "sqrtn"),
+                               [1 / np.sqrt(10), 3 / np.sqrt(10), 1.0, 0.0, 0.0], rtol=1e-6)
+    np.testing.assert_array_equal(combiners.combiner_scale(slots, w, 3, "sum"), w)
+    with pytest.raises(me.InputError, match="combiner"):
+        combiners.combiner_scale(slots, w, 3, "max")
+
+
+def test_mode_spellings():
+    assert inputs.parse_mode("train") == inputs.parse_mode("training") == "training"
+    assert inputs.parse_mode("unspecified") is None
+    assert inputs.parse_mode(b"backward_pass_only") == "backward_pass_only"
+
+
+def test_initialisers_are_seeded_and_truncated():
+    cfg = me.EmbeddingConfig(tables=[me.TableConfig("t", 500, 16, optimizer=me.embedding.SGD(0.1))],
+                             features=[me.FeatureConfig("t", (2,), name="f")])
+    a = me.TPUEmbedding(cfg, seed=1).retrieve_parameters("t")["parameters"]
+    b = me.TPUEmbedding(cfg, seed=1, num_shards=3).retrieve_parameters("t")["parameters"]
+    c = me.TPUEmbedding(cfg, seed=2).retrieve_parameters("t")["parameters"]
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert np.abs(a).max() <= 2 / 4 + 1e-6 and abs(a.std() - 0.88 / 4) < 0.02
+    rows = me.TPUEmbedding(cfg, initializers={"t": me.embedding.RowIdInitializer()}, num_shards=4)
+    np.testing.assert_array_equal(rows.retrieve_parameters("t")["parameters"][:, 0], np.arange(500))
+    const = me.TPUEmbedding(cfg, initializers={"t": 0.5}).retrieve_parameters("t")["parameters"]
+    assert np.all(const == 0.5)
+
+
+def test_public_names():
+    for name in ("TPUEmbedding", "SparseIds", "RaggedIds", "Adadelta", "Adagrad", "SGD", "FTRL", "Adam",
+                 "DynamicLearningRate", "QuantizationConfig", "CustomOptimizer", "FrequencyEstimator"):
+        assert hasattr(me.embedding, name), name
+    assert me.TPUEmbedding is me.embedding.TPUEmbedding
