@@ -196,3 +196,50 @@ def test_optimization_parameters_message_round_trip_all_algorithms():
         msg = optimizer_to_message(spec)
         assert msg.WhichOneof("parameters") == name
         assert optimizer_from_message(opt_pb2.OptimizationParameters.FromString(msg.SerializeToString())) == spec
+
+
+# ---------------------------------------------------------------------------- property: round trip
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from meshembed.config import OPTIMIZER_CLASSES  # noqa: E402
+
+_floats = st.floats(-10, 10, allow_nan=False, width=32)
+
+
+@st.composite
+def _optimizers(draw):
+    cls = draw(st.sampled_from(sorted(OPTIMIZER_CLASSES.values(), key=lambda c: c.algorithm)))
+    lr = draw(st.one_of(st.floats(0.125, 1, width=32), st.builds(DynamicLearningRate, st.just(0))))
+    kw = {"use_gradient_accumulation": draw(st.sampled_from([True, None]))}
+    if draw(st.booleans()):
+        kw["clip_weight_min"], kw["clip_weight_max"] = -5.0, draw(st.floats(0, 5, width=32))
+    if draw(st.booleans()):
+        kw["clipvalue"] = draw(st.floats(0.5, 5, width=32))
+    if draw(st.booleans()) and cls.algorithm != "mdl_adagrad_light":
+        kw["weight_decay_factor"] = draw(st.floats(0.125, 0.5, width=32))
+    for proto_name, attr in cls._fields:
+        if proto_name in cls._bool_fields:
+            kw[attr] = draw(st.booleans())
+        elif draw(st.booleans()):
+            kw[attr] = draw(_floats)
+    from meshembed.config._common import parsing_proto
+
+    with parsing_proto():  # arbitrary values, as a proto may carry them
+        return cls(lr, **kw)
+
+
+@settings(max_examples=60, deadline=None)
+@given(opts=st.lists(_optimizers(), min_size=1, max_size=3),
+       shapes=st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=3), min_size=1, max_size=4),
+       strategy=st.sampled_from(["div", "mod"]))
+def test_random_configs_round_trip(opts, shapes, strategy):
+    tables = [TableConfig(f"t{i}", 16, 2 + i, opt) for i, opt in enumerate(opts)]
+    features = [FeatureConfig(f"t{i % len(tables)}", tuple(s), name=f"f{i}") for i, s in enumerate(shapes)]
+    features += [FeatureConfig(t.name, (4,)) for t in tables[len(shapes):]]
+    cfg = EmbeddingConfig(tables, features, sharding_strategy=strategy, num_hosts=2)
+    data = cfg.to_proto()
+    again = EmbeddingConfig.from_proto(data)
+    assert again == cfg
+    assert again.to_proto() == data
+    assert EmbeddingConfig.from_proto(cfg.to_text()).to_proto() == data

@@ -183,7 +183,7 @@ def config_from_proto(data: Any, combiners: CombinersArg = None) -> EmbeddingCon
 
 
 def _read(data: Any) -> cfg_pb2.TPUEmbeddingConfiguration:
-    msg = cfg_pb2.TPUEmbeddingConfiguration()
+    """Dispatch on the input kind: bytes, a message, a path, or text."""
     if isinstance(data, (bytes, bytearray, memoryview)):
         return _parse_binary(bytes(data), "the given bytes")
     if isinstance(data, pb_message.Message):
@@ -207,7 +207,6 @@ def _read(data: Any) -> cfg_pb2.TPUEmbeddingConfiguration:
         return _parse_text(data, "the given text")
     raise invalid("data", "EmbeddingConfig.from_proto",
                   "serialized bytes, a text-format str, or a path to a .pb / .pbtxt file", type(data).__name__)
-    return msg  # pragma: no cover
 
 
 def _parse_binary(raw: bytes, what: str) -> cfg_pb2.TPUEmbeddingConfiguration:
