@@ -11,6 +11,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from meshembed.errors import ConfigError
+
 
 class JaxDenseMixin:
     """``make_mesh`` / ``place`` / ``sharding_of`` / ``value_and_grad`` for JAX."""
@@ -26,7 +28,7 @@ class JaxDenseMixin:
         if devices is None:
             available = jax.devices()
             if len(available) < n:
-                raise ValueError(
+                raise ConfigError(
                     f"Invalid `shape`. Expected at most {len(available)} devices (the JAX devices "
                     f"here), e.g. set XLA_FLAGS=--xla_force_host_platform_device_count={n} before "
                     f"importing jax for CPU devices. Received: shape={shape}"
@@ -34,7 +36,7 @@ class JaxDenseMixin:
             devices = available[:n]
         devices = np.asarray(list(np.ravel(np.asarray(devices, dtype=object))), dtype=object)
         if devices.size != n:
-            raise ValueError(
+            raise ConfigError(
                 f"Invalid `devices`. Expected {n} devices for shape={shape}. Received: {devices.size} devices"
             )
         return Mesh(devices.reshape(shape), axis_names=tuple(dim_names))

@@ -17,6 +17,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from meshembed.errors import ConfigError, InputError
+
 
 def _dist_ready() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -43,7 +45,7 @@ class TorchDenseMixin:
 
         world = torch.distributed.get_world_size()
         if math.prod(shape) != world:
-            raise ValueError(
+            raise ConfigError(
                 f"Invalid `shape`. Expected the mesh size (product of shape) to equal the "
                 f"torch.distributed world size {world}. Received: shape={tuple(shape)}"
             )
@@ -52,7 +54,7 @@ class TorchDenseMixin:
         elif isinstance(devices, torch.device):
             devices = devices.type
         if not isinstance(devices, str):
-            raise ValueError(
+            raise ConfigError(
                 "Invalid `devices`. Expected a torch device type such as 'cpu' or 'cuda' "
                 f"(the process group decides which devices). Received: devices={devices!r}"
             )
@@ -98,7 +100,7 @@ class TorchDenseMixin:
         with torch.enable_grad():
             loss = fn(*leaves)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ValueError(
+                raise InputError(
                     "Invalid `loss`. Expected a callable returning a scalar tensor. "
                     f"Received: loss value of type {type(loss).__name__}"
                     + (f" with shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")

@@ -61,8 +61,10 @@ class Adadelta(Optimizer):
         if self.built:
             return
         super().build(var_list)
-        self._accumulated_grads = [self.add_variable_from_reference(v, "accumulated_grad") for v in var_list]
-        self._accumulated_delta_vars = [self.add_variable_from_reference(v, "accumulated_delta_var") for v in var_list]
+        self._accumulated_grads, self._accumulated_delta_vars = [], []
+        for v in var_list:  # tf_keras' order: both slots of one variable, then the next
+            self._accumulated_grads.append(self.add_variable_from_reference(v, "accumulated_grad"))
+            self._accumulated_delta_vars.append(self.add_variable_from_reference(v, "accumulated_delta_var"))
 
     def update_step(self, grad: Any, variable: Variable) -> None:
         i = self._slot_index(variable)
