@@ -20,7 +20,6 @@ Design (see ``layout.py`` and ``kernels.py``):
 from __future__ import annotations
 
 import collections
-import importlib
 import os
 from typing import Any, Callable, Sequence
 
@@ -88,11 +87,11 @@ class JaxBackend(JaxDenseMixin, Backend):
     # -- discovery ---------------------------------------------------------------------
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        if importlib.util.find_spec("jax") is None:
-            return "jax is not installed"
         try:
             import jax
-
+        except ImportError as exc:
+            return f"jax is not installed ({exc})"
+        try:
             jax.devices()
         except Exception as exc:  # a broken install or no usable platform
             return f"jax cannot start ({type(exc).__name__}: {exc})"

@@ -1,0 +1,359 @@
+"""JAX backend: protocol-level parity with the NumPy reference, sharding, donation,
+capacity errors and compile counting.
+
+The same module runs on 1 device here and on 8 CPU devices in a subprocess
+(``test_jax_multidevice.py`` sets ``MESHEMBED_JAX_EXPECT_DEVICES=8``). Row i of a test
+table holds i (+ column/1000), so a misplaced row is obvious.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import meshembed as me  # noqa: E402
+from meshembed import math as me_math  # noqa: E402
+from meshembed.errors import CapacityError  # noqa: E402
+from meshembed.sharding import Placement  # noqa: E402
+from meshembed_jax import JaxBackend, fnspec  # noqa: E402
+from meshembed_numpy import NumpyBackend  # noqa: E402
+
+SHARDINGS = [(v, n, s) for v, n in [(13, 1), (13, 2), (13, 3), (16, 8), (37, 8)] for s in ("mod", "div")]
+RTOL = {"float32": 2e-6, "float64": 1e-13}
+
+
+@pytest.fixture(scope="module")
+def be() -> JaxBackend:
+    return me.get_backend("jax")
+
+
+@pytest.fixture(scope="module")
+def ref() -> NumpyBackend:
+    return NumpyBackend()
+
+
+def _table(vocab: int, dim: int, dtype: str = "float32") -> np.ndarray:
+    return (np.arange(vocab)[:, None] + np.arange(dim)[None, :] / 1000.0).astype(dtype)
+
+
+def _close(actual, expected, dtype: str) -> None:
+    expected = np.asarray(expected, dtype=np.float64)
+    scale = float(np.max(np.abs(expected))) if expected.size else 0.0
+    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=RTOL[dtype], atol=RTOL[dtype] * scale)
+
+
+class CompileCounter:
+    """Counts XLA backend compilations (``jax.monitoring`` duration events) in a block."""
+
+    _events: list[str] = []
+    _installed = False
+
+    def __init__(self) -> None:
+        if not CompileCounter._installed:
+            jax.monitoring.register_event_duration_secs_listener(
+                lambda name, _secs, **_kw: CompileCounter._events.append(name)
+            )
+            CompileCounter._installed = True
+
+    def __enter__(self) -> "CompileCounter":
+        self._start = len(self._events)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    @property
+    def count(self) -> int:
+        return sum("backend_compile" in e for e in self._events[self._start:])
+
+
+def make_fn(xp, algorithm: str, lr: float, hp: dict):
+    """The engine's shape of optimizer callable: a closure over the core's apply_update."""
+
+    def fn(grads, params, *slots):
+        new_params, new_slots = me_math.apply_update(xp, algorithm, params, grads, tuple(slots), lr=lr, hyperparameters=hp)
+        return (new_params, *tuple(new_slots))
+
+    return fn
+
+
+OPTIMIZERS = {
+    "adadelta": (dict(rho=0.9, epsilon=1e-6), (0.0, 0.0)),
+    "adagrad": ({}, (0.1,)),
+}
+
+
+def test_devices_as_expected():
+    expected = int(os.environ.get("MESHEMBED_JAX_EXPECT_DEVICES", "0") or 0)
+    if expected:
+        assert len(jax.devices()) == expected
+
+
+@pytest.mark.parametrize("vocab,shards,strategy", SHARDINGS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_create_unshard_and_sharding(be, vocab, shards, strategy, dtype):
+    values = _table(vocab, 4, dtype)
+    placement = Placement(vocab, shards, strategy)
+    table = be.create_table(values, placement)
+    slot = be.create_table(np.zeros_like(values), placement)
+    np.testing.assert_array_equal(be.unshard(table), values)
+    assert be.unshard(table).dtype == np.dtype(dtype)
+    # padded [S, max_rows, D], sharded on axis 0 over the largest device count dividing S
+    assert table.data.shape == (shards, placement.max_rows, 4)
+    n_dev = max(d for d in range(1, min(shards, len(jax.devices())) + 1) if shards % d == 0)
+    assert len(table.data.sharding.device_set) == n_dev
+    assert table.data.sharding.spec[0] == "shard"
+    assert slot.data.sharding == table.data.sharding  # slots co-sharded with their table
+    # each device holds exactly its logical shards' rows
+    for piece in table.data.addressable_shards:
+        s0 = piece.index[0].start or 0
+        block = np.asarray(piece.data)
+        for j in range(block.shape[0]):
+            rows = placement.rows_in_shard(s0 + j)
+            np.testing.assert_array_equal(block[j, :rows], values[placement.global_ids(s0 + j)])
+
+
+@pytest.mark.parametrize("vocab,shards,strategy", SHARDINGS)
+def test_gather_scatter_parity(be, ref, vocab, shards, strategy):
+    values = _table(vocab, 3)
+    placement = Placement(vocab, shards, strategy)
+    t, r = be.create_table(values, placement), ref.create_table(values, placement)
+    ids = np.array([[vocab - 1, 0, 2], [2, vocab - 1, 1]], dtype=np.int64)
+    out = be.gather(t, be.asarray(ids))
+    assert out.shape == (2, 3, 3)
+    np.testing.assert_array_equal(be.to_numpy(out), values[ids])
+    uids = np.array([vocab - 1, 0, 4, 7], dtype=np.int64)
+    rows = -np.arange(12, dtype=np.float32).reshape(4, 3)
+    t = be.scatter(t, be.asarray(uids), be.asarray(rows))
+    r = ref.scatter(r, uids, rows)
+    np.testing.assert_array_equal(be.unshard(t), ref.unshard(r))
+    # NumPy inputs are accepted too (no asarray first)
+    np.testing.assert_array_equal(be.to_numpy(be.gather(t, uids)), rows)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_segment_sums_parity(be, ref, dtype):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 50, size=300)
+    vals = rng.standard_normal((300, 4)).astype(dtype)
+    u, s = be.segment_sum(be.asarray(ids), be.asarray(vals))
+    eu, es = ref.segment_sum(ids, vals)
+    np.testing.assert_array_equal(be.to_numpy(u), eu)
+    _close(be.to_numpy(s), es, dtype)
+    assert be.to_numpy(s).dtype == np.dtype(dtype)
+    seg = rng.integers(0, 9, size=300)
+    out = be.segment_sum_to(be.asarray(vals), be.asarray(seg), 11)
+    _close(be.to_numpy(out), ref.segment_sum_to(vals, seg, 11), dtype)
+
+
+@pytest.mark.parametrize("algorithm", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("vocab,shards,strategy", SHARDINGS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_update_rows_core_optimizers_parity(be, ref, algorithm, vocab, shards, strategy, dtype):
+    """Three steps of the core's Adadelta/Adagrad with a new lr each step: same numbers as
+    NumPy, untouched rows bit-identical, and no compilation after the first step."""
+    hp, slot_init = OPTIMIZERS[algorithm]
+    placement = Placement(vocab, shards, strategy)
+    rng = np.random.default_rng(vocab + shards)
+    values = _table(vocab, 4, dtype)
+    slots = [np.full_like(values, v) for v in slot_init]
+    tj = [be.create_table(x, placement) for x in [values, *slots]]
+    tr = [ref.create_table(x, placement) for x in [values, *slots]]
+    counter = CompileCounter()
+    for step in range(3):
+        ids = rng.integers(0, vocab, size=11)
+        ids[:3] = ids[3]  # duplicates
+        grads = rng.standard_normal((11, 4)).astype(dtype)
+        lr = 0.1 * (step + 1)
+        with counter:
+            tj = be.update_rows(tj, be.asarray(ids), be.asarray(grads), make_fn(be.xp, algorithm, lr, hp))
+            compiles = counter.count
+        if step:
+            assert compiles == 0, f"step {step} recompiled"
+        tr = ref.update_rows(tr, ids, grads, make_fn(ref.xp, algorithm, lr, hp))
+    for a, b in zip(tj, tr):
+        _close(be.unshard(a), ref.unshard(b), dtype)
+
+
+def test_update_rows_donates_buffers(be):
+    placement = Placement(64, 1, "mod")
+    t = [be.create_table(_table(64, 8), placement), be.create_table(np.ones((64, 8), np.float32), placement)]
+    old = [x.data for x in t]
+    fn = make_fn(be.xp, "adagrad", 0.1, {})
+    t = be.update_rows(t, be.asarray(np.array([1, 2, 2])), be.asarray(np.ones((3, 8), np.float32)), fn)
+    assert all(o.is_deleted() for o in old), "table/slot buffers were copied, not donated"
+    old = t[0].data
+    t0 = be.scatter(t[0], be.asarray(np.array([5])), be.asarray(np.zeros((1, 8), np.float32)))
+    assert old.is_deleted() and t0 is t[0]
+
+
+def test_capacity_error_leaves_state_unchanged():
+    be = JaxBackend(capacity=4)
+    placement = Placement(40, 2, "div")
+    values = _table(40, 3)
+    t = [be.create_table(values, placement), be.create_table(np.full((40, 3), 0.1, np.float32), placement)]
+    fn = make_fn(be.xp, "adagrad", 0.5, {})
+    ids = np.arange(0, 20)  # 10 unique ids per shard (20 per device on one device) > capacity 4
+    with pytest.raises(CapacityError, match=r"capacity is 4.*Nothing was updated.*at least (10|20)\b"):
+        be.update_rows(t, be.asarray(ids), be.asarray(np.ones((20, 3), np.float32)), fn)
+    np.testing.assert_array_equal(be.unshard(t[0]), values)
+    np.testing.assert_array_equal(be.unshard(t[1]), np.full((40, 3), 0.1, np.float32))
+    # a batch within capacity still works on the same tables
+    t = be.update_rows(t, be.asarray(np.array([1, 1, 30])), be.asarray(np.ones((3, 3), np.float32)), fn)
+    assert not np.array_equal(be.unshard(t[0])[[1, 30]], values[[1, 30]])
+
+
+def test_capacity_from_env(monkeypatch):
+    monkeypatch.setenv("MESHEMBED_JAX_CAPACITY", "3")
+    assert JaxBackend().capacity == 3
+
+
+def test_automatic_capacity_grows_without_error(ref):
+    be = JaxBackend()
+    placement = Placement(5000, 1, "mod")
+    values = _table(5000, 2)
+    t, r = [be.create_table(values, placement)], [ref.create_table(values, placement)]
+    ids = np.arange(4096)  # all unique: more than the automatic first guess (a quarter)
+    g = np.ones((4096, 2), np.float32)
+    fn = make_fn(be.xp, "stochastic_gradient_descent", 0.5, {})
+    t = be.update_rows(t, be.asarray(ids), be.asarray(g), fn)
+    r = ref.update_rows(r, ids, g, make_fn(ref.xp, "stochastic_gradient_descent", 0.5, {}))
+    np.testing.assert_array_equal(be.unshard(t[0]), ref.unshard(r[0]))
+
+
+def test_no_recompilation_across_steps_and_batch_sizes(be):
+    placement = Placement(1000, 2, "mod")
+    zeros = np.zeros((1000, 8), np.float32)
+    t = [be.create_table(_table(1000, 8), placement)] + [be.create_table(zeros, placement) for _ in range(2)]
+    rng = np.random.default_rng(3)
+
+    def step(n: int, lr: float):
+        nonlocal t
+        ids = be.asarray(rng.integers(0, 1000, size=n))
+        t = be.update_rows(t, ids, be.asarray(np.ones((n, 8), np.float32)), make_fn(be.xp, "adadelta", lr, dict(rho=0.9, epsilon=1e-6)))
+        be.gather(t[0], ids)
+
+    step(120, 0.1)  # compiles
+    counter = CompileCounter()
+    with counter:
+        for i in range(5):
+            step(120, 0.1 / (i + 1))  # same shapes, new learning rate each step
+    assert counter.count == 0
+    # another batch size in the same bucket (120 and 125 -> 128) reuses the compiled
+    # kernels; only the small eager padding ops see a new shape
+    kernels = [k for k in be._kernels.values() if hasattr(k, "_cache_size")]
+    sizes = [k._cache_size() for k in kernels]
+    n_kernels = len(be._kernels)
+    step(125, 0.2)
+    assert len(be._kernels) == n_kernels
+    assert [k._cache_size() for k in kernels] == sizes
+
+
+def test_fnspec_keys():
+    import functools
+
+    import jax.numpy as jnp
+
+    def base(xp, g, p, *, lr, flag):
+        return (p - lr * g,) if flag else (p,)
+
+    a = fnspec.split(functools.partial(base, jnp, lr=0.1, flag=True))
+    b = fnspec.split(functools.partial(base, jnp, lr=0.2, flag=True))
+    c = fnspec.split(functools.partial(base, jnp, lr=0.2, flag=False))
+    assert a.key == b.key and a.dyn == (0.1,) and b.dyn == (0.2,)
+    assert a.key != c.key
+    out = a.call((0.5,), jnp.ones(2), jnp.zeros(2))
+    np.testing.assert_allclose(np.asarray(out[0]), -0.5)
+
+    class Holder:  # mutable state read at trace time must never be baked into a shared key
+        lr = 0.1
+
+    h = Holder()
+
+    def closure(g, p):
+        return (p - h.lr * g,)
+
+    assert fnspec.split(closure).key[0] == "id"
+    hp1 = fnspec.split(make_fn(jnp, "adagrad", 0.1, {"x": 1.0}))
+    hp2 = fnspec.split(make_fn(jnp, "adagrad", 0.3, {"x": 2.0}))
+    assert hp1.key == hp2.key and len(hp1.dyn) == 2  # lr and the dict's float are traced
+
+
+def test_hyperparameter_branching_falls_back_to_static(be):
+    """A function that branches on a float in Python still works (kept static)."""
+    placement = Placement(10, 1, "mod")
+    t = [be.create_table(_table(10, 2), placement)]
+
+    def make(lr):
+        def fn(g, p):
+            return (p - g if lr > 0.5 else p + g,)
+
+        return fn
+
+    t = be.update_rows(t, be.asarray(np.array([1])), be.asarray(np.ones((1, 2), np.float32)), make(1.0))
+    t = be.update_rows(t, be.asarray(np.array([1])), be.asarray(np.ones((1, 2), np.float32)), make(0.1))
+    np.testing.assert_allclose(be.unshard(t[0])[1], _table(10, 2)[1])
+
+
+def test_capabilities_and_namespace(be):
+    caps = be.capabilities
+    assert caps.compiles and caps.autodiff and caps.devices == len(jax.devices())
+    assert caps.float64 == bool(jax.config.jax_enable_x64)
+    import jax.numpy as jnp
+
+    assert be.xp is jnp or be.xp.__name__ == "jax.numpy"
+    x = be.asarray(np.arange(3), dtype="int64")
+    assert be.is_native(x) and be.to_numpy(x).dtype == np.int64
+    assert be.compile(lambda a: a * 2)(x).tolist() == [0, 2, 4]
+
+
+def test_engine_full_steps_match_numpy():
+    """TPUEmbedding(backend="jax") vs backend="numpy": SGD, Adagrad, Adadelta, 3 steps,
+    two features on one table (sum and mean), 3 logical shards."""
+    rng = np.random.default_rng(7)
+    for opt in (
+        me.embedding.SGD(learning_rate=0.5),
+        me.embedding.Adagrad(learning_rate=0.1),
+        me.embedding.Adadelta(learning_rate=0.1, rho=0.95, epsilon=1e-6),
+    ):
+        engines = {}
+        for name in ("numpy", "jax"):
+            cfg = me.EmbeddingConfig(
+                tables=[me.TableConfig(name="t", vocabulary_size=300, dimension=8, optimizer=opt, combiner="mean")],
+                features=[me.FeatureConfig(table="t", input_shape=(16,), name="a"),
+                          me.FeatureConfig(table="t", input_shape=(16, 4), name="b")],
+            )
+            engines[name] = me.TPUEmbedding(cfg, backend=name, num_shards=3)
+        for _ in range(3):
+            feats = [rng.integers(0, 300, size=(16,)), rng.integers(0, 300, size=(16, 4))]
+            acts = {}
+            for name, e in engines.items():
+                e.enqueue(feats)
+                acts[name] = [np.asarray(e.backend.to_numpy(a)) for a in e.dequeue()]
+            for a, b in zip(acts["jax"], acts["numpy"]):
+                _close(a, b, "float32")
+            grads = [rng.standard_normal(a.shape).astype(np.float32) for a in acts["numpy"]]
+            for e in engines.values():
+                e.apply_gradients(grads)
+        got, want = engines["jax"].retrieve_parameters("t"), engines["numpy"].retrieve_parameters("t")
+        for k in want:
+            _close(got[k], want[k], "float32")
+
+
+def test_module_imports_without_jax():
+    code = (
+        "import sys; sys.modules['jax'] = None\n"
+        "import meshembed_jax\n"
+        "reason = meshembed_jax.JaxBackend.unavailable_reason()\n"
+        "assert reason and 'jax' in reason, reason\n"
+        "import meshembed as me\n"
+        "try:\n    me.get_backend('jax')\nexcept me.BackendUnavailableError as e:\n    print('OK', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr
