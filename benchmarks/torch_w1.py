@@ -1,0 +1,243 @@
+"""W1: sparse embedding training step on torch, side by side with its peers.
+
+Table 1,000,000 × 64 float32; batch 16,384 samples × 8 ids from Zipf(1.1); sum combiner.
+A *full step* is enqueue + lookup/combine (dequeue) + backward/optimizer (apply_gradients),
+with the same fixed ``[16384, 64]`` upstream gradient for every implementation.
+
+Rows (``impl``):
+* ``meshembed engine`` — ``me.TPUEmbedding(cfg, backend="torch")`` as a user calls it.
+* ``meshembed backend fast path`` — the same step through the torch backend's fused calls
+  (``gather_combine`` + ``update_rows(grad_index=, grad_weights=)``, the hooks proposed to
+  the engine: no ``[131072, 64]`` intermediate is materialised); ``+compile`` adds
+  ``torch.compile`` of the core's optimizer function.
+* ``meshembed update_rows only`` — dedup + optimizer of precomputed per-id gradients.
+* ``nn.EmbeddingBag(sparse=True) + torch.optim`` and fbgemm's CPU TBE (fused backward +
+  optimizer), where they support the optimizer.
+
+``bound ms`` = bytes that must move (ids, unique rows of params and slots read+written,
+activations and gradients) ÷ the measured copy bandwidth of this machine.
+
+Run: ``python benchmarks/torch_w1.py [--tiny] [--repeats N] [--only engine,fbgemm,...]``.
+A common runner imports :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from typing import Any, Callable
+
+import numpy as np
+
+from benchmarks.common import TINY_W1, W1, Row, bandwidth_gbs, table, timeit, w1_bytes, zipf_ids
+
+OPTIMIZERS = ("sgd", "adagrad", "adadelta")
+IMPLS = ("engine", "fast", "fast+compile", "update_rows", "embeddingbag", "fbgemm")
+LR = 0.05
+_NAME = {
+    "engine": "meshembed[torch] engine",
+    "fast": "meshembed[torch] backend fast path",
+    "fast+compile": "meshembed[torch] fast path + torch.compile",
+    "update_rows": "meshembed[torch] update_rows only",
+    "embeddingbag": "nn.EmbeddingBag(sparse=True) + torch.optim",
+    "fbgemm": "fbgemm TBE CPU (fused backward+optimizer)",
+}
+
+
+def _spec(name: str):
+    import meshembed as me
+
+    return {
+        "sgd": me.embedding.SGD(learning_rate=LR),
+        "adagrad": me.embedding.Adagrad(learning_rate=LR, initial_accumulator_value=0.1),
+        "adadelta": me.embedding.Adadelta(learning_rate=LR, rho=0.95, epsilon=1e-6),
+    }[name]
+
+
+_SLOTS = {"sgd": 0, "adagrad": 1, "adadelta": 2}
+
+
+class _Data:
+    """Ids, offsets, a fixed upstream gradient and the initial table, shared by every row."""
+
+    def __init__(self, sizes: dict, seed: int = 0):
+        import torch
+
+        rng = np.random.default_rng(seed + 1)
+        self.sizes = sizes
+        v, d, b, k = sizes["vocab"], sizes["dim"], sizes["batch"], sizes["ids_per_sample"]
+        self.ids = zipf_ids(b * k, v, sizes["zipf"], seed)
+        self.splits = np.arange(0, b * k + 1, k, dtype=np.int64)
+        self.unique = int(np.unique(self.ids).size)
+        self.grad = torch.from_numpy(rng.standard_normal((b, d)).astype(np.float32) * 0.01)
+        self.init = (rng.standard_normal((v, d)) * 0.05).astype(np.float32)
+
+
+def _engine(d: _Data, optimizer: str) -> tuple[Any, Any]:
+    import meshembed as me
+
+    s = d.sizes
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig(name="t", vocabulary_size=s["vocab"], dimension=s["dim"],
+                               optimizer=_spec(optimizer), combiner="sum")],
+        features=[me.FeatureConfig(table="t", input_shape=(s["batch"],), name="f")],
+    )
+    emb = me.TPUEmbedding(cfg, backend="torch", initializers={"t": d.init})
+    return emb, me.RaggedIds(d.splits, d.ids)
+
+
+def _make_step(impl: str, d: _Data, optimizer: str) -> Callable[[], Any]:
+    import torch
+
+    s = d.sizes
+    if impl == "engine":
+        emb, feat = _engine(d, optimizer)
+
+        def step() -> Any:
+            emb.enqueue([feat])
+            acts = emb.dequeue()
+            emb.apply_gradients([d.grad])
+            return acts
+
+        return step
+    if impl in ("fast", "fast+compile", "update_rows"):
+        from meshembed.embedding.updates import make_update_fn
+
+        emb, feat = _engine(d, optimizer)
+        b = emb.backend
+        state = emb._state[0]
+        fn = make_update_fn(b.xp, emb.layout.tables[0], ())
+        if impl == "fast+compile":
+            fn = b.compile(fn, force=True)
+        if impl == "update_rows":
+            ids_t = b.asarray(d.ids, dtype="int64")
+            per_id = d.grad.repeat_interleave(s["ids_per_sample"], dim=0)
+            return lambda: b.update_rows(state, ids_t, per_id, fn)
+
+        def step() -> Any:
+            emb.enqueue([feat])  # the engine's host-side input normalisation and transfer
+            f = emb._pending.features[0]
+            emb._pending = None
+            acts = b.gather_combine(state[0], f.ids, f.slots, f.num_slots, weights=f.scale)
+            b.update_rows(state, f.ids, d.grad, fn, grad_index=f.slots, grad_weights=f.scale)
+            return acts
+
+        return step
+    ids_t = torch.from_numpy(d.ids)
+    if impl == "embeddingbag":
+        bag = torch.nn.EmbeddingBag(s["vocab"], s["dim"], mode="sum", sparse=optimizer != "adadelta")
+        with torch.no_grad():
+            bag.weight.copy_(torch.from_numpy(d.init))
+        offsets = torch.from_numpy(d.splits[:-1])
+        opt = {
+            "sgd": lambda p: torch.optim.SGD(p, lr=LR),
+            "adagrad": lambda p: torch.optim.Adagrad(p, lr=LR, initial_accumulator_value=0.1),
+            "adadelta": lambda p: torch.optim.Adadelta(p, lr=LR, rho=0.95, eps=1e-6, foreach=True),
+        }[optimizer](bag.parameters())
+
+        def step() -> Any:
+            out = bag(ids_t, offsets)
+            out.backward(d.grad)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return out
+
+        return step
+    if impl == "fbgemm":
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        kind = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD}[optimizer]
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(s["vocab"], s["dim"], EmbeddingLocation.HOST, ComputeDevice.CPU)],
+            optimizer=kind, learning_rate=LR, eps=1e-10, pooling_mode=PoolingMode.SUM,
+        )
+        offsets = torch.from_numpy(d.splits)
+
+        def step() -> Any:
+            out = tbe(ids_t, offsets)
+            out.backward(d.grad)
+            return out
+
+        return step
+    raise ValueError(f"Invalid `impl`. Expected one of {IMPLS}. Received: impl={impl!r}")
+
+
+def _unsupported(impl: str, optimizer: str) -> str | None:
+    if impl == "fbgemm":
+        try:
+            import fbgemm_gpu  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - report any import failure verbatim
+            return f"fbgemm_gpu does not import: {type(exc).__name__}: {exc}"
+        if optimizer == "adadelta":
+            return "fbgemm TBE has no Adadelta"
+    return None
+
+
+def w1(sizes: dict, repeats: int = 7, impls: tuple[str, ...] = IMPLS,
+       optimizers: tuple[str, ...] = OPTIMIZERS, warmup: int = 2, verbose: bool = False) -> list[Row]:
+    """One Row per (implementation, optimizer); unsupported pairs get NaN times and a note."""
+    d = _Data(sizes)
+    s = sizes
+    rows = []
+    for optimizer in optimizers:
+        n_slots = _SLOTS[optimizer]
+        for impl in impls:
+            note = _unsupported(impl, optimizer) or ""
+            med = lo = hi = float("nan")
+            if not note:
+                try:
+                    step = _make_step(impl, d, optimizer)
+                    med, lo, hi = timeit(step, warmup=warmup + (2 if "compile" in impl else 0), repeats=repeats)
+                    if impl == "embeddingbag" and optimizer == "adadelta":
+                        note = "dense gradient (torch.optim.Adadelta rejects sparse ones)"
+                except Exception as exc:  # noqa: BLE001 - a peer that cannot run is a table row
+                    note = f"{type(exc).__name__}: {str(exc)[:160]}"
+                finally:
+                    step = None
+                    gc.collect()
+            row = Row(
+                workload="W1", name=_NAME[impl], case=optimizer, median_ms=med, min_ms=lo, max_ms=hi,
+                bytes_touched=w1_bytes(d.unique, s["batch"] * s["ids_per_sample"], s["dim"], n_slots),
+                state_bytes=s["vocab"] * s["dim"] * 4 * (1 + n_slots), note=note,
+                extra={"unique_rows": d.unique},
+            )
+            rows.append(row)
+            if verbose:
+                print(f"{row.case:9s} {row.name:48s} {med:9.2f} ms  ({lo:.2f}-{hi:.2f})  {note}", flush=True)
+    return rows
+
+
+def run(workload: str = "w1", sizes: str | dict = "full", repeats: int = 7, **kw: Any) -> list[dict]:
+    """Entry point for a common runner: rows as dicts (``Row.as_dict``)."""
+    if workload.lower() != "w1":
+        raise ValueError(f"Invalid `workload`. Expected 'w1'. Received: workload={workload!r}")
+    if isinstance(sizes, str):
+        sizes = {"full": W1, "tiny": TINY_W1}[sizes]
+    return [r.as_dict() for r in w1(sizes, repeats, **kw)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="CI sizes")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--only", default=",".join(IMPLS), help=f"comma list of {IMPLS}")
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    args = ap.parse_args(argv)
+    import torch
+
+    rows = w1(TINY_W1 if args.tiny else W1, args.repeats, tuple(args.only.split(",")),
+              tuple(args.optimizers.split(",")), verbose=True)
+    gbs = bandwidth_gbs()
+    print(f"\n{rows[0].extra['unique_rows']} unique rows/step; torch threads {torch.get_num_threads()}; "
+          f"copy bandwidth {gbs:.1f} GB/s")
+    print(table(rows, gbs))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
