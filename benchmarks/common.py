@@ -1,0 +1,117 @@
+"""Shared benchmark plumbing: workloads, timing, memory, bandwidth, tables.
+
+Timings are medians of several runs after warm-up, with min–max beside them. Peak memory
+is the growth of the process's peak RSS over its baseline after imports, so each row runs
+in a fresh subprocess (see ``runner.py``). The memory-traffic lower bound of a row is the
+bytes it must touch divided by the machine's measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import numpy as np
+
+# W1: a sparse embedding step (design §5).
+W1 = dict(vocab=1_000_000, dim=64, batch=16_384, ids_per_sample=8, zipf=1.1)
+# W2: one dense Adadelta step on 16,777,216 float32 parameters, as 1 or 64 tensors.
+W2 = dict(params=16_777_216)
+# The CI-sized versions of both.
+TINY_W1 = dict(vocab=10_000, dim=16, batch=256, ids_per_sample=8, zipf=1.1)
+TINY_W2 = dict(params=65_536)
+
+
+def zipf_ids(n: int, vocab: int, a: float, seed: int = 0) -> np.ndarray:
+    """``n`` ids from a Zipf(a) law truncated to ``[0, vocab)`` by rejection.
+
+    For W1 this gives about 29,800 unique rows out of 131,072 ids, as design §5 states.
+    """
+    rng = np.random.default_rng(seed)
+    out = np.empty(0, dtype=np.int64)
+    while out.size < n:
+        z = rng.zipf(a, size=2 * n)
+        out = np.concatenate([out, z[z <= vocab] - 1])
+    return out[:n]
+
+
+def timeit(step: Callable[[], object], *, warmup: int = 2, repeats: int = 7,
+           sync: Callable[[object], None] | None = None) -> tuple[float, float, float]:
+    """(median, min, max) milliseconds of ``step()``; ``sync`` waits for async results."""
+    for _ in range(warmup):
+        out = step()
+        if sync:
+            sync(out)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = step()
+        if sync:
+            sync(out)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), min(times), max(times)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def bandwidth_gbs(nbytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Measured copy bandwidth (read + write bytes per second) of this machine, GB/s."""
+    src = np.ones(nbytes // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    best = min(_copy_time(src, dst) for _ in range(repeats))
+    return 2 * nbytes / best / 1e9
+
+
+def _copy_time(src, dst) -> float:
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    return time.perf_counter() - t0
+
+
+@dataclass
+class Row:
+    workload: str
+    name: str           # e.g. "meshembed[torch]", "fbgemm TBE", "torch.optim.Adadelta(foreach)"
+    case: str           # optimizer / layout, e.g. "sgd", "adadelta 64 tensors"
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    bytes_touched: int  # memory traffic a perfect implementation needs
+    state_bytes: int    # table + slots (W1) or params + slots (W2)
+    peak_mb: float = float("nan")
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def w1_bytes(unique_rows: int, n_ids: int, dim: int, n_slots: int, itemsize: int = 4) -> int:
+    """Lower-bound traffic of a W1 step: read the looked-up rows for the forward pass,
+    read+write each unique row of table and slots once, read the activation gradients."""
+    forward = n_ids * dim * itemsize
+    update = 2 * unique_rows * dim * itemsize * (1 + n_slots)
+    return forward + update
+
+
+def w2_bytes(params: int, n_slots: int = 2, itemsize: int = 4) -> int:
+    """Read grad, read+write params and each slot once."""
+    return params * itemsize * (1 + 2 * (1 + n_slots))
+
+
+def table(rows: list[Row], gbs: float) -> str:
+    head = ("| workload | case | implementation | median ms | min–max ms | lower bound ms | × bound "
+            "| peak MB | state MB | note |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        bound = r.bytes_touched / (gbs * 1e9) * 1e3
+        lines.append(
+            f"| {r.workload} | {r.case} | {r.name} | {r.median_ms:.2f} | {r.min_ms:.2f}–{r.max_ms:.2f} "
+            f"| {bound:.2f} | {r.median_ms / bound:.1f} | {r.peak_mb:.0f} | {r.state_bytes / 2**20:.0f} | {r.note} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,151 @@
+"""``meshembed bench``: the benchmarks of ``benchmarks/`` in one runner.
+
+Each job runs in a fresh subprocess so its peak memory (growth of peak RSS over the
+baseline after the framework is imported) is its own. Prints one table with medians,
+min–max, the memory-traffic lower bound from the measured bandwidth, and peak memory;
+writes JSON and a PNG bar chart when asked. Needs a source checkout (``benchmarks/``).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+_CHILD = r"""
+import importlib, json, sys
+spec = json.loads(sys.argv[1])
+for name in spec["preload"]:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
+from benchmarks.common import peak_rss_mb
+base = peak_rss_mb()
+mod = importlib.import_module("benchmarks." + spec["module"])
+rows = getattr(mod, spec["function"])(**spec["kwargs"])
+peak = peak_rss_mb() - base
+out = []
+for r in rows:
+    r.peak_mb = peak
+    out.append(r.as_dict())
+print("ROWS" + json.dumps(out))
+"""
+
+
+@dataclass
+class Job:
+    label: str
+    module: str
+    function: str
+    kwargs: dict
+    preload: list[str] = field(default_factory=list)
+
+
+def _benchmarks_importable() -> None:
+    if str(_ROOT) not in sys.path and (_ROOT / "benchmarks").is_dir():
+        sys.path.insert(0, str(_ROOT))
+    try:
+        import benchmarks.common  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit("`meshembed bench` needs a source checkout with benchmarks/ (git clone; pip install -e .)") from exc
+
+
+_FRAMEWORK = {"torch": ["torch"], "jax": ["jax"], "numpy": []}
+
+
+def jobs(backends: list[str], workload: str, peers: bool, repeats: int) -> list[Job]:
+    from benchmarks import common
+
+    tiny = workload == "tiny"
+    w1, w2 = (common.TINY_W1, common.TINY_W2) if tiny else (common.W1, common.W2)
+    out: list[Job] = []
+    if workload in ("W1", "all", "tiny"):
+        for b in backends:
+            for case in ("sgd", "adagrad", "adadelta"):
+                out.append(Job(f"W1 meshembed[{b}] {case}", "meshembed_rows", "w1",
+                               dict(sizes=w1, repeats=repeats, backend=b, case=case), _FRAMEWORK.get(b, [b])))
+        if peers:
+            out.append(Job("W1 TensorFlow", "tf_peers", "w1", dict(sizes=w1, repeats=repeats), ["tensorflow"]))
+            out += _peer_jobs("w1", w1, repeats)
+    if workload in ("W2", "all", "tiny"):
+        for b in backends:
+            for tensors in (1, 64):
+                out.append(Job(f"W2 meshembed[{b}] {tensors}", "meshembed_rows", "w2",
+                               dict(sizes=w2, repeats=repeats, backend=b, tensors=tensors), _FRAMEWORK.get(b, [b])))
+        if peers:
+            out.append(Job("W2 TensorFlow/Keras", "tf_peers", "w2", dict(sizes=w2, repeats=repeats), ["tensorflow"]))
+            out += _peer_jobs("w2", w2, repeats)
+    return out
+
+
+def _peer_jobs(kind: str, sizes: dict, repeats: int) -> list[Job]:
+    """Peers kept by the backend packages' benchmark modules (``peers_<kind>`` functions)."""
+    found = []
+    for module, frameworks in (("torch_peers", ["torch"]), ("jax_peers", ["jax"])):
+        path = _ROOT / "benchmarks" / f"{module}.py"
+        if path.exists():
+            found.append(Job(f"{kind.upper()} {module}", module, kind, dict(sizes=sizes, repeats=repeats), frameworks))
+    return found
+
+
+def run_job(job: Job, timeout: float = 1800) -> tuple[list[dict], str]:
+    spec = json.dumps(dict(module=job.module, function=job.function, kwargs=job.kwargs, preload=job.preload))
+    proc = subprocess.run([sys.executable, "-c", _CHILD, spec], capture_output=True, text=True,
+                          timeout=timeout, cwd=_ROOT)
+    for line in proc.stdout.splitlines():
+        if line.startswith("ROWS"):
+            return json.loads(line[4:]), ""
+    return [], (proc.stderr or proc.stdout).strip().splitlines()[-1:] and (proc.stderr or proc.stdout).strip().splitlines()[-1]
+
+
+def chart(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['workload']} {r['case']}\n{r['name']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) + 1.5))
+    ax.barh(range(len(rows)), [r["median_ms"] for r in rows],
+            xerr=[[r["median_ms"] - r["min_ms"] for r in rows], [r["max_ms"] - r["median_ms"] for r in rows]])
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("median ms per step (log scale; bars show min–max)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(args) -> int:
+    _benchmarks_importable()
+    from benchmarks import common
+    import meshembed as me
+
+    backends = [b.strip() for b in args.backends.split(",")] if args.backends else list(me.available_backends())
+    todo = jobs(backends, args.workload, args.peers, args.repeats)
+    gbs = common.bandwidth_gbs(1 << 24 if args.workload == "tiny" else 1 << 28)
+    print(f"measured copy bandwidth: {gbs:.1f} GB/s (lower bound = bytes touched / bandwidth)")
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = lambda x, **_: x  # noqa: E731
+    rows, failures = [], []
+    for job in tqdm(todo, desc="bench", unit="job"):
+        got, err = run_job(job)
+        rows += got
+        if err:
+            failures.append(f"{job.label}: {err}")
+    objs = [common.Row(**r) for r in rows]
+    print(common.table(objs, gbs))
+    for f in failures:
+        print("failed:", f)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"bandwidth_gbs": gbs, "rows": rows, "failures": failures}, indent=1))
+    if args.png and rows:
+        chart(rows, args.png)
+    return 1 if failures or not rows else 0

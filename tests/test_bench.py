@@ -1,0 +1,25 @@
+"""`meshembed bench` runs a tiny workload end to end and writes its table, JSON and chart."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_tiny_numpy(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshembed.cli", "bench", "--workload", "tiny", "--backends", "numpy",
+         "--repeats", "2", "--json", str(out), "--png", str(png)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["bandwidth_gbs"] > 0 and not report["failures"]
+    cases = {(r["workload"], r["case"]) for r in report["rows"]}
+    assert {("W1", "sgd"), ("W1", "adagrad"), ("W1", "adadelta"),
+            ("W2", "adadelta 1 tensor"), ("W2", "adadelta 64 tensors")} <= cases
+    assert all(r["median_ms"] > 0 and r["min_ms"] <= r["median_ms"] <= r["max_ms"] for r in report["rows"])
+    assert "| W1 | adadelta | meshembed[numpy] |" in proc.stdout
+    assert png.stat().st_size > 1000
