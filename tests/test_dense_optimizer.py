@@ -449,3 +449,22 @@ def test_minimize_matches_apply_gradients_with_hand_gradients(autodiff_bk):
             o2.apply_gradients([(grad, w2)])
     np.testing.assert_allclose(w1.numpy(), w2.numpy(), rtol=1e-6)
     assert int(o1.iterations.numpy()) == 5
+
+
+def test_jit_compile_gives_the_same_trajectory():
+    _ = pytest.importorskip("jax")
+    try:
+        me.get_backend("jax")
+    except BackendUnavailableError as exc:
+        pytest.skip(str(exc))
+    rng = np.random.default_rng(3)
+    init, grads = rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=(6, 4, 3)).astype(np.float32)
+    out = []
+    for jit in (False, True):
+        w = me.Variable(init, name="w", backend="jax")
+        opt = me.optimizers.Adadelta(learning_rate=0.5, rho=0.9, epsilon=1e-3, jit_compile=jit,
+                                     gradients_clip_option=GradientsClipOption(clipnorm=1.0))
+        for g in grads:
+            opt.apply_gradients([(g, w)])
+        out.append(w.numpy())
+    np.testing.assert_allclose(out[1], out[0], rtol=1e-6)

@@ -40,7 +40,18 @@ def _number(name: str, value: Any, low: float, high: float | None = None) -> flo
 class Adadelta(Optimizer):
     """Adadelta: ``a ← ρa + (1−ρ)g²``; ``d = √(u+ε)/√(a+ε)·g``; ``u ← ρu + (1−ρ)d²``; ``w ← w − lr·d``.
 
-    Slots are created from each variable's reference, so they share its layout (sharding)."""
+    Slots are created from each variable's reference, so they share its layout (sharding).
+
+    Args:
+        learning_rate: float, a ``schedules.LearningRateSchedule`` or a callable of the step.
+        rho, epsilon: decay rate and the ε inside both roots (Keras defaults 0.95, 1e-7).
+        gradients_clip_option, ema_option: honoured (Keras' DTensor optimizer ignored them).
+        name: Keras name, also in the config.
+        mesh: the ``me.Mesh`` whose backend holds the state; ``iterations`` and
+            ``add_variable`` results are replicated over it.
+        jit_compile: compile the per-variable step with the backend (``jax.jit``,
+            ``torch.compile``); a Keras config key, False by default as tf_keras writes on CPU.
+    """
 
     def __init__(
         self,
@@ -70,13 +81,23 @@ class Adadelta(Optimizer):
         i = self._slot_index(variable)
         grad, touched = self._densify(self._convert_gradient(grad, variable), variable)
         acc_g, acc_d = self._accumulated_grads[i], self._accumulated_delta_vars[i]
-        params, slots = adadelta(
-            variable.backend.xp, self._read(variable), grad, AdadeltaSlots(self._read(acc_g), self._read(acc_d)),
-            lr=self.learning_rate, rho=self.rho, epsilon=self.epsilon,
+        step = self._compiled(variable.backend, self._step_fn)
+        params, accumulators, updates = step(
+            self._read(variable), grad, self._read(acc_g), self._read(acc_d), self.learning_rate
         )
         self._write(variable, params, touched)
-        self._write(acc_g, slots.accumulators, touched)
-        self._write(acc_d, slots.updates, touched)
+        self._write(acc_g, accumulators, touched)
+        self._write(acc_d, updates, touched)
+
+    def _step_fn(self, xp: Any) -> Any:
+        """The pure per-variable step over ``xp`` (what ``jit_compile`` compiles)."""
+        rho, epsilon = self.rho, self.epsilon
+
+        def step(params: Any, grad: Any, acc_grad: Any, acc_delta: Any, lr: Any) -> tuple[Any, Any, Any]:
+            new, slots = adadelta(xp, params, grad, AdadeltaSlots(acc_grad, acc_delta), lr=lr, rho=rho, epsilon=epsilon)
+            return new, slots.accumulators, slots.updates
+
+        return step
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "rho": self.rho, "epsilon": self.epsilon}

@@ -82,6 +82,7 @@ class Optimizer:
         self._averages: list[Variable] = []
         self._pending: dict[int, tuple[Variable, Any]] | None = None
         self._step_lr: float | None = None
+        self._compile_cache: dict[str, Callable[..., Any]] = {}
 
     # -- Keras option properties (read through to the option objects) -------------------
     clipnorm = property(lambda self: self.gradients_clip_option.clipnorm)
@@ -256,6 +257,16 @@ class Optimizer:
         placed = [(v, v._prepare(val, copy=False)) for v, val in pending.values()]
         for v, val in placed:
             v._value = val
+
+    def _compiled(self, backend: Any, make: Callable[[Any], Callable[..., Any]]) -> Callable[..., Any]:
+        """``make(xp)`` once per backend, compiled by the backend when ``jit_compile`` is set."""
+        fn = self._compile_cache.get(backend.name)
+        if fn is None:
+            fn = make(backend.xp)
+            if self.jit_compile:
+                fn = backend.compile(fn)
+            self._compile_cache[backend.name] = fn
+        return fn
 
     @property
     def _xp(self) -> Any:
