@@ -67,6 +67,30 @@ def run(backend: str, mesh_shape: tuple[int, int] | None, check=None) -> dict[st
     return out
 
 
+def run_minimize(backend: str, mesh_shape: tuple[int, int] | None, check=None) -> dict[str, np.ndarray]:
+    """``minimize`` on the mesh: gradients by the backend's autodiff keep the layouts."""
+    import meshembed as me
+
+    variables, _ = _problem(1)
+    mesh = None if mesh_shape is None else me.Mesh(["batch", "model"], mesh_shape, backend=backend)
+    vs = {name: me.Variable(value, name=name, backend=backend,
+                            layout=None if mesh is None else me.Layout(specs, mesh))
+          for name, (value, specs) in variables.items()}
+    xp = me.get_backend(backend).xp
+
+    def loss():
+        k, g, b = vs["kernel"].value, vs["grid"].value, vs["bias"].value
+        return xp.sum(k * k) + xp.sum(xp.sin(g)) + xp.sum((b - 1.0) ** 2)
+
+    opt = me.optimizers.Adadelta(learning_rate=1.0, rho=0.9, epsilon=1e-3, mesh=mesh,
+                                 ema_option=me.optimizers.EMAOption(use_ema=True))
+    for _ in range(3):
+        opt.minimize(loss, list(vs.values()))
+        if mesh is not None:
+            check(opt, vs)
+    return {v.name: v.numpy() for v in [*opt.variables, *vs.values()]}
+
+
 def check_jax(opt, vs) -> None:
     """Every slot's backend sharding equals its variable's; iterations replicated."""
     from jax.sharding import NamedSharding
@@ -118,6 +142,8 @@ def _main_jax() -> None:
 
     assert len(jax.devices()) == DEVICES, jax.devices()
     compare(run("jax", (2, 4), check_jax), run("jax", None), run("numpy", None))
+    sharded, single = run_minimize("jax", (2, 4), check_jax), run_minimize("jax", None)
+    compare(sharded, single, single)
     print("OK jax")
 
 
@@ -128,6 +154,8 @@ def _torch_rank(rank: int, world: int, port: int) -> None:
     try:
         sharded = run("torch", (1, world), check_torch)
         compare(sharded, run("torch", None), run("numpy", None))
+        sharded, single = run_minimize("torch", (1, world), check_torch), run_minimize("torch", None)
+        compare(sharded, single, single)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -87,7 +87,8 @@ class Variable:
                 value = _full_array(value)
             value = backend.asarray(value if backend.is_native(value) else np.asarray(value), dtype=None if dtype is None else dtype_name(dtype))
         elif copy and backend.sharding_of(value) is None:
-            value = backend.xp.asarray(value, copy=True)
+            # asarray first: torch detaches from autograd, so a Parameter never drags a graph along
+            value = backend.xp.asarray(backend.asarray(value), copy=True)
         shape = tuple(int(d) for d in value.shape)
         if check_shape and shape != self.shape:
             raise InputError(
