@@ -305,6 +305,7 @@ def test_callable_learning_rate_runs_but_is_not_serialisable():
     assert opt.learning_rate == pytest.approx(0.05)
     with pytest.raises(ConfigError, match="Invalid `learning_rate` for get_config"):
         opt.get_config()
+    assert me.optimizers.Adadelta(learning_rate=lambda: 0.125).learning_rate == 0.125
 
 
 # -- configs ----------------------------------------------------------------------------------

@@ -96,3 +96,18 @@ def test_jax_mesh_maps_to_named_sharding():
     n = len(jax.devices())
     with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
         me.Mesh(["x"], (n + 1,), backend="jax")
+
+
+@pytest.mark.parametrize("specs", [["model", me.UNSHARDED], [me.UNSHARDED, "batch"], ["batch", "model"],
+                                   [me.UNSHARDED, me.UNSHARDED]])
+def test_logical_shards_round_trip(specs):
+    """NumPy's logical shards: row i holds i, so a misplaced row shows in the failure."""
+    mesh = me.Mesh(["batch", "model"], (2, 4), backend="numpy")
+    layout = me.Layout(specs, mesh)
+    value = np.arange(8)[:, None] + np.arange(4)[None, :] / 1000.0
+    pieces = layout.shard(value)
+    assert len(pieces) == 8 and all(p.shape == layout.shard_shape(value.shape) for p in pieces)
+    np.testing.assert_array_equal(layout.unshard(pieces), value)
+    if specs[0] == "model":  # device (b, m) holds rows 2m, 2m+1 whatever b is
+        np.testing.assert_array_equal(pieces[1 * 4 + 3][:, 0], [6, 7])
+        np.testing.assert_array_equal(pieces[0 * 4 + 3], pieces[1 * 4 + 3])

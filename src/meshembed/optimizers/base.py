@@ -118,8 +118,8 @@ class Optimizer:
         if self._step_lr is not None:
             return self._step_lr
         lr = self._learning_rate
-        if callable(lr):
-            return float(lr(self._step()))
+        if callable(lr):  # a schedule of the step, or (Keras legacy) a zero-argument callable
+            return float(lr(self._step()) if _required_positional(lr) else lr())
         return lr
 
     @learning_rate.setter

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+import numpy as np
+
 from meshembed.errors import ConfigError
 
 #: Sharding spec of a tensor axis that is not split over any mesh dimension (Keras' value).
@@ -151,6 +153,41 @@ class Layout:
         """Per-device shape of a tensor of global ``shape`` (the logical shard on NumPy)."""
         self.check_shape(shape)
         return tuple(int(d) // self.num_shards(i) for i, d in enumerate(shape))
+
+    def device_coordinates(self) -> list[tuple[int, ...]]:
+        """Mesh coordinates of every device, row-major (the order of ``shard``'s pieces)."""
+        return [tuple(int(i) for i in c) for c in np.ndindex(*self.mesh.shape)]
+
+    def shard(self, value: Any) -> list[np.ndarray]:
+        """The piece of a global NumPy ``value`` each device holds (NumPy's logical shards),
+        in ``device_coordinates`` order; replicated mesh dimensions repeat a piece."""
+        value = np.asarray(value)
+        local = self.shard_shape(value.shape)
+        pieces = []
+        for coord in self.device_coordinates():
+            index = []
+            for axis, spec in enumerate(self.sharding_specs):
+                k = 0 if spec == UNSHARDED else coord[self.mesh.dim_names.index(spec)]
+                index.append(slice(k * local[axis], (k + 1) * local[axis]))
+            pieces.append(value[tuple(index)])
+        return pieces
+
+    def unshard(self, pieces: Sequence[Any]) -> np.ndarray:
+        """Inverse of :meth:`shard`: the global array from the per-device pieces."""
+        pieces = [np.asarray(p) for p in pieces]
+        coords = self.device_coordinates()
+        if len(pieces) != len(coords):
+            raise ConfigError(f"Invalid `pieces`. Expected {len(coords)} (one per device). Received: {len(pieces)}")
+        local = pieces[0].shape
+        shape = tuple(d * self.num_shards(i) for i, d in enumerate(local))
+        out = np.empty(shape, dtype=pieces[0].dtype)
+        for coord, piece in zip(coords, pieces):
+            index = []
+            for axis, spec in enumerate(self.sharding_specs):
+                k = 0 if spec == UNSHARDED else coord[self.mesh.dim_names.index(spec)]
+                index.append(slice(k * local[axis], (k + 1) * local[axis]))
+            out[tuple(index)] = piece
+        return out
 
     def check_shape(self, shape: Sequence[int]) -> None:
         """Raise unless ``shape`` has this rank and each sharded axis divides evenly."""
