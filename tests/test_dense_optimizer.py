@@ -469,3 +469,12 @@ def test_jit_compile_gives_the_same_trajectory():
             opt.apply_gradients([(g, w)])
         out.append(w.numpy())
     np.testing.assert_allclose(out[1], out[0], rtol=1e-6)
+
+
+def test_invalid_first_step_does_not_build(bk):
+    w = me.Variable(np.ones(3, np.float32), name="w", backend=bk)
+    opt = me.optimizers.Adadelta()
+    with pytest.raises(InputError, match="Expected shape"):
+        opt.apply_gradients([(np.ones(4), w)])
+    assert not opt.built and [v.name for v in opt.variables] == ["iteration"]
+    np.testing.assert_array_equal(w.numpy(), np.ones(3))

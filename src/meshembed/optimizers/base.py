@@ -381,15 +381,15 @@ class Optimizer:
         pairs = self._prepare_pairs(grads_and_vars)
         if not pairs:
             return self.iterations
+        given = [(g, v) for g, v in pairs if g is not None]
+        if not given:
+            raise InputError("No gradients provided for any variable (every gradient is None).")
+        grads = [self._convert_gradient(g, v) for g, v in given]  # validate before any state exists
         if not self.built:
             self.build([v for _, v in pairs])
-        pairs = [(g, v) for g, v in pairs if g is not None]
-        if not pairs:
-            raise InputError("No gradients provided for any variable (every gradient is None).")
-        for _, v in pairs:
+        variables = [v for _, v in given]
+        for v in variables:
             self._slot_index(v)
-        grads = [self._convert_gradient(g, v) for g, v in pairs]
-        variables = [v for _, v in pairs]
         self._step_lr = self.learning_rate
         self._pending = {}
         try:
