@@ -37,6 +37,11 @@ else:
     _DENSE_IMPORT_ERROR = None
 
 DEVICE_ENV = "MESHEMBED_TORCH_DEVICE"
+COMPILE_ENV = "MESHEMBED_TORCH_COMPILE"
+#: Elements an update must touch before ``torch.compile`` is used on CPU (measured: README).
+COMPILE_MIN_ELEMENTS = 1 << 20
+_COMPILE_MODES = {"auto": "auto", "1": "always", "true": "always", "always": "always",
+                  "0": "never", "false": "never", "never": "never"}
 
 
 class TorchBackend(TorchDenseMixin, Backend):
@@ -59,7 +64,10 @@ class TorchBackend(TorchDenseMixin, Backend):
             return f"{DEVICE_ENV}={wanted} but torch sees no CUDA device"
         return None
 
-    def __init__(self, device: Any = None):
+    def __init__(self, device: Any = None, compile: str | bool | None = None):
+        """``compile``: ``"auto"`` (default; ``$MESHEMBED_TORCH_COMPILE``), ``True``/``"always"``
+        or ``False``/``"never"`` — whether ``update_rows`` runs the optimizer step through
+        ``torch.compile``."""
         import torch
 
         from meshembed_torch import distributed, kernels
@@ -69,6 +77,17 @@ class TorchBackend(TorchDenseMixin, Backend):
         self._dist = distributed
         self._device_option = device if device is not None else (os.environ.get(DEVICE_ENV) or None)
         self._dtypes: dict[Any, Any] = {}
+        if compile is None:
+            compile = os.environ.get(COMPILE_ENV, "auto")
+        mode = {True: "always", False: "never"}.get(compile) if isinstance(compile, bool) else \
+            _COMPILE_MODES.get(str(compile).lower())
+        if mode is None:
+            raise ValueError(
+                f"Invalid `compile`. Expected one of ['auto', 'always', 'never'] or a bool. Received: compile={compile!r}"
+            )
+        self._compile_mode = mode
+        self._compile_broken = False
+        self._fused: dict[Any, Callable] = {}
 
     # -- discovery -----------------------------------------------------------------------
     @property
@@ -334,22 +353,99 @@ class TorchBackend(TorchDenseMixin, Backend):
             seg = self._k.segments(uids)
             uids, g = seg.unique, self._k.sum_segments(seg, g)
         index = first.rowmap.local_index(uids)
-        rows = [t.data.index_select(0, index) for t in tables]
-        new_rows = fn(g, *rows)
-        for t, r in zip(tables, new_rows):
-            r = torch.as_tensor(r).to(dtype=t.data.dtype)
-            if tuple(r.shape) != (index.shape[0], t.data.shape[1]):  # a broadcast result
-                r = r.expand(index.shape[0], t.data.shape[1])
-            t.data.index_copy_(0, index, r)
+        datas = [t.data for t in tables]
+        fused = self._fused_update(fn, index.shape[0] * first.data.shape[1], first.data.device)
+        if fused is None:
+            _gather_update_scatter(fn, g, index, *datas)
+        else:
+            self._run_compiled(fused, _gather_update_scatter, fn, g, index, *datas)
         return list(tables)
 
-    def compile(self, fn: Callable, **options: Any) -> Callable:
-        """``torch.compile`` only when asked: ``compile(fn, mode=..., force=True)``.
+    # -- compilation ---------------------------------------------------------------------------
+    def _wants_compile(self, elements: int, device: Any) -> bool:
+        """The measured rule (README, "Compilation"): inductor wins on CPU once an update
+        touches about a million elements; below that eager is as fast and compiling (seconds
+        per new function) would only slow tests and small models down."""
+        if self._compile_mode == "never" or self._compile_broken:
+            return False
+        if self._compile_mode == "always":
+            return True
+        return device.type == "cpu" and elements >= COMPILE_MIN_ELEMENTS
 
-        Measured on the 2-core CPU box (see README): for the per-row optimizer functions the
-        inductor-compiled version is not faster than eager at W1 sizes once recompilation for
-        the varying number of unique rows is counted, so eager is the default.
-        """
-        if not options.pop("force", False):
+    def _fused_update(self, fn: Callable, elements: int, device: Any) -> Callable | None:
+        """A ``torch.compile``d gather → fn → scatter for ``fn``'s code, or None for eager.
+
+        One compiled entry per code object of ``fn`` (the engine builds a fresh closure every
+        step; its code is the same, and hyper-parameters are traced as inputs, so steps after
+        the first reuse the compiled kernel even when the learning rate changes)."""
+        if not self._wants_compile(elements, device):
+            return None
+        key = getattr(fn, "__code__", None) or type(fn)
+        entry = self._fused.get(key)
+        if entry is None:
+            entry = self._torch.compile(_distinct_code(_gather_update_scatter, len(self._fused)), dynamic=True)
+            self._fused[key] = entry
+        return entry
+
+    def _run_compiled(self, compiled: Callable, eager: Callable, *args: Any) -> Any:
+        """Run ``compiled``; if it fails but ``eager`` succeeds, the compiler is at fault: warn
+        once and stay eager from then on. An error eager raises too is the caller's, as is."""
+        try:
+            return compiled(*args)
+        except Exception as exc:  # noqa: BLE001 - decided below
+            out = eager(*args)
+            import warnings
+
+            self._compile_broken = True
+            warnings.warn(f"torch.compile failed ({type(exc).__name__}: {str(exc)[:200]}); the torch "
+                          "backend runs eager from now on.", RuntimeWarning, stacklevel=3)
+            return out
+
+    def compile(self, fn: Callable, **options: Any) -> Callable:
+        """``torch.compile`` where it pays: ``force=True`` always compiles; otherwise the
+        function runs eager on small inputs and compiled once an argument reaches
+        ``COMPILE_MIN_ELEMENTS`` elements on CPU (see :meth:`_wants_compile`)."""
+        torch = self._torch
+        if options.pop("force", False):
+            return torch.compile(fn, dynamic=options.pop("dynamic", True), **options)
+        if self._compile_mode == "never":
             return fn
-        return self._torch.compile(fn, dynamic=options.pop("dynamic", True), **options)
+        backend = self
+        compiled: list[Callable] = []
+
+        def dispatch(*args: Any, **kwargs: Any) -> Any:
+            big = max((a.numel() for a in args if isinstance(a, torch.Tensor)), default=0)
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+            if backend._wants_compile(big, device):
+                if not compiled:
+                    compiled.append(torch.compile(fn, dynamic=True, **options))
+                return backend._run_compiled(lambda *a: compiled[0](*a, **kwargs), lambda *a: fn(*a, **kwargs), *args)
+            return fn(*args, **kwargs)
+
+        dispatch.__wrapped__ = fn  # type: ignore[attr-defined]
+        return dispatch
+
+
+def _gather_update_scatter(fn: Callable, g: Any, index: Any, *datas: Any) -> None:
+    """Rows at ``index`` of every table → ``fn(g, *rows)`` → written back in place.
+
+    Compiled by inductor this is one fused pass (gather, the optimizer's element-wise math and
+    the scatter) with no full-table copy; eager it is the plain three-step version."""
+    import torch
+
+    rows = [d.index_select(0, index) for d in datas]
+    new_rows = fn(g, *rows)
+    for d, r in zip(datas, new_rows):
+        r = torch.as_tensor(r).to(dtype=d.dtype)
+        if tuple(r.shape) != (index.shape[0], d.shape[1]):  # a broadcast result
+            r = r.expand(index.shape[0], d.shape[1])
+        d.index_copy_(0, index, r)
+
+
+def _distinct_code(func: Callable, n: int) -> Callable:
+    """A copy of ``func`` with its own code object, so dynamo keeps a separate cache for it
+    (dynamo's caches and recompilation limits are per code object)."""
+    import types
+
+    code = func.__code__.replace(co_name=f"{func.__name__}_{n}")
+    return types.FunctionType(code, func.__globals__, code.co_name, func.__defaults__, func.__closure__)
