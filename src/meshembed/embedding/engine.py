@@ -22,7 +22,7 @@ from meshembed.backend import Backend, get_backend
 from meshembed.embedding import combiners, inputs
 from meshembed.embedding.initializers import initial_values, table_rng
 from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec, build_layout
-from meshembed.embedding.updates import apply_table
+from meshembed.embedding.updates import apply_table, make_update_fn
 from meshembed.errors import ConfigError, InputError, StateError
 from meshembed.sharding.placement import Placement
 
@@ -369,6 +369,9 @@ class TPUEmbedding:
         grads = self._check_gradients(gradients, allow)
         lrs = self._check_learning_rates(learning_rates)
         xp = self.backend.xp
+        # Build every table's update first: an unusable optimizer or learning rate raises
+        # before any table is touched (update_rows may donate buffers).
+        fns = {t.index: make_update_fn(xp, t, lrs, self.backend.name) for t in self.layout.tables}
         per_table: dict[int, tuple[list[np.ndarray], list[Any]]] = {t.index: ([], []) for t in self.layout.tables}
         for f, d, g in zip(self.layout.features, p.features, grads):
             ids, rows = per_table[f.table]
@@ -381,7 +384,8 @@ class TPUEmbedding:
             row_grads = xp.concat(rows, axis=0) if len(rows) > 1 else rows[0] if rows else None
             if row_grads is None:
                 row_grads = self.backend.asarray(np.zeros((0, t.dimension), np.float32))
-            new_state[t.index] = apply_table(self.backend, self._state[t.index], t, host_ids, row_grads, lrs)
+            new_state[t.index] = apply_table(self.backend, self._state[t.index], t, host_ids, row_grads, lrs,
+                                           fns[t.index])
         self._state.update(new_state)
         self._pending = None
         self.step += 1

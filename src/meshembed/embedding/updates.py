@@ -21,6 +21,7 @@ import array_api_compat
 import numpy as np
 
 from meshembed.embedding.layout import TableSpec, _is_dynamic
+from meshembed.errors import ConfigError
 
 
 def resolve(value: Any, learning_rates: Sequence[float]) -> Any:
@@ -47,16 +48,80 @@ def table_hyperparameters(table: TableSpec, learning_rates: Sequence[float]) -> 
     hp = {k: resolve(v, learning_rates) for k, v in opt.hyperparameters().items()}
     for name in me_math.get_math(_algorithm(opt)).dynamic_inputs:
         hp[name] = resolve(getattr(opt, name, None), learning_rates)
+    if lr is None:
+        if opt.algorithm != "assign":  # Assign ignores the learning rate; others need one
+            raise ConfigError(
+                f"Table {table.name!r}: {type(opt).__name__} has no learning rate. Fix: pass "
+                "`learning_rate=` (a float, a callable or a DynamicLearningRate)."
+            )
+        lr = 0.0
     return float(lr), hp
 
 
-def make_update_fn(xp: Any, table: TableSpec, learning_rates: Sequence[float]) -> Callable[..., tuple]:
+def _jax_program_runner(table: TableSpec) -> dict[str, Any]:
+    """``hlo_runner``/``takes_learning_rate`` for a UserDefinedProgram on the JAX backend.
+
+    The program runs on JAX's CPU XLA client (``jax_hlo_runner``), wrapped in
+    ``jax.pure_callback`` so it also works inside the backend's jitted update step. Whether
+    the HLO takes the scalar lr is read from its parameter count (spec §2.6: inputs =
+    outputs + 1 or + 2, with outputs = 1 + slots).
+    """
+    import jax
+    from jax._src.lib import xla_client
+
+    from meshembed.math.user_defined import jax_hlo_runner
+
+    opt = table.optimizer
+    program = bytes(opt.program)
+    num_slots = len(opt.slot_initial_values())
+    try:
+        n_params = len(xla_client.XlaComputation(program).program_shape().parameter_shapes())
+    except Exception as exc:
+        raise ConfigError(
+            f"Table {table.name!r}: UserDefinedProgram.program is not a serialized "
+            f"xla.HloModuleProto ({type(exc).__name__}: {exc})."
+        ) from None
+    if n_params not in (2 + num_slots, 3 + num_slots):
+        raise ConfigError(
+            f"Table {table.name!r}: the HLO program takes {n_params} parameters, but with "
+            f"num_slots={num_slots} it must take gradients, weights and the slots "
+            f"({2 + num_slots}), optionally plus the learning rate ({3 + num_slots})."
+        )
+
+    def runner(prog: bytes, *args: Any) -> tuple:
+        def host(*arrays: Any) -> tuple:
+            return tuple(np.asarray(a, np.float32) for a in jax_hlo_runner(prog, *arrays))
+
+        shape = jax.ShapeDtypeStruct(tuple(args[0].shape), np.float32)
+        return jax.pure_callback(host, (shape,) * (1 + num_slots), *args)
+
+    return {"hlo_runner": runner, "takes_learning_rate": n_params == 3 + num_slots}
+
+
+def make_update_fn(
+    xp: Any, table: TableSpec, learning_rates: Sequence[float], backend_name: str = ""
+) -> Callable[..., tuple]:
     """``fn(grad_rows, param_rows, *slot_rows) -> (param_rows', *slot_rows')`` for this table."""
     from meshembed import math as me_math
 
     opt = table.optimizer
     algorithm = _algorithm(opt)
+    if not me_math.get_math(algorithm).supported:
+        raise NotImplementedError(
+            f"Table {table.name!r}: {type(opt).__name__} has no public update formula (the TPU "
+            "kernel is closed source), so meshembed cannot train it. Its configs load, save and "
+            "round-trip; to train, choose another optimizer or a CustomOptimizer."
+        )
     lr, hp = table_hyperparameters(table, learning_rates)
+    if algorithm == "user_defined_program":
+        if backend_name != "jax":
+            raise NotImplementedError(
+                f"Table {table.name!r}: UserDefinedProgram runs an XLA HLO program, which the "
+                f"{backend_name or 'current'!r} backend cannot compile; only the 'jax' backend "
+                "runs it (through XLA's CPU client). Fix: use backend='jax', or a CustomOptimizer "
+                "with a Python update function."
+            )
+        hp.update(_jax_program_runner(table))
     decay = float(getattr(opt, "weight_decay_factor", 0.0) or 0.0)
     by_lr = bool(getattr(opt, "multiply_weight_decay_factor_by_learning_rate", False))
     gradient_clip = opt.gradient_clipping_limits()
@@ -103,10 +168,14 @@ def apply_table(
     host_ids: np.ndarray,
     row_grads: Any,
     learning_rates: Sequence[float],
+    fn: Callable[..., tuple] | None = None,
 ) -> list[Any]:
-    """Run the optimizer on ``table``'s rows; returns the new ``[params, *slots]``."""
+    """Run the optimizer on ``table``'s rows; returns the new ``[params, *slots]``.
+
+    ``fn`` is ``make_update_fn``'s result when the caller built (and so validated) it first."""
     xp = backend.xp
-    fn = make_update_fn(xp, table, learning_rates)
+    if fn is None:
+        fn = make_update_fn(xp, table, learning_rates, getattr(backend, "name", ""))
     if is_non_lazy(table):
         every = np.arange(table.vocabulary_size, dtype=np.int64)
         zeros = xp.zeros(
