@@ -204,7 +204,7 @@ class TorchBackend(TorchDenseMixin, Backend):
             local = np.concatenate([vals[placement.global_ids(s)] for s in held])
         else:
             local = np.empty((0, vals.shape[1]), dtype=vals.dtype)
-        data = torch.empty(local.shape, dtype=self.torch_dtype(local.dtype), device=device)
+        data = self._k.empty_rows(local.shape, self.torch_dtype(local.dtype), device)
         data.copy_(torch.from_numpy(np.ascontiguousarray(local)))
         return TorchShardedTable(data, placement, rowmap, group)
 
