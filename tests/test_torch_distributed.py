@@ -104,6 +104,13 @@ def _scenario_protocol(rank: int, world: int, tmp: pathlib.Path) -> dict[str, np
                                        b.asarray(_split(grads, rank, world)), fn)
             for i, t2 in enumerate(tables):
                 out[f"{opt}_{key}_{i}"] = b.unshard(t2)
+        # ranks with nothing to look up or update still take part in the collectives
+        lone = np.array([5, 5, VOCAB - 1]) if rank == 0 else np.zeros(0, np.int64)
+        out[f"lone_gather_{key}"] = b.to_numpy(b.gather(t, b.asarray(lone)))
+        fn, inits = _opt_fn("adagrad", b.xp)
+        tables = [b.create_table(values, p), b.create_table(np.full_like(values, inits[0]), p)]
+        b.update_rows(tables, b.asarray(lone), b.asarray(np.ones((lone.size, DIM), np.float32)), fn)
+        out[f"lone_update_{key}"] = b.unshard(tables[0])
     return out
 
 
@@ -269,6 +276,13 @@ def test_protocol_over_gloo_ranks_equals_numpy(world, tmp_path):
             np.testing.assert_array_equal(results[r][f"unshard_{key}"], values, err_msg=key)
             np.testing.assert_array_equal(results[r][f"gather_{key}"], values[_split(gather_ids, r, world)], err_msg=key)
             np.testing.assert_array_equal(results[r][f"scatter_{key}"], expected_scatter, err_msg=key)
+        np.testing.assert_array_equal(results[0][f"lone_gather_{key}"], expected_scatter[[5, 5, VOCAB - 1]])
+        fn, inits = _opt_fn("adagrad", nb.xp)
+        lone = [nb.create_table(values, p), nb.create_table(np.full_like(values, inits[0]), p)]
+        nb.update_rows(lone, np.array([5, 5, VOCAB - 1]), np.ones((3, DIM), np.float32), fn)
+        for r in range(world):
+            assert results[r][f"lone_gather_{key}"].shape == ((3 if r == 0 else 0), DIM)
+            np.testing.assert_allclose(results[r][f"lone_update_{key}"], nb.unshard(lone[0]), rtol=2e-6, atol=2e-6)
         for opt in ("adagrad", "adadelta"):
             fn, inits = _opt_fn(opt, nb.xp)
             tables = [nb.create_table(values, p)] + [nb.create_table(np.full_like(values, v), p) for v in inits]
