@@ -380,7 +380,7 @@ class TorchBackend(TorchDenseMixin, Backend):
         the first reuse the compiled kernel even when the learning rate changes)."""
         if not self._wants_compile(elements, device):
             return None
-        key = getattr(fn, "__code__", None) or type(fn)
+        key = _static_key(fn)
         entry = self._fused.get(key)
         if entry is None:
             entry = self._torch.compile(_distinct_code(_gather_update_scatter, len(self._fused)), dynamic=True)
@@ -440,6 +440,25 @@ def _gather_update_scatter(fn: Callable, g: Any, index: Any, *datas: Any) -> Non
         if tuple(r.shape) != (index.shape[0], d.shape[1]):  # a broadcast result
             r = r.expand(index.shape[0], d.shape[1])
         d.index_copy_(0, index, r)
+
+
+def _static_key(fn: Callable) -> Any:
+    """What dynamo specialises ``fn`` on: its code and the str/int/bool/None values it closes
+    over (the optimizer's algorithm name, static flags). Floats are traced as inputs, so
+    learning-rate changes do not split the cache. One compiled entry per key keeps every
+    entry far below dynamo's per-code recompilation limit."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return type(fn)
+    statics = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if value is None or isinstance(value, (str, bool, int)):
+            statics.append(value)
+    return (code, tuple(statics))
 
 
 def _distinct_code(func: Callable, n: int) -> Callable:
