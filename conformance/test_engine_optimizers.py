@@ -10,7 +10,6 @@ Tables, every slot and the activations are compared after every step.
 from __future__ import annotations
 
 import math
-import types
 
 import numpy as np
 import pytest
@@ -138,11 +137,6 @@ PARAMS = [(c, "plain") for c in CASES] + [(c, "dynamic_lr") for c in CASES if c 
 
 
 def _config(opt, dim=D, vocab=V):
-    if isinstance(opt, E.CustomOptimizer):  # TableConfig rejects it (see the xfail below)
-        ns = types.SimpleNamespace
-        return ns(tables=[ns(name="t", vocabulary_size=vocab, dimension=dim, optimizer=opt, combiner="mean")],
-                  features=[ns(table="t", input_shape=(B,), name="multi"), ns(table="t", input_shape=(B,), name="dense")],
-                  sharding_strategy="mod")
     tables = [me.TableConfig("t", vocab, dim, optimizer=opt, combiner="mean")]
     features = [me.FeatureConfig("t", (B,), name="multi"), me.FeatureConfig("t", (B,), name="dense")]
     return me.EmbeddingConfig(tables=tables, features=features, sharding_strategy="mod")
@@ -387,9 +381,33 @@ def test_missing_learning_rate_is_a_config_error(backend):
     assert math.isfinite(float(emb.retrieve_parameters("ok")["parameters"].sum()))
 
 
-@pytest.mark.xfail(strict=True, raises=me.ConfigError,
-                   reason="config/tables.py: TableConfig accepts only proto OptimizerSpecs, not "
-                          "me.embedding.CustomOptimizer (the engine itself runs it, tested above)")
 def test_custom_optimizer_in_a_table_config():
     opt = E.CustomOptimizer(_sgd_velocity, ("velocity",), (0.5,), learning_rate=0.1, hyperparameters={"decay": 0.7})
-    me.TableConfig("t", V, D, optimizer=opt, combiner="mean")
+    t = me.TableConfig("t", V, D, optimizer=opt, combiner="mean")
+    assert t.optimizer is opt
+    cfg = _config(opt)
+    assert isinstance(cfg, me.EmbeddingConfig) and cfg.tables[0].optimizer == opt
+    for write in (cfg.to_proto, cfg.to_text, cfg.to_message):
+        with pytest.raises(me.ConfigError, match=r"table 't'.*Python-level optimizer with no "
+                                                 r"TPUEmbeddingConfiguration form"):
+            write()
+
+
+def test_custom_optimizer_engine_checkpoint_is_a_clear_error(backend, tmp_path):
+    """A checkpoint stores the config as proto bytes, which cannot hold a CustomOptimizer:
+    save() names the table and the fix and writes nothing; the engine keeps training."""
+    opt = E.CustomOptimizer(_sgd_velocity, ("velocity",), (0.5,), learning_rate=0.1, hyperparameters={"decay": 0.7})
+    emb = me.TPUEmbedding(_config(opt), backend=backend, num_shards=2)
+    feats, weights = _inputs(0)
+    emb.enqueue(feats, weights)
+    emb.dequeue()
+    emb.apply_gradients(_gradients(0, 1.0))
+    before = _snapshot(emb)
+    with pytest.raises(me.ConfigError, match=r"checkpoint of table 't'.*CustomOptimizer.*Fix: .*retrieve_parameters"):
+        emb.save(tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == []
+    _assert_unchanged(before, emb)
+    # the documented fix: retrieve_parameters / load_parameters into an engine of the same config
+    other = me.TPUEmbedding(_config(opt), backend=backend, num_shards=1)
+    other.load_parameters("t", **before["t"])
+    _assert_unchanged(before, other)

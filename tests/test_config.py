@@ -258,3 +258,71 @@ def test_public_lazy_exports():
     assert me.EmbeddingConfig is EmbeddingConfig
     assert me.TableConfig is TableConfig and me.FeatureConfig is FeatureConfig
     assert Assign().slot_names == ()
+
+
+# -- CustomOptimizer: accepted by the config, no proto form -----------------------------------
+def _velocity(xp, params, grads, slots, *, lr, decay):
+    v = decay * slots.velocity + grads
+    return params - lr * v, type(slots)(v)
+
+
+def _custom(**kw):
+    kw.setdefault("hyperparameters", {"decay": 0.7})
+    return me.embedding.CustomOptimizer(_velocity, ("velocity",), (0.5,), **kw)
+
+
+def test_custom_optimizer_is_accepted_by_table_and_embedding_config():
+    opt = _custom(learning_rate=0.1)
+    t = TableConfig("user", 10, 4, opt)
+    assert t.optimizer is opt and t.optimizer.slot_names == ("velocity",)
+    assert t.optimizer.slot_initial_values() == (0.5,) and t.optimizer.hyperparameters() == {"decay": 0.7}
+    # as the EmbeddingConfig default, next to a proto optimizer
+    cfg = EmbeddingConfig(tables=[TableConfig("user", 10, 4), TableConfig("item", 10, 4, SGD(0.1))],
+                          features=[FeatureConfig("user", 4), FeatureConfig("item", 4)], optimizer=opt)
+    assert cfg.tables[0].optimizer == opt and cfg.num_dynamic_inputs == 0
+
+
+def test_custom_optimizer_options_flow_through_the_config():
+    q = QuantizationConfig(8, -1.0, 1.0)
+    t = TableConfig("user", 10, 4, _custom(), quantization=q)
+    assert t.optimizer.simulated_quantization == q and t.optimizer.hyperparameters() == {"decay": 0.7}
+    assert t.optimizer.update_fn is _velocity
+    assert TableConfig("user", 10, 4, _custom(simulated_quantization=q)).quantization == q
+
+    def lr():
+        return 0.25
+
+    cfg = EmbeddingConfig(tables=[TableConfig("user", 10, 4, _custom(learning_rate=lr))],
+                          features=[FeatureConfig("user", 4)])
+    assert cfg.tables[0].optimizer.learning_rate == DynamicLearningRate(0)
+    assert cfg.tables[0].optimizer.update_fn is _velocity
+    assert cfg.learning_rate_fns == (lr,) and cfg.evaluate_learning_rates() == (0.25,)
+    # a hyper-parameter given as a DynamicLearningRate is a dynamic input, like step_counter
+    dyn = _custom(learning_rate=DynamicLearningRate(0), hyperparameters={"decay": DynamicLearningRate(1)})
+    cfg = EmbeddingConfig(tables=[TableConfig("user", 10, 4, dyn)], features=[FeatureConfig("user", 4)])
+    assert cfg.dynamic_tags == (0, 1) and cfg.num_dynamic_inputs == 2
+
+
+@pytest.mark.parametrize("kw, arg", [
+    (dict(learning_rate="fast"), "learning_rate"),
+    (dict(simulated_quantization=(8, -1.0, 1.0)), "simulated_quantization"),
+    (dict(clip_weight_min=1.0, clip_weight_max=0.0), "clip_weight_min"),
+])
+def test_custom_optimizer_bad_options_name_the_table(kw, arg):
+    with pytest.raises(me.ConfigError, match=f"Invalid `{arg}` for table 'user'"):
+        TableConfig("user", 10, 4, _custom(**kw))
+
+
+def test_config_with_custom_optimizer_has_no_proto_form():
+    cfg = EmbeddingConfig(tables=[TableConfig("ok", 10, 4, SGD(0.1)), TableConfig("user", 10, 4, _custom())],
+                          features=[FeatureConfig("ok", 4), FeatureConfig("user", 4)])
+    for write in (cfg.to_proto, cfg.to_text, cfg.to_message):
+        with pytest.raises(me.ConfigError) as info:
+            write()
+        msg = str(info.value)
+        assert "table 'user'" in msg and "Python-level optimizer" in msg, msg
+        assert "no TPUEmbeddingConfiguration form" in msg and "Fix:" in msg, msg
+    from meshembed.config.proto_io import optimizer_to_message
+
+    with pytest.raises(me.ConfigError, match="Python-level optimizer"):
+        optimizer_to_message(_custom())

@@ -21,10 +21,11 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from meshembed.config._common import as_bool, as_enum, as_int, invalid, located, tf2_checks_enabled
-from meshembed.config.optimizers import DynamicLearningRate, OptimizerSpec
+from meshembed.config.optimizers import OPTIMIZER_TYPES, DynamicLearningRate, OptimizerSpec
 from meshembed.config.tables import FeatureConfig, SpmdSharding, TableConfig
 from meshembed.config.validation import derived_geometry, validate
 from meshembed.errors import ConfigError
+from meshembed.math.custom import CustomOptimizer
 
 __all__ = ["MODES", "SHARDING_STRATEGIES", "EmbeddingConfig"]
 
@@ -69,7 +70,7 @@ class EmbeddingConfig:
     pipeline_execution_with_tensor_core: bool = False
     profile_data_directory: str = ""
     spmd_sharding: SpmdSharding | None = None
-    optimizer: OptimizerSpec | None = field(default=None, compare=False)
+    optimizer: OptimizerSpec | CustomOptimizer | None = field(default=None, compare=False)
     _: KW_ONLY
     unknown_fields: bytes = field(default=b"", repr=False)
     learning_rate_fns: tuple[Callable[[], float] | None, ...] = field(
@@ -95,8 +96,8 @@ class EmbeddingConfig:
             raise invalid("profile_data_directory", where, "a string", self.profile_data_directory)
         if self.spmd_sharding is not None and not isinstance(self.spmd_sharding, SpmdSharding):
             raise invalid("spmd_sharding", where, "a SpmdSharding or None", self.spmd_sharding)
-        if self.optimizer is not None and not isinstance(self.optimizer, OptimizerSpec):
-            raise invalid("optimizer", where, "an optimizer spec or None", self.optimizer)
+        if self.optimizer is not None and not isinstance(self.optimizer, OPTIMIZER_TYPES):
+            raise invalid("optimizer", where, "an optimizer spec, a CustomOptimizer or None", self.optimizer)
 
         features = self._feature_tuple(self.features)
         tables = self._resolve_tables(tuple(self.tables), features)
@@ -349,7 +350,7 @@ def _assign_dynamic_tags(tables: tuple[TableConfig, ...]) -> tuple[tuple[TableCo
                 changes["step_counter"] = tag_of(sc)
             if changes:
                 with located(f"table '{t.name}'"):
-                    t = t.replace(optimizer=dataclasses.replace(opt, **changes))
+                    t = t.replace(optimizer=opt.replace(**changes))
         out.append(t)
     table_fns = tuple(fns.get(i) for i in range(next_tag)) if fns else ()
     return tuple(out), table_fns

@@ -30,11 +30,12 @@ from meshembed.config._common import (
     tf2_checks_enabled,
 )
 from meshembed.errors import ConfigError
+from meshembed.math.custom import CustomOptimizer
 
 __all__ = [
     "OPTIMIZER_CLASSES", "Adadelta", "Adagrad", "AdagradMomentum", "Adam", "Assign",
     "BoundedAdagrad", "CenteredRMSProp", "DynamicLearningRate", "FTRL", "FrequencyAwareAdagrad",
-    "FrequencyEstimator", "Lion", "MAX_AUXILIARY_SLOTS", "MDLAdagradLight", "Momentum",
+    "FrequencyEstimator", "Lion", "OPTIMIZER_TYPES", "is_custom", "MAX_AUXILIARY_SLOTS", "MDLAdagradLight", "Momentum",
     "OnlineYogi", "OptimizerSpec", "ProximalAdagrad", "ProximalYogi", "QuantizationConfig",
     "RMSProp", "SGD", "UserDefinedProgram",
 ]
@@ -721,6 +722,16 @@ class Assign(OptimizerSpec):
 
     def _check_arguments(self, where: str) -> None:
         """Assign ignores the learning rate, so a missing one is fine."""
+
+
+#: What a TableConfig or EmbeddingConfig takes as ``optimizer``: a proto spec, or a
+#: CustomOptimizer (same interface, Python-level only: no proto form, no Load/Retrieve op).
+OPTIMIZER_TYPES: tuple[type, ...] = (OptimizerSpec, CustomOptimizer)
+
+
+def is_custom(opt: Any) -> bool:
+    """True for a CustomOptimizer: an optimizer with no TPUEmbeddingConfiguration form."""
+    return isinstance(opt, CustomOptimizer)
 
 
 #: proto oneof field name -> spec class, in proto field-number order.

@@ -30,6 +30,7 @@ from meshembed.config.optimizers import (
     FrequencyAwareAdagrad,
     OptimizerSpec,
     QuantizationConfig,
+    is_custom,
 )
 from meshembed.config.tables import FeatureConfig, SpmdSharding, TableConfig
 from meshembed.errors import ConfigError
@@ -80,7 +81,22 @@ def _is_repeated(fd: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------- typed -> proto
+def _no_proto_form(opt: Any, where: str) -> ConfigError:
+    """The error for serializing a CustomOptimizer: it has no proto algorithm."""
+    place = f" for {where}" if where else ""
+    return ConfigError(
+        f"Invalid `optimizer`{place}. Expected an optimizer with a TPUEmbeddingConfiguration form "
+        f"(a proto optimizer spec: me.embedding.SGD, Adagrad, Adam, ...) to serialize the config. "
+        f"Received: optimizer=CustomOptimizer(name={getattr(opt, 'name', 'custom')!r}), a Python-level "
+        "optimizer with no TPUEmbeddingConfiguration form (no proto algorithm and no Load/Retrieve "
+        "op, like TF2's CustomOptimizer). The engine runs it; to_proto()/to_text() cannot write it. "
+        "Fix: give this table a proto optimizer spec if the config must be serialized")
+
+
 def config_to_message(cfg: EmbeddingConfig) -> cfg_pb2.TPUEmbeddingConfiguration:
+    for t in cfg.tables:
+        if is_custom(t.optimizer):
+            raise _no_proto_form(t.optimizer, f"table '{t.name}'")
     msg = cfg_pb2.TPUEmbeddingConfiguration()
     for t in cfg.tables:
         td = msg.table_descriptor.add()
@@ -130,7 +146,9 @@ def _set_limits(limits: opt_pb2.ClippingLimits, lower: float | None, upper: floa
 
 
 def optimizer_to_message(opt: OptimizerSpec) -> opt_pb2.OptimizationParameters:
-    """One table's OptimizationParameters."""
+    """One table's OptimizationParameters (a ConfigError for a CustomOptimizer)."""
+    if is_custom(opt):
+        raise _no_proto_form(opt, "")
     msg = opt_pb2.OptimizationParameters()
     lr = opt.learning_rate
     if isinstance(lr, DynamicLearningRate):

@@ -14,8 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from meshembed.config._common import as_bool, as_int, invalid, located, one_of
-from meshembed.config.optimizers import OptimizerSpec, QuantizationConfig
+from meshembed.config._common import as_bool, as_float, as_int, invalid, located, one_of
+from meshembed.config.optimizers import (
+    OPTIMIZER_TYPES,
+    DynamicLearningRate,
+    OptimizerSpec,
+    QuantizationConfig,
+    is_custom,
+)
+from meshembed.math.custom import CustomOptimizer
 
 __all__ = ["COMBINERS", "DTYPES", "FeatureConfig", "SpmdSharding", "TableConfig"]
 
@@ -27,7 +34,9 @@ DTYPES = ("float32", "int32")
 class TableConfig:
     """One embedding table (TF2 ``tf.tpu.experimental.embedding.TableConfig``).
 
-    ``optimizer`` may be None when the EmbeddingConfig supplies a default. ``quantization``
+    ``optimizer`` may be None when the EmbeddingConfig supplies a default; it is a proto
+    optimizer spec or a ``me.embedding.CustomOptimizer`` (the engine runs it, but a config
+    holding one has no proto form: ``to_proto()``/``to_text()`` raise). ``quantization``
     is TF2's ``quantization_config``; it is stored in the optimizer's
     ``simulated_quantization`` (the proto keeps it there), and both attributes always agree.
     ``num_features`` is the legacy per-table feature count (0 with feature descriptors).
@@ -38,7 +47,7 @@ class TableConfig:
     name: str
     vocabulary_size: int
     dimension: int
-    optimizer: OptimizerSpec | None = None
+    optimizer: OptimizerSpec | CustomOptimizer | None = None
     combiner: str = "mean"
     initializer: Callable[..., Any] | None = field(default=None, compare=False)
     quantization: QuantizationConfig | None = None
@@ -66,9 +75,11 @@ class TableConfig:
         object.__setattr__(self, "dtype", dtype)
         if self.initializer is not None and not callable(self.initializer):
             raise invalid("initializer", where, "a callable (shape) -> array, or None", self.initializer)
-        if self.optimizer is not None and not isinstance(self.optimizer, OptimizerSpec):
-            raise invalid("optimizer", where, "an optimizer spec (meshembed.embedding.SGD, Adagrad, ...)",
-                          self.optimizer)
+        if self.optimizer is not None and not isinstance(self.optimizer, OPTIMIZER_TYPES):
+            raise invalid("optimizer", where, "an optimizer spec (meshembed.embedding.SGD, Adagrad, ...) "
+                          "or a meshembed.embedding.CustomOptimizer", self.optimizer)
+        if is_custom(self.optimizer):
+            _check_custom(self.optimizer, where)
         if self.quantization is not None and not isinstance(self.quantization, QuantizationConfig):
             raise invalid("quantization", where, "a QuantizationConfig or None", self.quantization)
         self._sync_quantization(where)
@@ -82,7 +93,7 @@ class TableConfig:
             raise invalid("quantization", where,
                           f"the optimizer's simulated_quantization ({oq!r}) or None", q)
         if q is not None and oq is None:
-            object.__setattr__(self, "optimizer", dataclasses.replace(opt, simulated_quantization=q))
+            object.__setattr__(self, "optimizer", opt.replace(simulated_quantization=q))
         elif oq is not None and q is None:
             object.__setattr__(self, "quantization", oq)
 
@@ -94,6 +105,20 @@ class TableConfig:
     def replace(self, **changes: Any) -> TableConfig:
         with located(f"table '{changes.get('name', self.name)}'"):
             return dataclasses.replace(self, **changes)
+
+
+def _check_custom(opt: CustomOptimizer, where: str) -> None:
+    """What OptimizerSpec checks for itself, for a CustomOptimizer (it lives in
+    meshembed.math and raises plain TypeError/ValueError for its own arguments)."""
+    lr = opt.learning_rate
+    if lr is not None and not isinstance(lr, DynamicLearningRate) and not callable(lr):
+        as_float("learning_rate", lr, where)
+    sq = opt.simulated_quantization
+    if sq is not None and not isinstance(sq, QuantizationConfig):
+        raise invalid("simulated_quantization", where, "a QuantizationConfig or None", sq)
+    lo, hi = opt.clip_weight_min, opt.clip_weight_max
+    if lo is not None and hi is not None and lo > hi:
+        raise invalid("clip_weight_min", where, f"a value <= clip_weight_max ({hi})", lo)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,10 @@ Arrays are stored unsharded, so a checkpoint written with 2 shards on NumPy rest
 an existing checkpoint is first renamed aside and removed only after the new one is in
 place, so a crash at any point leaves a complete checkpoint at ``path`` or at ``path.old-*``
 (which :func:`restore` falls back to).
+
+A table with a ``CustomOptimizer`` cannot be checkpointed: the config is stored as
+TPUEmbeddingConfiguration bytes, which have no form for a Python-level optimizer. ``save``
+raises a ConfigError before writing anything.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from meshembed.errors import InputError
+from meshembed.errors import ConfigError, InputError
 
 FORMAT = "meshembed.tpu_embedding.checkpoint"
 VERSION = 1
@@ -97,8 +101,24 @@ def write_contents(engine: Any, directory: pathlib.Path) -> None:
     _write_file(directory / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
 
 
+def check_saveable(engine: Any) -> None:
+    """ConfigError naming the table and the fix when the config has no proto form."""
+    for t in engine.layout.tables:
+        if getattr(t.optimizer, "algorithm", None) == "custom":
+            raise ConfigError(
+                f"Cannot save a checkpoint of table {t.name!r}: its optimizer is a CustomOptimizer, a "
+                "Python-level optimizer with no TPUEmbeddingConfiguration form, and a checkpoint "
+                "stores the config as TPUEmbeddingConfiguration bytes (config.pb). Nothing was "
+                f"written. Fix: keep the table's state with `retrieve_parameters({t.name!r})` and "
+                f"load it with `load_parameters({t.name!r}, parameters, **slots)` into an engine "
+                "built from the same EmbeddingConfig, or use a proto optimizer spec "
+                "(me.embedding.SGD, Adagrad, ...) for the table to use save()/restore()."
+            )
+
+
 def save(engine: Any, path: Any) -> pathlib.Path:
     """Atomically write ``engine``'s checkpoint to the directory ``path``."""
+    check_saveable(engine)
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]

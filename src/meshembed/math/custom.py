@@ -116,6 +116,43 @@ class CustomOptimizer:
     def hyperparameters(self) -> dict[str, Any]:
         return dict(self._hyperparameters)
 
+    def dynamic_inputs(self) -> tuple[Any, ...]:
+        """Hyper-parameters given as ``DynamicLearningRate(tag)``: read from Send's
+        ``learning_rates[tag]`` each step, like FrequencyAwareAdagrad's ``step_counter``."""
+        return tuple(v for v in self._hyperparameters.values()
+                     if hasattr(v, "tag") and not isinstance(v, (bool, int, float)))
+
+    @property
+    def gradient_accumulation_enabled(self) -> bool:
+        return self.use_gradient_accumulation is not False
+
+    @property
+    def is_dynamic(self) -> bool:
+        lr = self.learning_rate
+        return hasattr(lr, "tag") or callable(lr)
+
+    def replace(self, **changes: Any) -> "CustomOptimizer":
+        """A copy with ``changes`` (constructor argument names; ``hyperparameters`` replaces
+        the whole mapping). ``dataclasses.replace`` cannot rebuild this class."""
+        kwargs: dict[str, Any] = dict(
+            update_fn=self.update_fn, slot_names=self.slot_names,
+            slot_initializers=self.slot_initializers, learning_rate=self.learning_rate,
+            hyperparameters=self._hyperparameters,
+            use_gradient_accumulation=self.use_gradient_accumulation,
+            clip_weight_min=self.clip_weight_min, clip_weight_max=self.clip_weight_max,
+            clipvalue=self.clipvalue, weight_decay_factor=self.weight_decay_factor,
+            multiply_weight_decay_factor_by_learning_rate=(
+                self.multiply_weight_decay_factor_by_learning_rate),
+            simulated_quantization=self.simulated_quantization, name=self.name,
+        )
+        unknown = sorted(set(changes) - set(kwargs))
+        if unknown:
+            raise TypeError(f"CustomOptimizer.replace() got unknown argument(s) {unknown}")
+        kwargs.update(changes)
+        return type(self)(**kwargs)
+
+    __replace__ = replace  # copy.replace (Python 3.13+)
+
     def gradient_clipping_limits(self) -> tuple[float, float] | None:
         """``(lower, upper)`` from ``clipvalue`` (``c`` means ``(−c, c)``), ±inf when open."""
         if self.clipvalue is None:
