@@ -7,6 +7,8 @@ backward pass is unchanged (straight-through). Expected values are plain NumPy.
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
@@ -133,3 +135,26 @@ def test_quantization_survives_the_proto_round_trip(backend):
     b = me.TPUEmbedding(cfg.to_proto(), backend=backend, num_shards=1, initializers={"t": table0})
     for x, y in zip(_step(a), _step(b)):
         assert_close(x, y, what="proto round trip")
+
+
+@pytest.mark.parametrize("bounds", [(LO, None), (None, HI), (None, None), (HI, HI)],
+                         ids=["upper_unset", "lower_unset", "both_unset", "lower_eq_upper"])
+def test_enabled_quantization_without_a_bucket_width_is_a_config_error(backend, bounds):
+    """Spec §2.1: an unset side means ±inf, which would make every activation NaN. The
+    config rejects it naming the table (on the optimizer and on the TableConfig); the
+    engine rejects it too for a duck-typed config that skips EmbeddingConfig validation."""
+    q = E.QuantizationConfig(BUCKETS, *bounds)
+    for on_table in (False, True):
+        with pytest.raises(me.ConfigError, match="Invalid `simulated_quantization` for table 't'"):
+            _config(q, on_table=on_table)
+    ns = types.SimpleNamespace
+    cfg = ns(tables=[ns(name="t", vocabulary_size=V, dimension=D, optimizer=E.SGD(0.5, simulated_quantization=q),
+                        combiner="mean")],
+             features=[ns(table="t", input_shape=(B,), name="multi")], sharding_strategy="mod")
+    with pytest.raises(me.ConfigError, match="Invalid `simulated_quantization` for table 't'"):
+        me.TPUEmbedding(cfg, backend=backend, num_shards=2)
+    # disabled, the same bounds are only recorded: the forward pass is plain
+    off = _config(E.QuantizationConfig(BUCKETS, *bounds, enabled=False))
+    table0 = _table()
+    acts = _step(me.TPUEmbedding(off, backend=backend, num_shards=2, initializers={"t": table0}))
+    assert_close(acts[0], _matrices()[0] @ table0.astype(np.float64), what="disabled quantization")

@@ -127,7 +127,7 @@ def test_presence_is_kept():
           stochastic_gradient_descent {}
           learning_rate { constant: 0 }
           gradient_clipping_limits { upper { value: 0 } }
-          simulated_quantization { enabled: true num_buckets: 8 clipping_limits { lower { value: -1 } } }
+          simulated_quantization { enabled: false num_buckets: 8 clipping_limits { lower { value: -1 } } }
           hot_id_replication_configuration {}
           low_dimensional_packing_status: DISABLED
         } }
@@ -139,7 +139,7 @@ def test_presence_is_kept():
     opt = cfg.tables[0].optimizer
     assert opt.learning_rate == 0.0
     assert opt.gradient_clipping_limits() == (float("-inf"), 0.0)
-    assert opt.simulated_quantization == QuantizationConfig(8, -1.0, None)
+    assert opt.simulated_quantization == QuantizationConfig(8, -1.0, None, enabled=False)
     assert opt.hot_id_replication == "unspecified"
     assert opt.low_dimensional_packing_status == "disabled"
     assert cfg.spmd_sharding == SpmdSharding()

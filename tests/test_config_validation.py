@@ -53,6 +53,16 @@ def _python_cases():
         tables=[_t()], features=[FeatureConfig(_t(vocab=5), 4, name="user_id")])
     yield "quantization", "table 'user'", lambda: _t(
         opt=SGD(simulated_quantization=QuantizationConfig(4, 0, 1)), quantization=QuantizationConfig(8, 0, 1))
+    # an enabled simulated quantization needs both bounds (spec §2.1: unset = ±inf -> NaN)
+    yield "simulated_quantization", "table 'user'", lambda: _t(quantization=QuantizationConfig(8, -1.0, None))
+    yield "simulated_quantization", "table 'user'", lambda: _t(
+        opt=SGD(simulated_quantization=QuantizationConfig(8, None, 1.0)))
+    yield "simulated_quantization", "table 'user'", lambda: _t(quantization=QuantizationConfig(8, None, None))
+    yield "simulated_quantization", "table 'user'", lambda: _t(quantization=QuantizationConfig(8, 0.5, 0.5))
+    yield "simulated_quantization", "table 'user'", lambda: _t(quantization=QuantizationConfig(8, float("-inf"), 1.0))
+    yield "simulated_quantization", "table 'user'", lambda: EmbeddingConfig(
+        tables=[TableConfig("user", 10, 2, quantization=QuantizationConfig(8, -1.0, None))], features=[_f()],
+        optimizer=SGD(0.1))
 
 
 CFG_HEAD = 'mode: TRAINING num_hosts: 1 num_tensor_cores: 1 '
@@ -91,6 +101,30 @@ def _proto_cases():
     yield "num_features", "table 't'", _table().replace("dimension: 4", "dimension: 4 num_features: 2") \
         + CFG_HEAD + _feature()
     yield "num_hosts", "EmbeddingConfig", _table() + "mode: TRAINING num_tensor_cores: 1 " + _feature()
+    for quant in _BAD_QUANTIZATION:
+        yield "simulated_quantization", "table 't'", _table(opt=_SGD + quant) + CFG_HEAD + _feature()
+    yield "lower", "table 't'", _table(opt=_SGD + _quant(8, "lower { value: 2 } upper { value: 1 }")) \
+        + CFG_HEAD + _feature()
+
+
+_SGD = "stochastic_gradient_descent {} learning_rate { constant: 0.1 } "
+
+
+def _quant(buckets, limits=None, enabled="true"):
+    clip = "" if limits is None else f"clipping_limits {{ {limits} }}"
+    return f"simulated_quantization {{ enabled: {enabled} num_buckets: {buckets} {clip} }} "
+
+
+_BOTH = "lower { value: -1 } upper { value: 1 }"
+_BAD_QUANTIZATION = (
+    _quant(8, "lower { value: -1 }"),
+    _quant(8, "upper { value: 1 }"),
+    _quant(8, ""),
+    _quant(8),
+    _quant(8, "lower { value: 1 } upper { value: 1 }"),
+    _quant(1, _BOTH),
+    _quant(0, _BOTH),
+)
 
 
 PY = list(_python_cases())
@@ -152,6 +186,19 @@ def test_malformed_bytes_name_the_fix():
 def test_optimizer_argument_errors(build, arg):
     with pytest.raises(ConfigError, match=f"Invalid `{arg}`"):
         build()
+
+
+def test_quantization_bounds_are_checked_only_when_enabled():
+    """Disabled quantization does not run, so a config that only records it may leave
+    sides unset; an enabled one with both sides loads and round-trips."""
+    for quant in _BAD_QUANTIZATION[:-2] + (_quant(0, _BOTH, enabled="false"),):
+        text = _table(opt=_SGD + quant.replace("enabled: true", "enabled: false")) + CFG_HEAD + _feature()
+        cfg = EmbeddingConfig.from_proto(text)
+        assert cfg.tables[0].quantization.enabled is False
+        assert EmbeddingConfig.from_proto(cfg.to_proto()) == cfg
+    cfg = EmbeddingConfig.from_proto(_table(opt=_SGD + _quant(8, _BOTH)) + CFG_HEAD + _feature())
+    assert cfg.tables[0].quantization == QuantizationConfig(8, -1.0, 1.0)
+    assert _t(quantization=QuantizationConfig(8, -1.0, None, enabled=False)).quantization.upper is None
 
 
 def test_seven_aux_slots_fit_without_accumulation():

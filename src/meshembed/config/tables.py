@@ -83,6 +83,30 @@ class TableConfig:
         if self.quantization is not None and not isinstance(self.quantization, QuantizationConfig):
             raise invalid("quantization", where, "a QuantizationConfig or None", self.quantization)
         self._sync_quantization(where)
+        self._check_quantization(where)
+
+    def _check_quantization(self, where: str) -> None:
+        """An enabled simulated quantization needs finite ``lower < upper`` and at least two
+        buckets (spec §2.1: the bucket width is ``(upper - lower) / (num_buckets - 1)``; an
+        unset side means ±inf there and every activation would be NaN). TF2's
+        ``QuantizationConfig(num_buckets, lower, upper)`` always sets both sides."""
+        q = self.quantization
+        if q is None or not q.enabled:
+            return
+        unset = [name for name in ("lower", "upper") if getattr(q, name) is None]
+        if unset:
+            problem = (f"clipping_limits with both sides set (the {' and '.join(unset)} bound is unset, "
+                       "which means ±inf and makes every activation NaN; pass QuantizationConfig("
+                       "num_buckets, lower, upper), or enabled=False)")
+        elif not (math.isfinite(q.lower) and math.isfinite(q.upper)):
+            problem = "finite clipping bounds (an infinite bound makes every activation NaN)"
+        elif q.lower >= q.upper:
+            problem = f"lower < upper (lower={q.lower} >= upper={q.upper} leaves no bucket width)"
+        elif q.num_buckets < 2:
+            problem = f"num_buckets >= 2 (num_buckets={q.num_buckets} leaves no bucket width)"
+        else:
+            return
+        raise invalid("simulated_quantization", where, f"an enabled quantization to have {problem}", q)
 
     def _sync_quantization(self, where: str) -> None:
         opt = self.optimizer

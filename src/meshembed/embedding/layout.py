@@ -6,6 +6,7 @@ things; this is the one place that reads them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,21 @@ def _dynamic_tags(tables: tuple[TableSpec, ...]) -> int:
     return max(tags) + 1 if tags else 0
 
 
+def _check_quantization(name: str, optimizer: Any) -> None:
+    """EmbeddingConfig rejects these already; this covers duck-typed configs (spec §2.1:
+    an enabled quantization with an unset or infinite bound gives NaN activations)."""
+    q = getattr(optimizer, "simulated_quantization", None)
+    if q is None or not getattr(q, "enabled", True):
+        return
+    lo, hi, n = q.lower, q.upper, q.num_buckets
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)) or lo >= hi or n < 2:
+        raise ConfigError(
+            f"Invalid `simulated_quantization` for table {name!r}. Expected finite lower < upper "
+            "clipping bounds and num_buckets >= 2 when enabled (an unset bound means ±inf and "
+            f"makes every activation NaN). Received: simulated_quantization={q!r}"
+        )
+
+
 def build_layout(config: Any) -> Layout:
     """Read tables and features (in config order) from an EmbeddingConfig."""
     tables = []
@@ -98,6 +114,7 @@ def build_layout(config: Any) -> Layout:
                 f"Table {t.name!r} has no optimizer. Fix: set `optimizer=` on its TableConfig or a "
                 "default `optimizer=` on the EmbeddingConfig (e.g. me.embedding.SGD(0.1))."
             )
+        _check_quantization(t.name, t.optimizer)
         combiner = str(getattr(t, "combiner", "mean") or "mean").lower()
         tables.append(
             TableSpec(
