@@ -275,6 +275,37 @@ def test_frequency_estimator_matches_reference(backend):
     assert np.any(p[:, 0] < 6.0) and np.any(p[:, 0] == 6.0)  # both branches taken
 
 
+def test_frequency_estimator_table_starts_at_max_delta(backend):
+    """Spec §4.2 "D starts at max_delta": the default when no initializer is given (not
+    TF2's truncated normal, which would make D a meaningless random estimate)."""
+    opt = E.FrequencyEstimator(E.DynamicLearningRate(0), tau=0.25, max_delta=6.0, outlier_threshold=2.0)
+    emb = me.TPUEmbedding(_config(opt, dim=1), backend=backend, num_shards=2, seed=3)
+    got = emb.retrieve_parameters("t")
+    np.testing.assert_array_equal(got["parameters"], np.full((V, 1), 6.0, np.float32))
+    np.testing.assert_array_equal(got["last_hit_step"], np.zeros((V, 1), np.float32))
+    feats, weights = _inputs(0)
+    emb.enqueue(feats, weights)
+    emb.dequeue()
+    emb.apply_gradients([np.zeros((B, 1), np.float32)] * 2, learning_rates=[np.float32(4.0)])
+    _, touched = _matrices(0)
+    p, (last,) = reference.lazy_step(reference.frequency_estimator, np.full((V, 1), 6.0), (np.zeros((V, 1)),),
+                                     np.zeros((V, 1)), touched, lr=4.0, tau=0.25, max_delta=6.0,
+                                     outlier_threshold=2.0)
+    got = emb.retrieve_parameters("t")
+    assert_close(got["parameters"], p, what="D after one step")
+    assert_close(got["last_hit_step"], last, what="last_hit_step after one step")
+    # an explicit initializer (TableConfig or engine override) still wins; other optimizers
+    # keep the truncated normal
+    table = me.TableConfig("t", V, 1, optimizer=opt, combiner="mean", initializer=lambda shape: np.ones(shape))
+    cfg = me.EmbeddingConfig(tables=[table], features=[me.FeatureConfig("t", (B,), name="f")])
+    np.testing.assert_array_equal(
+        me.TPUEmbedding(cfg, backend=backend, num_shards=2).retrieve_parameters("t")["parameters"], 1.0)
+    zeros = me.TPUEmbedding(_config(opt, dim=1), backend=backend, num_shards=2, initializers={"t": "zeros"})
+    np.testing.assert_array_equal(zeros.retrieve_parameters("t")["parameters"], 0.0)
+    sgd = me.TPUEmbedding(_config(E.SGD(0.1), dim=1), backend=backend, num_shards=2, seed=3)
+    assert len(np.unique(sgd.retrieve_parameters("t")["parameters"])) == V
+
+
 # -- optimizers that cannot run -----------------------------------------------------------
 def _two_table_config(opt):
     tables = [me.TableConfig("ok", 7, 2, optimizer=E.SGD(0.1), combiner="sum"),

@@ -20,7 +20,7 @@ import numpy as np
 
 from meshembed.backend import Backend, get_backend
 from meshembed.embedding import combiners, inputs
-from meshembed.embedding.initializers import initial_values, table_rng
+from meshembed.embedding.initializers import default_initializer, initial_values, table_rng
 from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec, build_layout
 from meshembed.embedding.updates import apply_table, make_update_fn
 from meshembed.errors import ConfigError, InputError, StateError
@@ -68,7 +68,9 @@ class TPUEmbedding:
         num_shards: shards the rows are placed over (devices or ranks); default the
             mesh's size, else the backend's device count.
         mesh: a ``me.Mesh``; supplies the backend and the shard count when not given.
-        seed: seeds the default TruncatedNormal initialisers (per table).
+        seed: seeds the default TruncatedNormal initialisers (per table). A table with no
+            initialiser starts as TF2's TruncatedNormal(stddev=1/sqrt(dim)); a
+            FrequencyEstimator table (D) starts at its ``max_delta`` instead (spec §4.2).
         initializers: optional ``{table_name: initializer}`` overriding the config's.
         allow_nonfinite: let NaN/Inf gradients through instead of raising.
     """
@@ -112,6 +114,8 @@ class TPUEmbedding:
                 )
             self._placements[t.index] = Placement(t.vocabulary_size, self.num_shards, self.layout.strategy)
             init = overrides.get(t.name, t.initializer)
+            if init is None:
+                init = default_initializer(t.optimizer)
             values = initial_values(init, (t.vocabulary_size, t.dimension), table_rng(self.seed, t.index), t.name)
             self._state[t.index] = self._fresh_state(t, values)
 

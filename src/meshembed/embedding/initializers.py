@@ -4,7 +4,8 @@ The default is TF2's ``TruncatedNormal(mean=0, stddev=1/sqrt(dim))`` (values bey
 standard deviations are redrawn), seeded per table from the engine seed and the table index,
 so the same config and seed give the same tables on every backend and shard count.
 A table's initialiser may be a callable ``(shape, rng) -> array`` or ``(shape) -> array``,
-an array of the table's shape, or a constant.
+an array of the table's shape, or a constant. Without one, a FrequencyEstimator table (D)
+starts at its ``max_delta`` (spec §4.2), see :func:`default_initializer`.
 """
 
 from __future__ import annotations
@@ -62,6 +63,15 @@ class RowIdInitializer:
     def __call__(self, shape: tuple[int, int], rng: np.random.Generator | None = None) -> np.ndarray:
         rows = np.arange(shape[0], dtype=np.float32)[:, None] + np.float32(self.offset)
         return np.broadcast_to(rows, shape).astype(np.float32)
+
+
+def default_initializer(optimizer: Any) -> Any:
+    """The initialiser of a table given none: TF2's TruncatedNormal, except for a
+    FrequencyEstimator, whose table holds the inter-arrival estimate D that starts at
+    ``max_delta`` (spec §4.2: "D starts at max_delta")."""
+    if getattr(optimizer, "algorithm", None) == "frequency_estimator":
+        return Constant(float(optimizer.hyperparameters()["max_delta"]))
+    return TruncatedNormal()
 
 
 def table_rng(seed: int, table_index: int) -> np.random.Generator:
