@@ -329,6 +329,33 @@ def test_compiled_update_rows_matches_numpy(nb):
     assert len(tc._fused) == 2 and not tc._compile_broken
 
 
+def test_compiled_update_rows_exact_when_learning_rate_changes(nb):
+    """Regression: with dynamo's symbolic floats the compiled FTRL drifted once lr changed."""
+    from meshembed.math import apply_update
+
+    tc = TorchBackend(device="cpu", compile="always")
+    hp = dict(l1=0.01, l2=0.02, lr_power=-0.5, multiply_linear_by_lr=True, beta=0.0, allow_zero_accumulator=False)
+
+    def make(xp, lr):
+        def fn(g, p, acc, lin):
+            new_p, slots = apply_update(xp, "ftrl", p, g, (acc, lin), lr=lr, hyperparameters=hp)
+            return (new_p, *slots)
+        return fn
+
+    p = Placement(40, 2, "div")
+    values = _table(40, 3, "float32")
+    ts = [tc.create_table(values, p), tc.create_table(np.full_like(values, 0.1), p), tc.create_table(np.zeros_like(values), p)]
+    ns = [nb.create_table(values, p), nb.create_table(np.full_like(values, 0.1), p), nb.create_table(np.zeros_like(values), p)]
+    rng = np.random.default_rng(4)
+    for lr in (0.5, 0.1, 0.3, 0.2, 0.7):  # the last two exceed MAX_FLOAT_VARIANTS: eager
+        ids = rng.integers(0, 40, size=30)
+        grads = rng.standard_normal((30, 3)).astype(np.float32)
+        tc.update_rows(ts, tc.asarray(ids), tc.asarray(grads), make(tc.xp, lr))
+        nb.update_rows(ns, ids, grads, make(nb.xp, lr))
+        for a, b in zip(ts, ns):
+            np.testing.assert_allclose(tc.unshard(a), nb.unshard(b), rtol=1e-5, atol=1e-6, err_msg=f"lr={lr}")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_cuda_tables_match_cpu():
     cuda, cpu = TorchBackend(device="cuda"), TorchBackend(device="cpu")
