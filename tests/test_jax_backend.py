@@ -148,8 +148,9 @@ def test_segment_sums_parity(be, ref, dtype):
     _close(be.to_numpy(s), es, dtype)
     assert be.to_numpy(s).dtype == np.dtype(dtype)
     seg = rng.integers(0, 9, size=300)
-    out = be.segment_sum_to(be.asarray(vals), be.asarray(seg), 11)
-    _close(be.to_numpy(out), ref.segment_sum_to(vals, seg, 11), dtype)
+    for segs in (seg, np.sort(seg)):  # unsorted and sorted (the sorted-scatter variant)
+        out = be.segment_sum_to(be.asarray(vals), be.asarray(segs), 11)
+        _close(be.to_numpy(out), ref.segment_sum_to(vals, segs, 11), dtype)
 
 
 @pytest.mark.parametrize("algorithm", sorted(OPTIMIZERS))

@@ -131,8 +131,12 @@ class JaxBackend(JaxDenseMixin, Backend):
             )
         if self.is_native(x):
             return x if dtype is None or x.dtype == dtype else x.astype(dtype)
-        if not isinstance(x, (np.ndarray, np.generic, int, float, bool, list, tuple)):
-            x = np.asarray(x)  # torch CPU tensors, cupy via __array__, ...
+        if isinstance(x, np.ndarray) or not isinstance(x, (np.generic, int, float, bool, list, tuple)):
+            # torch CPU tensors, cupy via __array__, ...; device_put is ~2x faster than jnp.asarray
+            host = np.asarray(x, dtype=dtype)
+            if host.dtype.itemsize == 8 and not self._jax.config.jax_enable_x64:
+                host = host.astype(host.dtype.kind + "4") if host.dtype.kind in "fiu" else host
+            return self._jax.device_put(host)
         return jnp.asarray(x, dtype=dtype)
 
     def to_numpy(self, x: Any) -> np.ndarray:
@@ -311,10 +315,19 @@ class JaxBackend(JaxDenseMixin, Backend):
 
     def segment_sum_to(self, values: Any, segment_ids: Any, num_segments: int) -> Any:
         jax = self._jax
-        fn = self._kernel(
-            "segment_sum_to",
-            lambda: jax.jit(lambda v, s, k: jax.ops.segment_sum(v, s, num_segments=k), static_argnums=2),
-        )
+        def build() -> Callable:
+            def seg_sum(v: Any, s: Any, k: int) -> Any:
+                # the engine's slots are usually sorted (sample-major); XLA's sorted scatter
+                # is about twice as fast on CPU, so check on device and pick the variant
+                return jax.lax.cond(
+                    jax.numpy.all(s[1:] >= s[:-1]),
+                    lambda: jax.ops.segment_sum(v, s, num_segments=k, indices_are_sorted=True),
+                    lambda: jax.ops.segment_sum(v, s, num_segments=k),
+                )
+
+            return jax.jit(seg_sum, static_argnums=2)
+
+        fn = self._kernel("segment_sum_to", build)
         return fn(self.asarray(values), self.asarray(segment_ids), int(num_segments))
 
     # -- the fused update --------------------------------------------------------------
