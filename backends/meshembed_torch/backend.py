@@ -308,6 +308,8 @@ class TorchBackend(TorchDenseMixin, Backend):
         if seg_ids.numel() and (int(seg_ids[0]) < 0 or int(seg_ids[-1]) >= num_segments):
             raise InputError(f"Invalid `segment_ids`. Expected values in [0, {num_segments}).")
         offsets = torch.searchsorted(seg_ids, torch.arange(num_segments, device=seg_ids.device))
+        if source.shape[0] < 2**31 and index.numel() < 2**31:  # the int32 bag kernel is faster
+            index, offsets = index.to(torch.int32), offsets.to(torch.int32)
         return torch.nn.functional.embedding_bag(index, source, offsets, mode="sum", per_sample_weights=w)
 
     def update_rows(
