@@ -8,8 +8,9 @@ Rows (``impl``):
 * ``meshembed engine`` — ``me.TPUEmbedding(cfg, backend="torch")`` as a user calls it.
 * ``meshembed backend fast path`` — the same step through the torch backend's fused calls
   (``gather_combine`` + ``update_rows(grad_index=, grad_weights=)``, the hooks proposed to
-  the engine: no ``[131072, 64]`` intermediate is materialised); ``+compile`` adds
-  ``torch.compile`` of the core's optimizer function.
+  the engine: no ``[131072, 64]`` intermediate is materialised), with the optimizer step
+  eager (``compile="never"``) or as one ``torch.compile``d gather → core fn → scatter.
+* The engine row uses the default ``compile="auto"`` (compiled at W1 sizes, eager at --tiny).
 * ``meshembed update_rows only`` — dedup + optimizer of precomputed per-id gradients.
 * ``nn.EmbeddingBag(sparse=True) + torch.optim`` and fbgemm's CPU TBE (fused backward +
   optimizer), where they support the optimizer.
@@ -37,9 +38,9 @@ IMPLS = ("engine", "fast", "fast+compile", "update_rows", "embeddingbag", "fbgem
 LR = 0.05
 _NAME = {
     "engine": "meshembed[torch] engine",
-    "fast": "meshembed[torch] backend fast path",
-    "fast+compile": "meshembed[torch] fast path + torch.compile",
-    "update_rows": "meshembed[torch] update_rows only",
+    "fast": "meshembed[torch] backend fast path, eager",
+    "fast+compile": "meshembed[torch] backend fast path, torch.compile",
+    "update_rows": "meshembed[torch] update_rows only (compile=auto)",
     "embeddingbag": "nn.EmbeddingBag(sparse=True) + torch.optim",
     "fbgemm": "fbgemm TBE CPU (fused backward+optimizer)",
 }
@@ -104,12 +105,12 @@ def _make_step(impl: str, d: _Data, optimizer: str) -> Callable[[], Any]:
     if impl in ("fast", "fast+compile", "update_rows"):
         from meshembed.embedding.updates import make_update_fn
 
+        from meshembed_torch import TorchBackend
+
         emb, feat = _engine(d, optimizer)
-        b = emb.backend
+        b = {"fast": TorchBackend(compile="never"), "fast+compile": TorchBackend(compile="always")}.get(impl, emb.backend)
         state = emb._state[0]
         fn = make_update_fn(b.xp, emb.layout.tables[0], ())
-        if impl == "fast+compile":
-            fn = b.compile(fn, force=True)
         if impl == "update_rows":
             ids_t = b.asarray(d.ids, dtype="int64")
             per_id = d.grad.repeat_interleave(s["ids_per_sample"], dim=0)
