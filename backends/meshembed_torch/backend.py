@@ -290,6 +290,8 @@ class TorchBackend(TorchDenseMixin, Backend):
         ids = self._ids(ids, table)
         seg_ids = self.asarray(segment_ids).to(torch.int64).reshape(-1)
         w = None if weights is None else self.asarray(weights).reshape(-1).to(table.data.dtype)
+        if w is not None and self._k.all_ones(w):
+            w = None
         if table.group is None:
             source, index = table.data, table.rowmap.local_index(ids)
         else:

@@ -92,6 +92,8 @@ def sum_segments(seg: Segments, values: torch.Tensor, weights: torch.Tensor | No
         return values.new_zeros((0,) + tuple(tail))
     flat = values.reshape(values.shape[0], -1)
     index = seg.perm if rows is None else rows.reshape(-1).index_select(0, seg.perm)
+    if weights is not None and all_ones(weights):
+        weights = None  # the sum combiner's scale: skip two passes
     if flat.dtype in _BAG_DTYPES and flat.shape[1] > 0:
         psw = None if weights is None else weights.reshape(-1).index_select(0, seg.perm).to(flat.dtype)
         starts = seg.starts
@@ -105,6 +107,11 @@ def sum_segments(seg: Segments, values: torch.Tensor, weights: torch.Tensor | No
         out = torch.zeros((n, flat.shape[1]), dtype=src.dtype, device=src.device)
         out.index_add_(0, inverse(seg), src)
     return out.reshape((n,) + tuple(tail))
+
+
+def all_ones(weights: torch.Tensor) -> bool:
+    """True when every weight is 1 (one cheap pass; lets the bag kernels skip weighting)."""
+    return bool(torch.all(weights == 1))
 
 
 def segment_sum(ids: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
