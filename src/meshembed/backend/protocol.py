@@ -111,6 +111,19 @@ class Backend(abc.ABC):
         ``[num_segments, ...]`` (the combiner's forward reduction; the Array API has no
         scatter-add)."""
 
+    def gather_combine(
+        self, table: ShardedTable, ids: Array, segment_ids: Array, num_segments: int, weights: Array | None = None
+    ) -> Array:
+        """The combiner's forward pass in one call: ``out[s] = Σ weights_i · table[ids_i]``
+        over ``i`` with ``segment_ids_i == s``, shape ``[num_segments, D]``.
+
+        Backends override this to avoid materialising the ``[len(ids), D]`` rows (torch's
+        ``embedding_bag``); the default composes ``gather`` and ``segment_sum_to``."""
+        rows = self.gather(table, ids)
+        if weights is not None:
+            rows = rows * self.xp.reshape(weights, (-1, 1))
+        return self.segment_sum_to(rows, segment_ids, num_segments)
+
     def update_rows(
         self,
         tables: Sequence[ShardedTable],

@@ -91,6 +91,7 @@ class TPUEmbedding:
             backend = getattr(mesh, "backend", None)
         self.backend: Backend = get_backend(backend)
         self.layout: Layout = build_layout(self.config)
+        explicit = num_shards is not None
         if num_shards is None:
             num_shards = int(mesh.size) if mesh is not None else int(self.backend.capabilities.devices)
         self.num_shards = int(num_shards)
@@ -106,13 +107,16 @@ class TPUEmbedding:
         self._placements: dict[int, Placement] = {}
         self._state: dict[int, list[Any]] = {}
         for t in self.layout.tables:
-            if t.vocabulary_size < self.num_shards:
+            shards = self.num_shards if explicit else min(self.num_shards, t.vocabulary_size)
+            if t.vocabulary_size < shards:
                 raise ConfigError(
                     f"Table {t.name!r} has {t.vocabulary_size} rows, fewer than num_shards="
                     f"{self.num_shards}: every shard must hold a row. Fix: use fewer shards or a "
                     "larger `vocabulary_size`."
                 )
-            self._placements[t.index] = Placement(t.vocabulary_size, self.num_shards, self.layout.strategy)
+            # A default shard count (the device count) is capped per table so that every shard
+            # holds a row, as TF2 pads tiny vocabularies to num_hosts; an explicit one is kept.
+            self._placements[t.index] = Placement(t.vocabulary_size, shards, self.layout.strategy)
             init = overrides.get(t.name, t.initializer)
             if init is None:
                 init = default_initializer(t.optimizer)
@@ -271,15 +275,17 @@ class TPUEmbedding:
         outs = []
         for f, d in zip(self.layout.features, p.features):
             t = self.layout.tables[f.table]
-            rows = self.backend.gather(self._state[t.index][0], d.ids)
+            table = self._state[t.index][0]
             quant = getattr(t.optimizer, "simulated_quantization", None)
             if quant is not None and getattr(quant, "enabled", True):
                 from meshembed.math import quantize
 
                 lo = -np.inf if quant.lower is None else quant.lower
                 hi = np.inf if quant.upper is None else quant.upper
-                rows = quantize(xp, rows, lo, hi, quant.num_buckets)
-            act = combiners.forward(self.backend, rows, d.scale, d.slots, d.num_slots)
+                rows = quantize(xp, self.backend.gather(table, d.ids), lo, hi, quant.num_buckets)
+                act = combiners.forward(self.backend, rows, d.scale, d.slots, d.num_slots)
+            else:  # fused gather + combine where the backend has one
+                act = self.backend.gather_combine(table, d.ids, d.slots, d.num_slots, xp.reshape(d.scale, (-1,)))
             outs.append(xp.reshape(act, f.output_shape + (t.dimension,)))
         p.dequeued = True
         return outs
