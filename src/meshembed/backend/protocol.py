@@ -130,13 +130,23 @@ class Backend(abc.ABC):
         ids: Array,
         grads: Array,
         fn: Callable[..., tuple[Array, ...]],
+        *,
+        grad_index: Array | None = None,
+        grad_weights: Array | None = None,
     ) -> list[ShardedTable]:
         """Apply ``fn(grad_rows, *table_rows) -> new table_rows`` once per unique id.
 
         ``ids`` may repeat; their gradients are summed first (duplicate ids are combined
         before any scatter). ``fn`` is the core's pure optimizer function. Backends
         override this to fuse, compile or route to the owning ranks.
+
+        With ``grad_index`` the gradient of ``ids[i]`` is ``grad_weights[i] * grads[grad_index[i]]``
+        (the combiner's backward pass), so a backend can sum it without building one row per id.
         """
+        if grad_index is not None:
+            grads = self.xp.take(grads, grad_index, axis=0)
+            if grad_weights is not None:
+                grads = grads * self.xp.reshape(grad_weights, (-1, 1))
         uids, g = self.segment_sum(ids, grads)
         rows = [self.gather(t, uids) for t in tables]
         new_rows = fn(g, *rows)

@@ -12,6 +12,7 @@ touches any table, slot or pending batch: a rejected call leaves the state bit-i
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -22,7 +23,7 @@ from meshembed.backend import Backend, get_backend
 from meshembed.embedding import combiners, inputs
 from meshembed.embedding.initializers import default_initializer, initial_values, table_rng
 from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec, build_layout
-from meshembed.embedding.updates import apply_table, make_update_fn
+from meshembed.embedding.updates import apply_table, is_non_lazy, make_update_fn, uses_accumulation
 from meshembed.errors import ConfigError, InputError, StateError
 from meshembed.sharding.placement import Placement
 
@@ -91,6 +92,8 @@ class TPUEmbedding:
             backend = getattr(mesh, "backend", None)
         self.backend: Backend = get_backend(backend)
         self.layout: Layout = build_layout(self.config)
+        # Backends written before update_rows grew grad_index/grad_weights get expanded rows.
+        self._fused_backward = "grad_index" in inspect.signature(self.backend.update_rows).parameters
         explicit = num_shards is not None
         if num_shards is None:
             num_shards = int(mesh.size) if mesh is not None else int(self.backend.capabilities.devices)
@@ -382,15 +385,26 @@ class TPUEmbedding:
         # Build every table's update first: an unusable optimizer or learning rate raises
         # before any table is touched (update_rows may donate buffers).
         fns = {t.index: make_update_fn(xp, t, lrs, self.backend.name) for t in self.layout.tables}
-        per_table: dict[int, tuple[list[np.ndarray], list[Any]]] = {t.index: ([], []) for t in self.layout.tables}
+        per_table: dict[int, list[tuple[_DeviceFeature, Any]]] = {t.index: [] for t in self.layout.tables}
         for f, d, g in zip(self.layout.features, p.features, grads):
-            ids, rows = per_table[f.table]
-            ids.append(d.host_ids)
-            rows.append(combiners.backward(self.backend, g, d.scale, d.slots))
+            per_table[f.table].append((d, g))
         new_state = {}
         for t in self.layout.tables:
-            ids, rows = per_table[t.index]
-            host_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+            parts = per_table[t.index]
+            host_ids = np.concatenate([d.host_ids for d, _ in parts]) if parts else np.zeros(0, np.int64)
+            if parts and host_ids.size and self._fused_backward and uses_accumulation(t) and not is_non_lazy(t):
+                # Combiner backward fused into the update: the backend sums
+                # scale_k * grad[slot_k] per row without one gradient row per id.
+                ids = parts[0][0].ids if len(parts) == 1 else self.backend.asarray(host_ids, dtype="int64")
+                offsets = np.cumsum([0] + [d.num_slots for d, _ in parts[:-1]])
+                index = xp.concat([d.slots + int(o) for (d, _), o in zip(parts, offsets)], axis=0) \
+                    if len(parts) > 1 else parts[0][0].slots
+                weights = xp.concat([xp.reshape(d.scale, (-1,)) for d, _ in parts], axis=0)
+                source = xp.concat([g for _, g in parts], axis=0) if len(parts) > 1 else parts[0][1]
+                new_state[t.index] = list(self.backend.update_rows(
+                    self._state[t.index], ids, source, fns[t.index], grad_index=index, grad_weights=weights))
+                continue
+            rows = [combiners.backward(self.backend, g, d.scale, d.slots) for d, g in parts]
             row_grads = xp.concat(rows, axis=0) if len(rows) > 1 else rows[0] if rows else None
             if row_grads is None:
                 row_grads = self.backend.asarray(np.zeros((0, t.dimension), np.float32))
