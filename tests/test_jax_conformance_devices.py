@@ -1,0 +1,31 @@
+"""The whole conformance suite on the JAX backend with 8 CPU devices (issue 8).
+
+``XLA_FLAGS`` must be set before jax is imported, so the suite runs in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("jax", reason="the JAX backend needs jax: pip install 'meshembed[jax]'")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_conformance_suite_on_eight_jax_devices():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["MESHEMBED_TEST_BACKENDS"] = "jax"
+    code = "import jax, sys, pytest; assert jax.device_count() == 8; sys.exit(pytest.main(sys.argv[1:]))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "conformance"), "-q", "-p", "no:cacheprovider", "-x"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200,
+    )
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in proc.stdout and "failed" not in proc.stdout.splitlines()[-1], tail
