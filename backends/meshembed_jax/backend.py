@@ -330,6 +330,49 @@ class JaxBackend(JaxDenseMixin, Backend):
         fn = self._kernel("segment_sum_to", build)
         return fn(self.asarray(values), self.asarray(segment_ids), int(num_segments))
 
+    def _replicated_1d(self, layout: ShardLayout, x: Any, nb: int, fill: Any, dtype: Any) -> Any:
+        """A flat array padded with ``fill`` to ``nb`` entries, replicated on the mesh."""
+        import jax.numpy as jnp
+
+        dtype = np.dtype(dtype)
+        if self.is_native(x):
+            x = x.reshape(-1)
+            if x.dtype != dtype:
+                x = x.astype(dtype)
+            n = x.shape[0]
+            if nb > n:
+                x = jnp.concatenate([x, jnp.full((nb - n,), fill, dtype)])
+        else:
+            host = np.full((nb,), fill, dtype)
+            flat = np.asarray(x).reshape(-1)
+            host[: flat.shape[0]] = flat
+            x = host
+        return self._jax.device_put(x, layout.replicated)
+
+    def gather_combine(
+        self, table: JaxShardedTable, ids: Any, segment_ids: Any, num_segments: int, weights: Any = None
+    ) -> Any:
+        """One compiled kernel: each device gathers the rows it owns in pieces, weights them
+        and sums them into its slots; a ``psum`` of ``[num_segments, D]`` combines devices."""
+        from meshembed_jax import kernels
+
+        if self._jax.process_count() > 1:  # each process passes its own part: route as before
+            return super().gather_combine(table, ids, segment_ids, num_segments, weights)
+        layout, dim = table.layout, table.shape[1]
+        n = int(np.prod(ids.shape))
+        nb, sb = bucket(n), bucket(int(num_segments))
+        idt = kernels.index_dtype(layout)
+        gids = self._replicated_1d(layout, ids, nb, -1, idt)
+        segs = self._replicated_1d(layout, segment_ids, nb, sb, np.int32)  # padding: dropped
+        weighted = weights is not None
+        w = self._replicated_1d(layout, weights if weighted else np.zeros(1), nb if weighted else 1, 0, table.dtype)
+        fn = self._kernel(
+            ("gather_combine", layout, dim, nb, sb, weighted),
+            lambda: kernels.make_gather_combine(layout, dim, nb, sb, weighted),
+        )
+        out = fn(table.data, gids, segs, w)
+        return out[: int(num_segments)] if sb != num_segments else out
+
     # -- the fused update --------------------------------------------------------------
     def _dedup_for(self, layout: ShardLayout, nb: int) -> str:
         if self.dedup:
@@ -350,13 +393,45 @@ class JaxBackend(JaxDenseMixin, Backend):
         ids: Any,
         grads: Any,
         fn: Callable[..., tuple[Any, ...]],
+        *,
+        grad_index: Any = None,
+        grad_weights: Any = None,
     ) -> list[JaxShardedTable]:
         """One compiled step: route, dedup + segment-sum, gather rows, ``fn``, scatter back.
+
+        With ``grad_index`` the gradient of ``ids[i]`` is ``grad_weights[i] *
+        grads[grad_index[i]]`` (the combiner's backward pass), formed in pieces inside the
+        per-row sum of the same compiled step, never as a ``[len(ids), D]`` array.
 
         Table and slot buffers are donated. On overflow of an explicit capacity it raises
         ``CapacityError`` with every table unchanged.
         """
         tables = list(tables)
+        layout, dim = self._check_tables(tables)
+        if grad_index is not None and self._jax.process_count() > 1:
+            # each process passes its own part: expand its rows and route them as before
+            xp = self.xp
+            grads = xp.take(self.asarray(grads), self.asarray(grad_index), axis=0)
+            if grad_weights is not None:
+                grads = grads * xp.reshape(self.asarray(grad_weights), (-1, 1))
+            grad_index = None
+        if grad_index is None:
+            gids, ggrads, _, _ = self._global_batch(layout, ids, grads)
+            nb = int(gids.shape[0])
+            return self._update(tables, layout, dim, fn, nb, (gids, ggrads))
+        from meshembed_jax.kernels import index_dtype
+
+        n = int(np.prod(ids.shape))
+        nb = bucket(n)
+        gids = self._replicated_1d(layout, ids, nb, -1, index_dtype(layout))
+        segs = self._replicated_1d(layout, grad_index, nb, 0, np.int32)  # padding ids own no row
+        weighted = grad_weights is not None
+        w = self._replicated_1d(layout, grad_weights if weighted else np.zeros(1), nb if weighted else 1, 0,
+                                tables[0].dtype)
+        g = self._jax.device_put(self.asarray(grads).reshape(-1, dim), layout.replicated)
+        return self._update(tables, layout, dim, fn, nb, (gids, g, segs, w), weighted)
+
+    def _check_tables(self, tables: list[JaxShardedTable]) -> tuple[ShardLayout, int]:
         layout, dim = tables[0].layout, tables[0].shape[1]
         for t in tables[1:]:
             if t.layout != layout or t.shape[1] != dim:
@@ -364,11 +439,10 @@ class JaxBackend(JaxDenseMixin, Backend):
                     "Invalid `tables`: a table and its slots must share placement and dimension. "
                     f"Received: {tables[0]!r} and {t!r}"
                 )
-        gids, ggrads, _, _ = self._global_batch(layout, ids, grads)
-        nb = int(gids.shape[0])
-        return self._update(tables, layout, dim, gids, ggrads, fn, nb)
+        return layout, dim
 
-    def _update(self, tables, layout, dim, gids, ggrads, fn, nb) -> list[JaxShardedTable]:
+    def _update(self, tables, layout, dim, fn, nb, args, weighted=None) -> list[JaxShardedTable]:
+        """Run the (plain or combined) update kernel; ``args`` are its batch arguments."""
         from meshembed_jax import kernels
 
         jax = self._jax
@@ -377,11 +451,19 @@ class JaxBackend(JaxDenseMixin, Backend):
         spec = fnspec.split(fn)
         if spec.key in self._static_only:
             spec = fnspec.split(fn, trace_scalars=False)
-        key = ("update", layout, dim, len(tables), capacity, dedup, spec.key)
-        step = self._kernel(key, lambda: kernels.make_update(layout, dim, len(tables), capacity, dedup, spec.call))
+        n_tables = len(tables)
+        if weighted is None:
+            key = ("update", layout, dim, n_tables, capacity, dedup, spec.key)
+            build = lambda: kernels.make_update(layout, dim, n_tables, capacity, dedup, spec.call)  # noqa: E731
+        else:
+            key = ("update_combined", layout, dim, n_tables, capacity, dedup, weighted, spec.key)
+            build = lambda: kernels.make_update_combined(  # noqa: E731
+                layout, dim, n_tables, capacity, dedup, spec.call, weighted
+            )
+        step = self._kernel(key, build)
         datas = tuple(t.data for t in tables)
         try:
-            new, count = step(datas, gids, ggrads, spec.dyn)
+            new, count = step(datas, *args, spec.dyn)
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
             if not spec.dyn:
                 raise
@@ -389,7 +471,7 @@ class JaxBackend(JaxDenseMixin, Backend):
             # compilation per distinct value) instead of traced.
             self._kernels.pop(key, None)
             self._static_only.add(spec.key)
-            return self._update(tables, layout, dim, gids, ggrads, fn, nb)
+            return self._update(tables, layout, dim, fn, nb, args, weighted)
         for t, d in zip(tables, new):
             t.data = d
         worst = int(count.addressable_data(0))  # replicated scalar; syncs the step
@@ -403,5 +485,5 @@ class JaxBackend(JaxDenseMixin, Backend):
                     "it unset for automatic sizing, or split the batch."
                 )
             self._auto_capacity[(layout, nb)] = bucket(worst + worst // 4)
-            return self._update(tables, layout, dim, gids, ggrads, fn, nb)
+            return self._update(tables, layout, dim, fn, nb, args, weighted)
         return tables

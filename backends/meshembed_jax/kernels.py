@@ -149,6 +149,117 @@ def make_scatter(layout: ShardLayout, dim: int) -> Callable:
     return jax.jit(fn, donate_argnums=(0,))
 
 
+# XLA's CPU runtime allocates every output and one temporary block per execution; glibc
+# serves a request of 32 MiB or more with a fresh mmap, so a kernel whose temporaries reach
+# that size pays a page fault per 4 KiB touched on every call (measured on W1: a
+# [131072, 64] float32 intermediate costs ~15-20 ms, the same work in 2 MiB pieces < 5 ms).
+# The kernels below therefore loop over fixed-size pieces of the batch and of the unique
+# rows, so temporaries stay a few MiB whatever the batch size.
+CHUNK_BYTES = 1 << 21
+
+
+def chunk_rows(n: int, row_bytes: int) -> int:
+    """Rows per loop piece: a power of two near ``CHUNK_BYTES`` that divides ``n``."""
+    if n <= 0:
+        return 1
+    target = max(256, CHUNK_BYTES // max(int(row_bytes), 1))
+    target = 1 << (target.bit_length() - 1)
+    return min(target, n & -n)
+
+
+def _varying(x: Any) -> Any:
+    """Mark a loop's initial carry as device-varying: shard_map types loop carries, and
+    the carry becomes varying once it mixes with a device's own block or ids."""
+    if not hasattr(lax, "pcast"):  # pragma: no cover - older jax: no variance typing here
+        return x
+
+    def one(a: Any) -> Any:
+        try:
+            return lax.pcast(a, (AXIS,), to="varying")
+        except (ValueError, NameError):  # already varying, or not under shard_map
+            return a
+
+    return jax.tree.map(one, x)
+
+
+def _pieces(n: int, c: int, body: Callable[[jax.Array, Any], Any], init: Any) -> Any:
+    """``body(start, carry)`` for ``start`` in ``0, c, 2c, ... < n`` (one piece inline)."""
+    if n == c:
+        return body(jnp.int32(0), init)
+    return lax.fori_loop(0, n // c, lambda j, carry: body(j * c, carry), _varying(init))
+
+
+def _slice(x: jax.Array, start: jax.Array, c: int) -> jax.Array:
+    return lax.dynamic_slice_in_dim(x, start, c, axis=0)
+
+
+def make_gather_combine(layout: ShardLayout, dim: int, n: int, num_segments: int, weighted: bool) -> Callable:
+    """``gather_combine(data, ids, segs, weights) -> [num_segments, D]``: the combiner's
+    forward pass. Each device gathers the rows it owns piece by piece, weights them and
+    adds them into its partial output (no ``[n, D]`` rows); one ``psum`` combines them."""
+    m = layout.rows_per_device
+
+    def per_device(block: jax.Array, ids: jax.Array, segs: jax.Array, w: jax.Array) -> jax.Array:
+        flat = local_rows(layout, ids)
+        table = block.reshape(m, dim)
+        c = chunk_rows(n, dim * table.dtype.itemsize)
+
+        def body(start: jax.Array, acc: jax.Array) -> jax.Array:
+            rows = table.at[_slice(flat, start, c)].get(mode="fill", fill_value=0)
+            if weighted:
+                rows = rows * _slice(w, start, c).astype(rows.dtype)[:, None]
+            return acc.at[_slice(segs, start, c)].add(rows, mode="drop")
+
+        out = _pieces(n, c, body, jnp.zeros((num_segments, dim), table.dtype))
+        return lax.psum(out, AXIS)  # free on a one-device mesh
+
+    fn = shard_map(per_device, layout.mesh, in_specs=(P(AXIS), P(), P(), P()), out_specs=P())
+    return jax.jit(fn)
+
+
+def _apply_unique(flats: list, uniq: jax.Array, g: jax.Array, dim: int, capacity: int,
+                  call: Callable[..., Any], dyn: tuple) -> list:
+    """Gather the unique rows of every table piece by piece, run the optimizer, scatter back
+    in place (the loop carries the donated tables)."""
+    n_tables = len(flats)
+    target = max(256, CHUNK_BYTES // (dim * flats[0].dtype.itemsize))
+    pieces = -(-capacity // target)
+    c = -(-capacity // pieces)  # even pieces: at most ``pieces - 1`` padding rows
+    padded = pieces * c
+    m = flats[0].shape[0]
+    if padded > capacity:
+        uniq = jnp.concatenate([uniq, jnp.full((padded - capacity,), m, uniq.dtype)])
+        g = jnp.concatenate([g, jnp.zeros((padded - capacity, dim), g.dtype)])
+
+    def body(start: jax.Array, tabs: tuple) -> tuple:
+        idx = _slice(uniq, start, c)
+        gc = _slice(g, start, c)
+        rows = [f.at[idx].get(mode="fill", fill_value=0) for f in tabs]
+        new = _as_rows(call(dyn, gc.astype(tabs[0].dtype), *rows), n_tables)
+        return tuple(
+            f.at[idx].set(jnp.asarray(r).astype(f.dtype), mode="drop", unique_indices=True)
+            for f, r in zip(tabs, new)
+        )
+
+    return list(_pieces(padded, c, body, tuple(flats)))
+
+
+def _update_body(layout: ShardLayout, dim: int, capacity: int, dedup: str, call: Callable[..., Any],
+                 blocks: tuple, ids: jax.Array, dyn: tuple, add_grads: Callable[[jax.Array, jax.Array], jax.Array],
+                 grad_dtype: Any) -> tuple:
+    """Dedup + per-row gradient sum (``add_grads(g, slot)``) + the optimizer, per device."""
+    m = layout.rows_per_device
+    k, r_max = layout.shards_per_device, layout.max_rows
+    flat = local_rows(layout, ids)
+    uniq, slot, count = _DEDUP[dedup](flat, m, capacity)
+    uniq = jnp.where(count > capacity, m, uniq)  # overflow: write nothing at all
+    g = add_grads(jnp.zeros((capacity + 1, dim), grad_dtype), slot)[:capacity]
+    flats = [b.reshape(m, dim) for b in blocks]
+    new = _apply_unique(flats, uniq, g, dim, capacity, call, dyn)
+    out = tuple(f.reshape(k, r_max, dim) for f in new)
+    return out, lax.pmax(count, AXIS)
+
+
 def make_update(
     layout: ShardLayout,
     dim: int,
@@ -159,32 +270,59 @@ def make_update(
 ) -> Callable:
     """``update(datas, ids, grads, dyn) -> (datas, count)``: the fused sparse step.
 
-    ``call(dyn, g, *rows)`` is the core's optimizer function (see ``fnspec``), traced as is.
-    ``count`` is the largest number of unique ids one device owns; ``> capacity`` means
-    nothing was written.
+    ``call(dyn, g, *rows)`` is the core's optimizer function (see ``fnspec``), traced as is
+    and applied to pieces of the unique rows (it is row-wise). ``count`` is the largest
+    number of unique ids one device owns; ``> capacity`` means nothing was written.
     """
-    m = layout.rows_per_device
-    k, r_max = layout.shards_per_device, layout.max_rows
-    dedup_fn = _DEDUP[dedup]
 
     def per_device(blocks: tuple, ids: jax.Array, grads: jax.Array, dyn: tuple) -> tuple:
-        flat = local_rows(layout, ids)
-        uniq, slot, count = dedup_fn(flat, m, capacity)
-        uniq = jnp.where(count > capacity, m, uniq)  # overflow: write nothing at all
-        g = jnp.zeros((capacity + 1, dim), grads.dtype).at[slot].add(grads, mode="promise_in_bounds")[:capacity]
-        flats = [b.reshape(m, dim) for b in blocks]
-        rows = [f.at[uniq].get(mode="fill", fill_value=0) for f in flats]
-        new = call(dyn, g.astype(flats[0].dtype), *rows)
-        new = _as_rows(new, n_tables)
-        out = tuple(
-            f.at[uniq].set(
-                jnp.asarray(r).astype(f.dtype), mode="drop", unique_indices=True
-            ).reshape(k, r_max, dim)
-            for f, r in zip(flats, new)
-        )
-        return out, lax.pmax(count, AXIS)
+        n = ids.shape[0]
+        c = chunk_rows(n, dim * grads.dtype.itemsize)
+
+        def add_grads(g: jax.Array, slot: jax.Array) -> jax.Array:
+            def body(start: jax.Array, acc: jax.Array) -> jax.Array:
+                return acc.at[_slice(slot, start, c)].add(_slice(grads, start, c), mode="promise_in_bounds")
+
+            return _pieces(n, c, body, g)
+
+        return _update_body(layout, dim, capacity, dedup, call, blocks, ids, dyn, add_grads, grads.dtype)
 
     specs = (tuple(P(AXIS) for _ in range(n_tables)), P(), P(), P())
+    fn = shard_map(per_device, layout.mesh, in_specs=specs, out_specs=(tuple(P(AXIS) for _ in range(n_tables)), P()))
+    return jax.jit(fn, donate_argnums=(0,))
+
+
+def make_update_combined(
+    layout: ShardLayout,
+    dim: int,
+    n_tables: int,
+    capacity: int,
+    dedup: str,
+    call: Callable[..., Any],
+    weighted: bool,
+) -> Callable:
+    """``update(datas, ids, grads, segs, weights, dyn) -> (datas, count)``: the combiner's
+    backward pass fused with the sparse step. Row ``i``'s gradient is
+    ``weights[i] * grads[segs[i]]`` (``grads`` is ``[num_segments, D]``); it is formed piece
+    by piece inside the per-row sum, so the ``[len(ids), D]`` row gradients never exist."""
+
+    def per_device(blocks: tuple, ids: jax.Array, grads: jax.Array, segs: jax.Array, w: jax.Array,
+                   dyn: tuple) -> tuple:
+        n = ids.shape[0]
+        c = chunk_rows(n, dim * grads.dtype.itemsize)
+
+        def add_grads(g: jax.Array, slot: jax.Array) -> jax.Array:
+            def body(start: jax.Array, acc: jax.Array) -> jax.Array:
+                rows = grads.at[_slice(segs, start, c)].get(mode="fill", fill_value=0)
+                if weighted:
+                    rows = rows * _slice(w, start, c).astype(rows.dtype)[:, None]
+                return acc.at[_slice(slot, start, c)].add(rows, mode="promise_in_bounds")
+
+            return _pieces(n, c, body, g)
+
+        return _update_body(layout, dim, capacity, dedup, call, blocks, ids, dyn, add_grads, grads.dtype)
+
+    specs = (tuple(P(AXIS) for _ in range(n_tables)), P(), P(), P(), P(), P())
     fn = shard_map(per_device, layout.mesh, in_specs=specs, out_specs=(tuple(P(AXIS) for _ in range(n_tables)), P()))
     return jax.jit(fn, donate_argnums=(0,))
 
