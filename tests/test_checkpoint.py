@@ -40,6 +40,23 @@ def test_restore_on_another_backend(tmp_path, name):
     assert_same_state(snapshot(emb), snapshot(other))
 
 
+def test_restore_keeps_each_tables_combiner(tmp_path):
+    """The proto has no combiner field (TF passes combiners to the enqueue op), so the
+    manifest keeps them: a "sum" table must not come back as the proto default "mean"."""
+    cfg = config()
+    tables = [me.TableConfig("a", 13, 3, optimizer=me.embedding.Adagrad(0.1), combiner="sum"),
+              me.TableConfig("b", 7, 2, optimizer=me.embedding.Adagrad(0.1), combiner="sqrtn")]
+    cfg = me.EmbeddingConfig(tables=tables, features=cfg.features, sharding_strategy="div")
+    emb = me.TPUEmbedding(cfg)
+    run(emb, steps=1)
+    emb.save(tmp_path / "ckpt")
+    restored = me.TPUEmbedding.restore(tmp_path / "ckpt")
+    assert [t.combiner for t in restored.config.tables] == ["sum", "sqrtn"]
+    run(emb, steps=1, start=1)
+    run(restored, steps=1, start=1)
+    assert_same_state(snapshot(emb), snapshot(restored))
+
+
 def test_files_are_pickle_free_and_self_describing(tmp_path):
     emb = me.TPUEmbedding(config())
     run(emb, steps=1)

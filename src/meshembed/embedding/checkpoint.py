@@ -81,6 +81,7 @@ def write_contents(engine: Any, directory: pathlib.Path) -> None:
             "vocabulary_size": t.vocabulary_size,
             "dimension": t.dimension,
             "algorithm": t.optimizer.algorithm,
+            "combiner": t.combiner,  # not part of TPUEmbeddingConfiguration: kept here
             "arrays": keys,
         })
     with open(directory / "arrays.npz", "wb") as fh:
@@ -173,8 +174,14 @@ def read(path: Any) -> tuple[dict, bytes, dict[str, np.ndarray]]:
 
 def restore(cls: Any, path: Any, backend: Any = None, num_shards: int | None = None, mesh: Any = None) -> Any:
     """Build a ``cls`` engine from the checkpoint at ``path`` and load every table and slot."""
+    from meshembed.config import EmbeddingConfig
+
     manifest, config_bytes, arrays = read(path)
-    engine = cls(config_bytes, backend=backend, num_shards=num_shards, mesh=mesh, seed=manifest.get("seed", 0),
+    # The proto has no combiners (TF passes them to the enqueue op); the manifest keeps them.
+    # A checkpoint written before it did reads as the proto's default ("mean").
+    combiners = {t["name"]: t["combiner"] for t in manifest["tables"] if t.get("combiner")}
+    config = EmbeddingConfig.from_proto(config_bytes, combiners=combiners or None)
+    engine = cls(config, backend=backend, num_shards=num_shards, mesh=mesh, seed=manifest.get("seed", 0),
                  initializers={t["name"]: "zeros" for t in manifest["tables"]})
     for entry in manifest["tables"]:
         values = {name: arrays[key] for name, key in entry["arrays"].items()}
