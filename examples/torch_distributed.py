@@ -85,9 +85,9 @@ def train(rank: int, world: int, steps: int, batch: int, device: str, ckpt: path
         if rank == 0 and (step % 20 == 0 or step == steps - 1):
             print(f"step {step:4d}  loss {loss_value:.4f}", flush=True)
     if ckpt is not None:
-        # save() gathers every table (a collective), so every rank calls it; each writes its
-        # own directory here because the engine does not know which rank should write.
-        emb.save(ckpt / f"rank{rank}")
+        # save() gathers every table (a collective), so every rank calls it; rank 0 writes the
+        # one checkpoint and every rank returns once it is complete. Restore reads it anywhere.
+        emb.save(ckpt / "embedding")
     return loss_value
 
 

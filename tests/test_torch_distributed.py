@@ -197,7 +197,7 @@ def _scenario_kill(rank: int, world: int, tmp: pathlib.Path) -> dict[str, np.nda
     batches = _engine_batches(4 * world)
     local = [f[rank * 4:(rank + 1) * 4] for f in batches[0]]
     _engine_step(emb, local)
-    emb.save(tmp / f"ckpt_rank{rank}")  # collective unshard, then a per-rank directory
+    emb.save(tmp / "ckpt")  # collective unshard; rank 0 writes, every rank waits for it
     dist.barrier()
     if rank == world - 1:
         os._exit(17)  # dies mid-training, without cleanup
@@ -209,7 +209,61 @@ def _scenario_kill(rank: int, world: int, tmp: pathlib.Path) -> dict[str, np.nda
     raise AssertionError("the step after a peer died did not raise RankFailureError")
 
 
-SCENARIOS = {"protocol": _scenario_protocol, "engine": _scenario_engine, "kill": _scenario_kill}
+def _scenario_checkpoint(rank: int, world: int, tmp: pathlib.Path) -> dict[str, np.ndarray]:
+    """save() from every rank: one writer (rank 0), a complete checkpoint on return everywhere,
+    restore on every rank; a failing writer makes every rank raise (none waits forever)."""
+    import meshembed as me
+    from meshembed.embedding import checkpoint
+    from meshembed.errors import StateError
+
+    writes = []
+    real_write = checkpoint._write_atomically
+
+    def counting_write(engine, path, collected):
+        writes.append(str(path))
+        if path.name == "broken":
+            raise OSError("disk full (simulated)")
+        return real_write(engine, path, collected)
+
+    checkpoint._write_atomically = counting_write
+    out = {}
+    emb = me.TPUEmbedding(_engine_config(4, _optimizers()["adadelta"]), backend="torch")
+    assert emb.backend.is_writer == (rank == 0)
+    batches = _engine_batches(4 * world, steps=3)
+    _engine_step(emb, [f[rank * 4:(rank + 1) * 4] for f in batches[0]])
+    saved = {t: emb.retrieve_parameters(t) for t in ("t", "u")}
+    returned = emb.save(tmp / "ckpt")
+    out["complete_on_return"] = np.array((tmp / "ckpt" / "manifest.json").exists())
+    out["returned"] = np.array(str(returned))
+    emb.save(tmp / "ckpt")  # overwrite: still one writer, still complete
+    out["writes"] = np.array(len(writes))
+    restored = me.TPUEmbedding.restore(tmp / "ckpt", backend="torch")
+    assert restored.num_shards == world and restored.step == emb.step
+    for t in ("t", "u"):
+        for slot, arr in restored.retrieve_parameters(t).items():
+            out[f"restored_{t}_{slot}"] = arr
+            out[f"saved_{t}_{slot}"] = saved[t][slot]
+    # both engines take the same next step on every rank
+    local = [f[rank * 4:(rank + 1) * 4] for f in batches[1]]
+    _engine_step(emb, local)
+    _engine_step(restored, local)
+    for t in ("t", "u"):
+        a, b = emb.retrieve_parameters(t), restored.retrieve_parameters(t)
+        for slot in a:
+            out[f"next_orig_{t}_{slot}"] = a[slot]
+            out[f"next_restored_{t}_{slot}"] = b[slot]
+    try:
+        emb.save(tmp / "broken")
+        out["broken_error"] = np.array("")
+    except (OSError, StateError) as exc:
+        out["broken_error"] = np.array(type(exc).__name__)
+    # the ranks are still in step: one more collective step works after the failed save
+    _engine_step(emb, [f[rank * 4:(rank + 1) * 4] for f in batches[2]])
+    return out
+
+
+SCENARIOS = {"protocol": _scenario_protocol, "engine": _scenario_engine, "kill": _scenario_kill,
+             "checkpoint": _scenario_checkpoint}
 
 
 def _worker(rank: int, world: int, port: int, scenario: str, tmp: str) -> None:
@@ -325,10 +379,36 @@ def test_dead_rank_makes_survivors_fail_clearly_and_checkpoint_loads(tmp_path):
     assert float(results[0]["elapsed"]) <= PG_TIMEOUT_S + 5.0, results[0]["elapsed"]
     assert time.monotonic() - start < 60.0
     # the last checkpoint is intact and loads (here into the NumPy backend, one process)
+    restored = me.TPUEmbedding.restore(tmp_path / "ckpt", backend="numpy")
+    assert restored.retrieve_parameters("t")["parameters"].shape == (VOCAB, DIM)
+    assert restored.step == 1
+
+
+def test_checkpoint_is_written_once_by_rank_zero_and_restores_on_every_rank(tmp_path):
+    import meshembed as me
+
+    world = 2
+    results, codes = _launch("checkpoint", world, tmp_path)
+    assert codes == [0] * world
+    # one writer: rank 0 wrote both saves, rank 1 none; no per-rank or temporary leftovers
+    assert [int(results[r]["writes"]) for r in range(world)] == [2, 0]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["ckpt"]
     for r in range(world):
-        restored = me.TPUEmbedding.restore(tmp_path / f"ckpt_rank{r}", backend="numpy")
-        assert restored.retrieve_parameters("t")["parameters"].shape == (VOCAB, DIM)
-    a = me.TPUEmbedding.restore(tmp_path / "ckpt_rank0", backend="numpy").retrieve_parameters("t")
-    b = me.TPUEmbedding.restore(tmp_path / "ckpt_rank1", backend="numpy").retrieve_parameters("t")
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k])
+        assert bool(results[r]["complete_on_return"]), f"rank {r} returned before the checkpoint was complete"
+        assert str(results[r]["returned"]) == str(tmp_path / "ckpt")
+    # restored on both ranks: the saved numbers exactly, and the same next step
+    keys = [k[len("saved_"):] for k in results[0] if k.startswith("saved_")]
+    assert keys
+    for r in range(world):
+        for k in keys:
+            np.testing.assert_array_equal(results[r][f"restored_{k}"], results[r][f"saved_{k}"], err_msg=f"rank {r} {k}")
+            np.testing.assert_array_equal(results[r][f"restored_{k}"], results[0][f"saved_{k}"], err_msg=f"rank {r} {k}")
+            np.testing.assert_array_equal(results[r][f"next_restored_{k}"], results[r][f"next_orig_{k}"],
+                                          err_msg=f"rank {r} {k}")
+    # the single-process reader sees the same checkpoint
+    cp = me.TPUEmbedding.restore(tmp_path / "ckpt", backend="numpy")
+    for k in keys:
+        table, slot = k.split("_", 1)
+        np.testing.assert_array_equal(cp.retrieve_parameters(table)[slot], results[0][f"saved_{k}"])
+    # a failing writer: rank 0 raises its own error, rank 1 a StateError; neither hangs
+    assert [str(results[r]["broken_error"]) for r in range(world)] == ["OSError", "StateError"]

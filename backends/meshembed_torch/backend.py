@@ -365,6 +365,20 @@ class TorchBackend(TorchDenseMixin, Backend):
             self._run_compiled(fused, _gather_update_scatter, fn, g, index, *datas)
         return list(tables)
 
+    # -- processes -------------------------------------------------------------------------------
+    @property
+    def is_writer(self) -> bool:
+        """Rank 0 writes shared files (checkpoints); True in a single process."""
+        return not self._dist.is_initialized() or self._torch.distributed.get_rank() == 0
+
+    def barrier(self, ok: bool = True) -> bool:
+        """Every rank waits here; returns whether every rank passed ``ok=True`` (one
+        ``all_reduce(MIN)`` of a flag, so it is a barrier and a vote at once). Collective."""
+        group = self._rank_group()
+        if group is None:
+            return bool(ok)
+        return group.all_ok(bool(ok), self.device)
+
     # -- compilation ---------------------------------------------------------------------------
     def _wants_compile(self, elements: int, device: Any) -> bool:
         """The measured rule (README, "Compilation"): inductor wins on CPU once an update

@@ -81,6 +81,12 @@ class RankGroup:
         )
         return out
 
+    def all_ok(self, ok: bool, device: Any) -> bool:
+        """Barrier and vote: True when every rank passed ``ok=True``."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+        self._run("all_reduce (barrier)", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pg))
+        return bool(int(flag.item()))
+
     def all_gather_rows(self, what: str, local: torch.Tensor, rows: int) -> list[torch.Tensor]:
         """Every rank's ``local`` (padded to ``rows`` rows so sizes match)."""
         if local.shape[0] < rows:

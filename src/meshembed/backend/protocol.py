@@ -152,6 +152,21 @@ class Backend(abc.ABC):
         new_rows = fn(g, *rows)
         return [self.scatter(t, uids, r) for t, r in zip(tables, new_rows)]
 
+    # -- processes -----------------------------------------------------------------------
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process writes files that every process shares (checkpoints).
+
+        True in a single process. A multi-process backend answers True on exactly one process
+        (torch: rank 0); the others still take part in the collectives that gather the data
+        and then wait in :meth:`barrier`."""
+        return True
+
+    def barrier(self, ok: bool = True) -> bool:
+        """Wait until every process arrives; returns whether every process passed ``ok=True``
+        (so a writer's failure reaches all processes). Single process: returns ``ok``."""
+        return bool(ok)
+
     def compile(self, fn: Callable, **options: Any) -> Callable:
         """Compile a pure function of arrays (jax.jit, torch.compile, ...). Default: as is."""
         return fn

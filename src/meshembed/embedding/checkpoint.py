@@ -12,6 +12,11 @@ an existing checkpoint is first renamed aside and removed only after the new one
 place, so a crash at any point leaves a complete checkpoint at ``path`` or at ``path.old-*``
 (which :func:`restore` falls back to).
 
+Several processes (torch.distributed ranks): every process gathers the tables, only the
+backend's writer (``Backend.is_writer``: rank 0) writes, then all meet at ``Backend.barrier``;
+``path`` is one checkpoint shared by every rank (a shared file system when the ranks run on
+several hosts). :func:`restore` reads it on every process.
+
 A table with a ``CustomOptimizer`` cannot be checkpointed: the config is stored as
 TPUEmbeddingConfiguration bytes, which have no form for a Python-level optimizer. ``save``
 raises a ConfigError before writing anything.
@@ -30,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from meshembed.errors import ConfigError, InputError
+from meshembed.errors import ConfigError, InputError, StateError
 
 FORMAT = "meshembed.tpu_embedding.checkpoint"
 VERSION = 1
@@ -64,8 +69,11 @@ def _sha256(path: pathlib.Path) -> str:
     return h.hexdigest()
 
 
-def write_contents(engine: Any, directory: pathlib.Path) -> None:
-    """Write the three checkpoint files into an (empty, temporary) directory."""
+def collect(engine: Any) -> tuple[bytes, dict[str, np.ndarray], list[dict]]:
+    """(config bytes, logical arrays, table entries) of ``engine``.
+
+    Collective on a multi-process backend (``retrieve_parameters`` unshards every table), so
+    every process calls it, in the same order, whether or not it writes."""
     config_bytes = engine.config.to_proto()
     arrays: dict[str, np.ndarray] = {}
     tables = []
@@ -84,6 +92,14 @@ def write_contents(engine: Any, directory: pathlib.Path) -> None:
             "combiner": t.combiner,  # not part of TPUEmbeddingConfiguration: kept here
             "arrays": keys,
         })
+    return config_bytes, arrays, tables
+
+
+def write_contents(engine: Any, directory: pathlib.Path,
+                   collected: tuple[bytes, dict[str, np.ndarray], list[dict]] | None = None) -> None:
+    """Write the three checkpoint files into an (empty, temporary) directory
+    (``collected``: what :func:`collect` returned, else it is called here)."""
+    config_bytes, arrays, tables = collect(engine) if collected is None else collected
     with open(directory / "arrays.npz", "wb") as fh:
         np.savez(fh, **arrays)
         fh.flush()
@@ -118,15 +134,42 @@ def check_saveable(engine: Any) -> None:
 
 
 def save(engine: Any, path: Any) -> pathlib.Path:
-    """Atomically write ``engine``'s checkpoint to the directory ``path``."""
+    """Atomically write ``engine``'s checkpoint to the directory ``path``.
+
+    On a multi-process backend every process calls this: all take part in gathering the
+    tables (a collective), only the writer process (``backend.is_writer``, rank 0 under
+    torch.distributed) writes ``path``, and all wait for it at ``backend.barrier`` — so when
+    ``save`` returns on any process the checkpoint is complete, and if the writer failed every
+    process raises."""
     check_saveable(engine)
+    backend = engine.backend
     path = pathlib.Path(path)
+    collected = collect(engine)  # collective: every process, before anything is written
+    error: BaseException | None = None
+    if getattr(backend, "is_writer", True):
+        try:
+            _write_atomically(engine, path, collected)
+        except BaseException as exc:  # reported after the barrier, so no process is left waiting
+            error = exc
+    barrier = getattr(backend, "barrier", None)
+    everyone_ok = True if barrier is None else bool(barrier(error is None))
+    if error is not None:
+        raise error
+    if not everyone_ok:
+        raise StateError(
+            f"Checkpoint {str(path)!r} was not written: the writer process failed (see its error). "
+            "The previous checkpoint at that path, if any, is unchanged."
+        )
+    return path
+
+
+def _write_atomically(engine: Any, path: pathlib.Path, collected: tuple) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
     tmp = path.with_name(f"{path.name}.tmp-{tag}")
     tmp.mkdir()
     try:
-        write_contents(engine, tmp)
+        write_contents(engine, tmp, collected)
         _fsync_dir(tmp)
         old = None
         if path.exists():
@@ -139,7 +182,6 @@ def save(engine: Any, path: Any) -> pathlib.Path:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    return path
 
 
 def _locate(path: pathlib.Path) -> pathlib.Path:

@@ -499,7 +499,11 @@ class TPUEmbedding:
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, path: Any) -> Any:
         """Write a checkpoint directory atomically (see ``meshembed.embedding.checkpoint``);
-        returns its path. The pending batch, if any, is not part of it."""
+        returns its path. The pending batch, if any, is not part of it.
+
+        Several processes (torch.distributed): every rank calls it (gathering the tables is
+        collective), only the backend's writer (rank 0) writes ``path``, and every rank returns
+        once the checkpoint is complete."""
         from meshembed.embedding.checkpoint import save
 
         return save(self, path)
