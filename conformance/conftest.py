@@ -3,6 +3,11 @@
 ``MESHEMBED_TEST_BACKENDS=numpy,torch`` narrows the list; a named backend that is not
 usable here is still collected and skipped with the reason. Expected failures per backend
 live in ``conformance/xfail.toml`` with a reason each.
+
+Started as one rank of a group (``python -m conformance.distributed -n N`` or ``torchrun``:
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set), the process first joins the gloo
+process group, the default backend list becomes ``torch-ranks`` (the distributed torch backend
+fed data-parallel, see ``conformance/distributed.py``) and the ranks run in lockstep.
 """
 
 from __future__ import annotations
@@ -14,7 +19,11 @@ import tomllib
 import pytest
 
 import meshembed as me
+from conformance import distributed as _ranks
 from meshembed.errors import BackendUnavailableError
+
+#: This process's rank context when it runs as one rank of a group, else None.
+RANKS = _ranks.from_env()
 
 _HERE = pathlib.Path(__file__).parent
 GOLDEN = _HERE / "golden"
@@ -23,7 +32,12 @@ GOLDEN = _HERE / "golden"
 def _requested() -> list[str]:
     env = os.environ.get("MESHEMBED_TEST_BACKENDS", "").strip()
     if env:
-        return [n.strip() for n in env.split(",") if n.strip()]
+        names = [n.strip() for n in env.split(",") if n.strip()]
+        if _ranks.BACKEND_NAME in names:
+            _ranks.register()  # outside a rank group it is then skipped, with the reason
+        return names
+    if RANKS is not None:
+        return [_ranks.BACKEND_NAME]
     return list(me.available_backends())
 
 
@@ -40,6 +54,11 @@ def _params() -> list:
 
 
 BACKEND_PARAMS = _params()
+
+
+def pytest_configure(config):
+    if RANKS is not None:
+        config.pluginmanager.register(_ranks.Lockstep(RANKS), "meshembed-ranks")
 
 
 @pytest.fixture(params=BACKEND_PARAMS)
