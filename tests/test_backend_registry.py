@@ -48,7 +48,7 @@ def test_unavailable_backend_says_what_to_install():
 
     registry.register_backend("missing", Missing)
     try:
-        with pytest.raises(me.BackendUnavailableError, match="not installed. Fix: install"):
+        with pytest.raises(me.BackendUnavailableError, match="unavailable here: framework 'x' is not installed.$"):
             me.get_backend("missing")
         assert "missing" not in me.available_backends()
         with pytest.raises(me.BackendUnavailableError):

@@ -77,7 +77,9 @@ def _load(name: str) -> Backend:
         raise BackendUnavailableError(f"Backend {name!r} cannot be imported ({exc}). Fix: {hint}.") from exc
     reason = factory.unavailable_reason() if hasattr(factory, "unavailable_reason") else None
     if reason:
-        raise BackendUnavailableError(f"Backend {name!r} is unavailable here: {reason}. Fix: {hint}.")
+        # The backend's own reason says what is missing; add an install hint only where we know one.
+        fix = f" Fix: {_INSTALL_HINT[name]}." if name in _INSTALL_HINT else ""
+        raise BackendUnavailableError(f"Backend {name!r} is unavailable here: {reason}.{fix}")
     _instances[name] = factory()
     return _instances[name]
 
