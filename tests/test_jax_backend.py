@@ -182,6 +182,38 @@ def test_update_rows_core_optimizers_parity(be, ref, algorithm, vocab, shards, s
         _close(be.unshard(a), ref.unshard(b), dtype)
 
 
+@pytest.mark.parametrize("vocab,shards,strategy", SHARDINGS)
+@pytest.mark.parametrize("pieces", [False, True])
+def test_gather_combine_and_fused_backward_parity(be, ref, vocab, shards, strategy, pieces, monkeypatch):
+    """The fused forward (gather_combine) and the combiner backward fused into update_rows
+    (grad_index/grad_weights) equal NumPy, with one piece and with many loop pieces."""
+    from meshembed_jax import kernels
+
+    if pieces:  # force the kernels' loops over many small pieces (fresh kernel cache)
+        monkeypatch.setattr(kernels, "CHUNK_BYTES", 64)
+        be = JaxBackend()
+    placement = Placement(vocab, shards, strategy)
+    rng = np.random.default_rng(vocab * 3 + shards)
+    values = _table(vocab, 4)
+    tj = [be.create_table(values, placement), be.create_table(np.full_like(values, 0.1), placement)]
+    tr = [ref.create_table(values, placement), ref.create_table(np.full_like(values, 0.1), placement)]
+    n, segments = 1000, 37
+    ids = rng.integers(0, vocab, size=n)
+    seg = np.sort(rng.integers(0, segments, size=n))
+    w = rng.random(n).astype(np.float32)
+    for weights in (None, w):
+        wj = None if weights is None else be.asarray(weights)
+        out = be.gather_combine(tj[0], be.asarray(ids), be.asarray(seg), segments, wj)
+        assert tuple(out.shape) == (segments, 4)
+        _close(be.to_numpy(out), ref.gather_combine(tr[0], ids, seg, segments, weights), "float32")
+    g = rng.standard_normal((segments, 4)).astype(np.float32)
+    tj = be.update_rows(tj, be.asarray(ids), be.asarray(g), make_fn(be.xp, "adagrad", 0.1, {}),
+                        grad_index=be.asarray(seg), grad_weights=be.asarray(w))
+    tr = ref.update_rows(tr, ids, g, make_fn(ref.xp, "adagrad", 0.1, {}), grad_index=seg, grad_weights=w)
+    for a, b in zip(tj, tr):
+        _close(be.unshard(a), ref.unshard(b), "float32")
+
+
 def test_update_rows_donates_buffers(be):
     placement = Placement(64, 1, "mod")
     t = [be.create_table(_table(64, 8), placement), be.create_table(np.ones((64, 8), np.float32), placement)]
