@@ -83,13 +83,25 @@ def jobs(backends: list[str], workload: str, peers: bool, repeats: int) -> list[
     return out
 
 
+# Peers kept by the backends' benchmark modules: (module, function, impls, frameworks).
+_PEERS = {
+    "w1": [("torch_w1", "w1", ("embeddingbag",), ["torch"]),
+           ("torch_w1", "w1", ("fbgemm",), ["torch"]),
+           ("jax_w1", "w1", ("optax",), ["jax"])],
+    "w2": [("torch_w2", "w2", ("torch-foreach",), ["torch"]),
+           ("jax_w2", "w2", ("optax",), ["jax"])],
+}
+
+
 def _peer_jobs(kind: str, sizes: dict, repeats: int) -> list[Job]:
-    """Peers kept by the backend packages' benchmark modules (``peers_<kind>`` functions)."""
+    """One job per peer implementation, where its framework is installed."""
+    import importlib.util
+
     found = []
-    for module, frameworks in (("torch_peers", ["torch"]), ("jax_peers", ["jax"])):
-        path = _ROOT / "benchmarks" / f"{module}.py"
-        if path.exists():
-            found.append(Job(f"{kind.upper()} {module}", module, kind, dict(sizes=sizes, repeats=repeats), frameworks))
+    for module, function, impls, frameworks in _PEERS[kind]:
+        if all(importlib.util.find_spec(f) for f in frameworks):
+            found.append(Job(f"{kind.upper()} {impls[0]}", module, function,
+                             dict(sizes=sizes, repeats=repeats, impls=impls), frameworks))
     return found
 
 
