@@ -275,6 +275,51 @@ def test_allow_nonfinite_lets_nan_through(backend):
     assert np.isnan(emb.retrieve_parameters("b")["parameters"]).any()
 
 
+def test_one_nonfinite_value_is_caught_and_large_finite_gradients_pass(backend):
+    """The NaN/Inf check sums first (one pass) and only then looks element-wise: a single
+    NaN or Inf anywhere is still caught, and finite values whose sum overflows still pass."""
+    for bad in (np.nan, np.inf, -np.inf):
+        emb = me.TPUEmbedding(config(me.embedding.SGD(0.1)), backend=backend)
+        acts = _dequeued(emb)
+        grads = [np.zeros_like(a) for a in acts]
+        grads[1].reshape(-1)[-1] = bad
+        before = snapshot(emb)
+        with pytest.raises(me.InputError, match="NaN or Inf"):
+            emb.apply_gradients(grads)
+        assert_same_state(before, snapshot(emb))
+    emb = me.TPUEmbedding(config(me.embedding.SGD(0.0)), backend=backend)
+    acts = _dequeued(emb)
+    before = snapshot(emb)
+    # 1e37 everywhere: the sum over the 36 values of "fa_seq" overflows float32, no value does
+    # (and no row's sum of duplicates does), so this must not be taken for an Inf
+    emb.apply_gradients([np.full_like(a, 1e37) for a in acts])
+    assert_same_state(before, snapshot(emb))  # lr 0: nothing moves, and nothing raised
+
+
+def test_unit_weights_given_or_not_give_identical_steps(backend):
+    """The sum combiner without weights skips the weighting; explicit weights of 1 must
+    give bit-identical activations and tables."""
+    def cfg():
+        tables = [me.TableConfig("a", 13, 3, optimizer=me.embedding.Adagrad(0.1), combiner="sum")]
+        features = [me.FeatureConfig("a", (B,), name="fa"), me.FeatureConfig("a", (B, 3), name="fs")]
+        return me.EmbeddingConfig(tables=tables, features=features)
+
+    rng = np.random.default_rng(4)
+    fa = me.RaggedIds.from_lists([rng.integers(0, 13, rng.integers(1, 4)).tolist() for _ in range(B)])
+    fs = me.RaggedIds.from_lists([rng.integers(0, 13, rng.integers(0, 5)).tolist() for _ in range(B)])
+    ones = [me.RaggedIds(f.row_splits, np.ones(len(f.values), np.float32)) for f in (fa, fs)]
+    runs = []
+    for weights in (None, ones):
+        emb = me.TPUEmbedding(cfg(), backend=backend)
+        emb.enqueue([fa, fs], weights)
+        acts = [emb.backend.to_numpy(a) for a in emb.dequeue()]
+        emb.apply_gradients([a * 0.5 + 0.25 for a in acts])
+        runs.append((acts, snapshot(emb)))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        np.testing.assert_array_equal(a, b)
+    assert_same_state(runs[0][1], runs[1][1])
+
+
 def test_order_errors(backend):
     emb = me.TPUEmbedding(config(), backend=backend)
     before = snapshot(emb)

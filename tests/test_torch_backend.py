@@ -5,6 +5,7 @@ Row i of a test table holds i (+ column/1000) so a misplaced row is obvious.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -209,6 +210,52 @@ def test_gather_combine_equals_gather_then_segment_sum(tb, strategy):
     expected = np.zeros((12, 6), np.float32)
     np.add.at(expected, seg, values[ids] * w[:, None])
     np.testing.assert_allclose(tb.to_numpy(out), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("seg", [[0, 0, 2, 2, 2, 5], [1, 1, 3], [3, 1, 1, 4, 0, 0], [5]])
+def test_sorted_offsets_and_gather_combine_with_gaps_and_unsorted_segments(tb, seg):
+    """One ``unique_consecutive`` pass gives the bag offsets of sorted segment ids (empty
+    segments included) and says None for unsorted ones, which gather_combine then sorts."""
+    from meshembed_torch import kernels
+
+    seg = np.array(seg)
+    sorted_ok = bool(np.all(np.diff(seg) >= 0))
+    offsets = kernels.sorted_offsets(torch.from_numpy(seg), 6)
+    if sorted_ok:
+        np.testing.assert_array_equal(offsets.numpy(), np.searchsorted(seg, np.arange(6)))
+    else:
+        assert offsets is None
+    rng = np.random.default_rng(len(seg))
+    values = rng.standard_normal((9, 3)).astype(np.float32)
+    t = tb.create_table(values, Placement(9, 2, "mod"))
+    ids = rng.integers(0, 9, size=seg.size)
+    w = rng.uniform(size=seg.size).astype(np.float32)
+    expected = np.zeros((6, 3), np.float32)
+    np.add.at(expected, seg, values[ids] * w[:, None])
+    out = tb.gather_combine(t, tb.asarray(ids), tb.asarray(seg), 6, weights=tb.asarray(w))
+    np.testing.assert_allclose(tb.to_numpy(out), expected, rtol=1e-5, atol=1e-6)
+    n = int(seg.max())  # one segment too few: the largest id is out of range
+    with pytest.raises(InputError, match=rf"\[0, {n}\)"):
+        tb.gather_combine(t, tb.asarray(ids), tb.asarray(seg), n)
+    with pytest.raises(IndexError, match=rf"\[0, {n}\)"):
+        tb.segment_sum_to(tb.asarray(values[ids]), tb.asarray(seg), n)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
+def test_malloc_tuning_once_per_process_and_opt_out():
+    """A large CPU table tunes glibc's thresholds once; MESHEMBED_TORCH_MALLOC_TUNING=0 opts out."""
+    import platform
+
+    code = ("import numpy as np; from meshembed_torch import TorchBackend, kernels; "
+            "from meshembed.sharding import Placement; "
+            "assert kernels._malloc_state == []; "
+            "TorchBackend().create_table(np.zeros((1 << 18, 32), np.float32), Placement(1 << 18, 1, 'div')); "
+            "print(kernels._malloc_state)")
+    for env, expected in (("1", platform.libc_ver()[0] == "glibc"), ("0", False)):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "MESHEMBED_TORCH_MALLOC_TUNING": env})
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == f"[{expected}]", out.stdout
 
 
 def test_update_rows_touched_with_zero_gradient_still_updates(tb):

@@ -46,12 +46,20 @@ def combiner_scale(slots: np.ndarray, weights: np.ndarray, num_slots: int, combi
     return out
 
 
+def is_unit(scale: np.ndarray) -> bool:
+    """Whether every factor is exactly 1 (the sum combiner without weights): multiplying by
+    it changes nothing, so forward and backward may skip the weighting pass."""
+    return bool(scale.size == 0 or (scale.min() == 1 and scale.max() == 1))
+
+
 def forward(backend: Any, rows: Any, scale: Any, slots: Any, num_slots: int) -> Any:
     """``act[s] = Σ_{k: slot_k = s} scale_k · rows_k`` as a ``[num_slots, D]`` backend array."""
     return backend.segment_sum_to(rows * scale, slots, num_slots)
 
 
-def backward(backend: Any, grad: Any, scale: Any, slots: Any) -> Any:
-    """Per-id row gradients ``scale_k · grad[slot_k]`` (``grad`` is ``[num_slots, D]``)."""
+def backward(backend: Any, grad: Any, scale: Any, slots: Any, unit: bool = False) -> Any:
+    """Per-id row gradients ``scale_k · grad[slot_k]`` (``grad`` is ``[num_slots, D]``);
+    ``unit``: every ``scale_k`` is 1, so the product is the taken rows themselves."""
     xp = backend.xp
-    return xp.take(grad, slots, axis=0) * scale
+    rows = xp.take(grad, slots, axis=0)
+    return rows if unit else rows * scale

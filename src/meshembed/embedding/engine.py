@@ -33,8 +33,11 @@ class _DeviceFeature:
     host_ids: np.ndarray
     ids: Any
     slots: Any
-    scale: Any
+    scale: Any  # [n, 1] float32: the combiner factor w_k / N_s of every id
     num_slots: int
+    # Every factor is exactly 1 (sum combiner, unit weights): the weighting is skipped, which
+    # changes no bit (x * 1 == x) and saves a pass over the ids on every backend.
+    unit_scale: bool = False
 
 
 @dataclass
@@ -57,6 +60,18 @@ def _load_config(config: Any) -> Any:
         "Invalid `config`. Expected a me.EmbeddingConfig, serialized TPUEmbeddingConfiguration "
         f"bytes, text format or a path. Received: {type(config).__name__}"
     )
+
+
+def _all_finite(xp: Any, x: Any) -> bool:
+    """Whether every element of ``x`` is finite, in one reduction when it is.
+
+    A sum is finite only if every term is (NaN and ±Inf propagate through addition and
+    nothing turns them finite again), so a finite sum proves the check in one pass without
+    a boolean temporary; only a non-finite sum — a NaN/Inf, or an overflow of finite
+    values — falls back to the element-wise test."""
+    if bool(xp.isfinite(xp.sum(x))):
+        return True
+    return bool(xp.all(xp.isfinite(x)))
 
 
 class TPUEmbedding:
@@ -251,7 +266,11 @@ class TPUEmbedding:
         for f, b in zip(self.layout.features, batches):
             table = self.layout.tables[f.table]
             combiner = combiners_override[f.table] if combiners_override else table.combiner
-            scale = combiners.combiner_scale(b.slots, b.weights, b.num_slots, combiner)
+            if b.unit_weights and combiners.check_combiner(combiner) == "sum":
+                scale, unit = b.weights, True  # all ones, known without a scan (the batch's own array)
+            else:
+                scale = combiners.combiner_scale(b.slots, b.weights, b.num_slots, combiner)
+                unit = combiners.is_unit(scale)
             device.append(
                 _DeviceFeature(
                     host_ids=b.ids,
@@ -259,6 +278,7 @@ class TPUEmbedding:
                     slots=self.backend.asarray(b.slots, dtype="int64"),
                     scale=self.backend.asarray(scale.reshape(-1, 1), dtype="float32"),
                     num_slots=b.num_slots,
+                    unit_scale=unit,
                 )
             )
         self._pending = _Pending(mode, device)
@@ -288,7 +308,8 @@ class TPUEmbedding:
                 rows = quantize(xp, self.backend.gather(table, d.ids), lo, hi, quant.num_buckets)
                 act = combiners.forward(self.backend, rows, d.scale, d.slots, d.num_slots)
             else:  # fused gather + combine where the backend has one
-                act = self.backend.gather_combine(table, d.ids, d.slots, d.num_slots, xp.reshape(d.scale, (-1,)))
+                weights = None if d.unit_scale else xp.reshape(d.scale, (-1,))
+                act = self.backend.gather_combine(table, d.ids, d.slots, d.num_slots, weights)
             outs.append(xp.reshape(act, f.output_shape + (t.dimension,)))
         p.dequeued = True
         return outs
@@ -359,7 +380,7 @@ class TPUEmbedding:
                     f"{shape} (input_shape + [dimension]). Received: shape={tuple(g.shape)}"
                 )
             g = self.backend.asarray(g, dtype="float32")
-            if not allow_nonfinite and not bool(xp.all(xp.isfinite(g))):
+            if not allow_nonfinite and not _all_finite(xp, g):
                 raise InputError(
                     f"Invalid gradient for feature {f.name!r} (table {t.name!r}): it contains NaN "
                     "or Inf. Nothing was updated. Fix: check the loss, clip the gradients, or pass "
@@ -391,20 +412,28 @@ class TPUEmbedding:
         new_state = {}
         for t in self.layout.tables:
             parts = per_table[t.index]
-            host_ids = np.concatenate([d.host_ids for d, _ in parts]) if parts else np.zeros(0, np.int64)
-            if parts and host_ids.size and self._fused_backward and uses_accumulation(t) and not is_non_lazy(t):
+            n_ids = sum(int(d.host_ids.shape[0]) for d, _ in parts)
+            if n_ids and self._fused_backward and uses_accumulation(t) and not is_non_lazy(t):
                 # Combiner backward fused into the update: the backend sums
                 # scale_k * grad[slot_k] per row without one gradient row per id.
-                ids = parts[0][0].ids if len(parts) == 1 else self.backend.asarray(host_ids, dtype="int64")
+                one = len(parts) == 1
+                ids = parts[0][0].ids if one else self.backend.asarray(
+                    np.concatenate([d.host_ids for d, _ in parts]), dtype="int64")
                 offsets = np.cumsum([0] + [d.num_slots for d, _ in parts[:-1]])
-                index = xp.concat([d.slots + int(o) for (d, _), o in zip(parts, offsets)], axis=0) \
-                    if len(parts) > 1 else parts[0][0].slots
-                weights = xp.concat([xp.reshape(d.scale, (-1,)) for d, _ in parts], axis=0)
-                source = xp.concat([g for _, g in parts], axis=0) if len(parts) > 1 else parts[0][1]
+                index = parts[0][0].slots if one else \
+                    xp.concat([d.slots + int(o) for (d, _), o in zip(parts, offsets)], axis=0)
+                if all(d.unit_scale for d, _ in parts):
+                    weights = None  # the sum combiner without weights: nothing to multiply
+                elif one:
+                    weights = xp.reshape(parts[0][0].scale, (-1,))
+                else:
+                    weights = xp.concat([xp.reshape(d.scale, (-1,)) for d, _ in parts], axis=0)
+                source = parts[0][1] if one else xp.concat([g for _, g in parts], axis=0)
                 new_state[t.index] = list(self.backend.update_rows(
                     self._state[t.index], ids, source, fns[t.index], grad_index=index, grad_weights=weights))
                 continue
-            rows = [combiners.backward(self.backend, g, d.scale, d.slots) for d, g in parts]
+            host_ids = np.concatenate([d.host_ids for d, _ in parts]) if parts else np.zeros(0, np.int64)
+            rows = [combiners.backward(self.backend, g, d.scale, d.slots, d.unit_scale) for d, g in parts]
             row_grads = xp.concat(rows, axis=0) if len(rows) > 1 else rows[0] if rows else None
             if row_grads is None:
                 row_grads = self.backend.asarray(np.zeros((0, t.dimension), np.float32))

@@ -81,6 +81,7 @@ class FeatureBatch:
     slots: np.ndarray  # int64 [n]
     weights: np.ndarray  # float32 [n]
     num_slots: int
+    unit_weights: bool = False  # no weights were given: every weight is 1 (known without a scan)
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,10 @@ def check_ids(ids: np.ndarray, info: FeatureInfo) -> None:
     """Every id must address a row: ``0 <= id < vocabulary_size``."""
     if ids.size == 0:
         return
+    # The common, valid case in one reduction and no temporary: as unsigned, a negative id
+    # is larger than any vocabulary size.
+    if ids.dtype == np.int64 and int(ids.view(np.uint64).max()) < info.vocabulary_size:
+        return
     bad = (ids < 0) | (ids >= info.vocabulary_size)
     if np.any(bad):
         k = int(np.flatnonzero(bad)[0])
@@ -157,20 +162,24 @@ def check_ids(ids: np.ndarray, info: FeatureInfo) -> None:
         )
 
 
-def make_batch(ids: np.ndarray, slots: np.ndarray, weights: np.ndarray | None, info: FeatureInfo) -> FeatureBatch:
-    """Validate flat ids/slots/weights and pack them (the form every input reduces to)."""
+def make_batch(ids: np.ndarray, slots: np.ndarray, weights: np.ndarray | None, info: FeatureInfo,
+               *, slots_in_range: bool = False) -> FeatureBatch:
+    """Validate flat ids/slots/weights and pack them (the form every input reduces to).
+
+    ``slots_in_range``: the caller built ``slots`` inside ``[0, prod(output_shape))`` by
+    construction, so the scan that checks it is skipped."""
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     slots = np.ascontiguousarray(slots, dtype=np.int64).reshape(-1)
     check_ids(ids, info)
     num_slots = int(np.prod(info.output_shape))
-    if slots.size and (slots.min() < 0 or slots.max() >= num_slots):
+    if slots.size and not slots_in_range and (slots.min() < 0 or slots.max() >= num_slots):
         k = int(np.flatnonzero((slots < 0) | (slots >= num_slots))[0])
         raise InputError(
             f"Invalid sample indices for {_where(info)}: expected each in [0, {num_slots}) for "
             f"output shape {info.output_shape}. Received: {int(slots[k])} at position {k}"
         )
     if weights is None:
-        weights = np.ones(ids.shape[0], dtype=np.float32)
+        return FeatureBatch(ids, slots, np.ones(ids.shape[0], dtype=np.float32), num_slots, unit_weights=True)
     return FeatureBatch(ids, slots, np.ascontiguousarray(weights, dtype=np.float32), num_slots)
 
 
@@ -300,7 +309,7 @@ def from_ragged(rg: Any, weights: Any, info: FeatureInfo, backend: Any = None) -
     num_slots = int(np.prod(info.output_shape))
     row = np.repeat(np.arange(nrows, dtype=np.int64), np.diff(splits))
     if num_slots == nrows:
-        keep = np.ones(ids.shape[0], dtype=bool)
+        keep = None  # every id is kept: a plain copy, not a boolean mask
         slots = row
     elif nrows and num_slots % nrows == 0 and len(info.output_shape) >= 2 and info.output_shape[0] == nrows:
         m = num_slots // nrows
@@ -322,8 +331,11 @@ def from_ragged(rg: Any, weights: Any, info: FeatureInfo, backend: Any = None) -
                     f"Invalid `weights` for {_where(info)}: the weights' row_splits must equal the ids' row_splits."
                 )
             weights = weights.values
-        w = _float_weights(weights, ids.shape[0], info, backend)[keep]
-    return make_batch(ids[keep], slots, w, info)
+        w = _float_weights(weights, ids.shape[0], info, backend)  # a fresh array
+        w = w if keep is None else w[keep]
+    # a copy either way: the pending batch must not alias the caller's buffer. The slots are
+    # row numbers (or row * M + position < M) of the checked splits: in range by construction.
+    return make_batch(ids.copy() if keep is None else ids[keep], slots, w, info, slots_in_range=True)
 
 
 def normalize(x: Any, weights: Any, info: FeatureInfo, backend: Any = None) -> FeatureBatch:
