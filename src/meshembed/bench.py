@@ -9,6 +9,7 @@ writes JSON and a PNG bar chart when asked. Needs a source checkout (``benchmark
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -107,8 +108,10 @@ def _peer_jobs(kind: str, sizes: dict, repeats: int) -> list[Job]:
 
 def run_job(job: Job, timeout: float = 1800) -> tuple[list[dict], str]:
     spec = json.dumps(dict(module=job.module, function=job.function, kwargs=job.kwargs, preload=job.preload))
+    env = dict(os.environ)
+    env.setdefault("KMP_BLOCKTIME", "0")  # every row alike: no 200 ms OpenMP spin-waits (torch README)
     proc = subprocess.run([sys.executable, "-c", _CHILD, spec], capture_output=True, text=True,
-                          timeout=timeout, cwd=_ROOT)
+                          timeout=timeout, cwd=_ROOT, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("ROWS"):
             return json.loads(line[4:]), ""
