@@ -1,6 +1,9 @@
 """W2: one dense Adadelta step on 16,777,216 float32 parameters (1 tensor, or 64 tensors), torch.
 
 Rows:
+* ``me.optimizers.Adadelta.apply_gradients`` — the public dense optimizer on torch variables
+  (``me.Variable``), as a user calls it: validation, staging, the per-variable step through
+  ``backend.compile`` (compiled in place at these sizes) and the commit.
 * ``meshembed core adadelta, eager`` — ``meshembed.math.adadelta`` over ``array_api_compat.torch``
   (pure: new arrays), results copied back into the variables, as the dense optimizer does.
 * ``meshembed core adadelta, torch.compile`` — the same pure function and the write-back in one
@@ -24,8 +27,9 @@ import numpy as np
 from benchmarks.common import TINY_W2, W2, Row, bandwidth_gbs, table, timeit, w2_bytes
 
 LR, RHO, EPS = 1.0, 0.95, 1e-6
-IMPLS = ("eager", "compile", "torch-foreach", "torch-loop")
+IMPLS = ("optimizer", "eager", "compile", "torch-foreach", "torch-loop")
 _NAME = {
+    "optimizer": "me.optimizers.Adadelta.apply_gradients",
     "eager": "meshembed core adadelta, eager",
     "compile": "meshembed core adadelta, torch.compile",
     "torch-foreach": "torch.optim.Adadelta(foreach=True)",
@@ -60,6 +64,12 @@ def _make_step(impl: str, params: int, count: int) -> Callable[[], Any]:
             opt.step()
 
         return step
+    if impl == "optimizer":
+        variables = [me.Variable(p, name=f"w{i}", backend="torch") for i, p in enumerate(ps)]
+        opt = me.optimizers.Adadelta(learning_rate=LR, rho=RHO, epsilon=EPS)
+        opt.build(variables)
+        pairs = list(zip(gs, variables))
+        return lambda: opt.apply_gradients(pairs)
     backend = me.get_backend("torch")
     xp = backend.xp
     accs = [torch.zeros_like(p) for p in ps]
@@ -90,7 +100,7 @@ def w2(sizes: dict, repeats: int = 7, impls: tuple[str, ...] = IMPLS, counts: tu
             med = lo = hi = float("nan")
             try:
                 step = _make_step(impl, params, count)
-                med, lo, hi = timeit(step, warmup=warmup + (1 if impl == "compile" else 0), repeats=repeats)
+                med, lo, hi = timeit(step, warmup=warmup + (1 if impl in ("compile", "optimizer") else 0), repeats=repeats)
             except Exception as exc:  # noqa: BLE001 - a failing row is reported, not fatal
                 note = f"{type(exc).__name__}: {str(exc)[:160]}"
             finally:

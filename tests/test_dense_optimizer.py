@@ -210,6 +210,56 @@ def test_error_inside_the_update_changes_nothing(bk, monkeypatch):
     _assert_state_equal(before, _state(opt, [w, b]))
 
 
+def test_error_inside_an_in_place_step_changes_nothing(bk, monkeypatch):
+    """Without EMA a dense step on torch is staged as an in-place update; it runs only at the
+    commit, so a later variable's failure still leaves every variable and slot unchanged."""
+    w = me.Variable(np.ones((3, 2), np.float32), name="w", backend=bk)
+    b = me.Variable(np.ones((2,), np.float32), name="b", backend=bk)
+    opt = me.optimizers.Adadelta(learning_rate=1.0)
+    opt.apply_gradients([(np.ones((3, 2)), w), (np.ones(2), b)])
+    before = _state(opt, [w, b])
+    original = type(opt).update_step
+
+    def failing(self, grad, variable):
+        if variable is b:
+            raise RuntimeError("boom")
+        return original(self, grad, variable)
+
+    monkeypatch.setattr(type(opt), "update_step", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.apply_gradients([(np.full((3, 2), 2.0), w), (np.ones(2), b)])
+    _assert_state_equal(before, _state(opt, [w, b]))
+    monkeypatch.undo()
+    opt.apply_gradients([(np.full((3, 2), 2.0), w), (np.ones(2), b)])  # and it still works
+    assert int(opt.iterations.numpy()) == 2
+
+
+def test_torch_dense_steps_run_compiled_in_place_and_match_numpy():
+    """Big enough to compile (2¹⁸ floats × 4 arrays): the step is compiled in place (the
+    variable keeps its tensor), grouped over variables, once for a learning-rate schedule,
+    and matches the NumPy backend."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    shapes = [(512, 512), (1 << 18,), (1 << 18,)]
+    init = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(3)]
+    schedule = schedules.ExponentialDecay(0.5, decay_steps=1, decay_rate=0.5)
+    results = {}
+    for name in ("numpy", "torch"):
+        vs = [me.Variable(x, name=f"v{i}", backend=name) for i, x in enumerate(init)]
+        opt = me.optimizers.Adadelta(learning_rate=schedule, rho=0.9, epsilon=1e-6)
+        tensors = [v.value for v in vs]
+        for step in grads:
+            opt.apply_gradients(list(zip(step, vs)))
+        if name == "torch":
+            assert all(v.value is t for v, t in zip(vs, tensors))  # updated in place
+            assert [k[2] for k in opt._compile_cache] == [3]  # one compiled call for the three
+            assert not me.get_backend("torch")._compile_broken
+        results[name] = [v.numpy() for v in opt.variables[1:]] + [v.numpy() for v in vs]
+    for a, b in zip(results["numpy"], results["torch"]):
+        np.testing.assert_allclose(b, a, rtol=2e-6, atol=2e-7)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"rho": 1.5}, "Invalid `rho`"),
     ({"epsilon": -1.0}, "Invalid `epsilon`"),

@@ -72,6 +72,8 @@ def test_imports_and_reports_without_torch():
         sys.modules["torch"] = None  # makes `import torch` raise ImportError
         import meshembed as me
         from meshembed_torch import TorchBackend
+        from meshembed_torch.dense import TorchDenseMixin  # torch is imported lazily there too
+        assert TorchDenseMixin in TorchBackend.__mro__
         reason = TorchBackend.unavailable_reason()
         assert reason and "torch is not installed" in reason, reason
         assert "torch" not in me.available_backends()

@@ -8,6 +8,9 @@ Single process (no ``torch.distributed`` process group initialised): there is no
 as on NumPy: every value is a plain ``torch.Tensor`` holding the whole array and
 ``sharding_of`` returns ``None``. With a process group, the mesh is a real ``DeviceMesh``
 over all ranks and values become ``DTensor``s with ``Shard(axis)``/``Replicate()``.
+
+torch is imported inside the methods (this module imports without it, like the rest of the
+package, so discovery can report a missing install instead of failing to import).
 """
 
 from __future__ import annotations
@@ -15,16 +18,22 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
-import torch
-
 from meshembed.errors import ConfigError, InputError
 
 
 def _dist_ready() -> bool:
+    import torch
+
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _is_dtensor(value: Any) -> bool:
+    if not hasattr(value, "device_mesh"):  # plain tensors and arrays: no import, no check
+        return False
+    import torch
+
+    if not torch.distributed.is_available():
+        return False
     from torch.distributed.tensor import DTensor
 
     return isinstance(value, DTensor)
@@ -39,6 +48,8 @@ class TorchDenseMixin:
         ``devices`` is the device type (``"cpu"``, ``"cuda"``); by default ``"cuda"`` when
         the process group runs NCCL, else ``"cpu"``.
         """
+        import torch
+
         if not _dist_ready():
             return None
         from torch.distributed.device_mesh import init_device_mesh
@@ -72,6 +83,8 @@ class TorchDenseMixin:
     def place(self, value: Any, layout: Any) -> Any:
         """A DTensor with the layout's placements on its mesh (a plain tensor when the mesh
         is logical). The value must be the same global array on every rank."""
+        import torch
+
         native = None if layout is None else layout.mesh.native
         if native is None:
             if _is_dtensor(value):
@@ -96,6 +109,8 @@ class TorchDenseMixin:
     def value_and_grad(self, fn: Callable[..., Any], values: Sequence[Any]) -> tuple[Any, list[Any]]:
         """Loss and d loss / d values by torch autograd, on detached copies so the caller's
         tensors never join a graph. Values the loss does not use get zero gradients."""
+        import torch
+
         leaves = [v.detach().requires_grad_(True) for v in values]
         with torch.enable_grad():
             loss = fn(*leaves)

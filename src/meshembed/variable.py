@@ -105,7 +105,11 @@ class Variable:
     # -- public surface ---------------------------------------------------------------
     @property
     def value(self) -> Any:
-        """The backend array (``np.ndarray``, ``torch.Tensor``/``DTensor``, ``jax.Array``)."""
+        """The backend array (``np.ndarray``, ``torch.Tensor``/``DTensor``, ``jax.Array``).
+
+        An optimizer step may update it in place (torch, dense steps without EMA: the tensor
+        object stays, its values change, as with Keras variables and torch.optim) or replace
+        it with a new array (other backends and cases); take ``numpy()`` for a snapshot."""
         return self._value
 
     @property

@@ -61,6 +61,8 @@ def scalar(xp: Any, value: Scalar, like: Array) -> Scalar:
         return bool(value)
     if is_static(value):
         return float(value)
+    if type(value) is type(like):  # one library: no namespace lookup (nor its lru_cache in a torch.compile trace)
+        return xp.astype(value, like.dtype)
     try:
         array_api_compat.array_namespace(value, like)
     except TypeError:  # another library's 0-d array (e.g. a NumPy lr for torch rows)

@@ -49,8 +49,10 @@ class Adadelta(Optimizer):
         name: Keras name, also in the config.
         mesh: the ``me.Mesh`` whose backend holds the state; ``iterations`` and
             ``add_variable`` results are replicated over it.
-        jit_compile: compile the per-variable step with the backend (``jax.jit``,
-            ``torch.compile``); a Keras config key, False by default as tf_keras writes on CPU.
+        jit_compile: a Keras config key, kept and round-tripped (False by default as tf_keras
+            writes on CPU). The per-variable step always goes through ``backend.compile``,
+            which compiles where it pays (``jax.jit``; ``torch.compile`` once a step touches
+            ~10⁶ elements, in place on torch).
     """
 
     def __init__(
@@ -80,20 +82,15 @@ class Adadelta(Optimizer):
     def update_step(self, grad: Any, variable: Variable) -> None:
         i = self._slot_index(variable)
         grad, touched = self._densify(self._convert_gradient(grad, variable), variable)
-        acc_g, acc_d = self._accumulated_grads[i], self._accumulated_delta_vars[i]
-        step = self._compiled(variable.backend, self._step_fn)
-        params, accumulators, updates = step(
-            self._read(variable), grad, self._read(acc_g), self._read(acc_d), self.learning_rate
-        )
-        self._write(variable, params, touched)
-        self._write(acc_g, accumulators, touched)
-        self._write(acc_d, updates, touched)
+        targets = (variable, self._accumulated_grads[i], self._accumulated_delta_vars[i])
+        self._apply_step(targets, grad, touched, self._step_fn)
 
     def _step_fn(self, xp: Any) -> Any:
-        """The pure per-variable step over ``xp`` (what ``jit_compile`` compiles)."""
+        """The pure per-variable step over ``xp``: the core ``adadelta`` (what the backend
+        compiles; see ``Optimizer._apply_step``)."""
         rho, epsilon = self.rho, self.epsilon
 
-        def step(params: Any, grad: Any, acc_grad: Any, acc_delta: Any, lr: Any) -> tuple[Any, Any, Any]:
+        def step(grad: Any, lr: Any, params: Any, acc_grad: Any, acc_delta: Any) -> tuple[Any, Any, Any]:
             new, slots = adadelta(xp, params, grad, AdadeltaSlots(acc_grad, acc_delta), lr=lr, rho=rho, epsilon=epsilon)
             return new, slots.accumulators, slots.updates
 

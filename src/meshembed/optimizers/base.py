@@ -8,14 +8,25 @@ EMA, the step counter and configs — is here.
 State changes are transactional: ``apply_gradients`` validates every input, computes every
 new value, and only then assigns them all, so an error leaves every variable and slot as
 it was.
+
+The per-variable step always goes through ``backend.compile`` (the backend decides where
+compiling pays: ``jax.jit``; torch compiles once a step touches ~10⁶ elements; NumPy runs as
+is). On a backend with mutable arrays that compiles (torch), a dense step without EMA is
+compiled *in place*: one fused pass reads the gradient, the variable and its slots and writes
+the new values over the old ones — no fresh arrays (each a page-faulting ``mmap`` above 32 MiB)
+and ~3× less memory traffic. Those in-place updates are staged like every other write and only
+run at commit, after every step of every variable has been built and validated, so an error
+still leaves everything unchanged. Variables updated this way keep their array object: a
+reference taken from ``variable.value`` sees the new values (as with Keras and torch.optim).
 """
 
 from __future__ import annotations
 
 import inspect
 import numbers
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
+import array_api_compat
 import numpy as np
 
 from meshembed.errors import ConfigError, InputError, StateError
@@ -81,8 +92,11 @@ class Optimizer:
         self._index: dict[int, int] = {}
         self._averages: list[Variable] = []
         self._pending: dict[int, tuple[Variable, Any]] | None = None
+        self._deferred: list[_InPlace] = []  # in-place updates staged for the commit
+        self._lr_arrays: dict[tuple, Any] = {}  # this step's learning rate as 0-d arrays
+        self._in_place_ok = True  # False while a step must read staged values back (EMA)
         self._step_lr: float | None = None
-        self._compile_cache: dict[str, Callable[..., Any]] = {}
+        self._compile_cache: dict[tuple, Callable[..., Any]] = {}  # (backend, make, in_place)
 
     # -- Keras option properties (read through to the option objects) -------------------
     clipnorm = property(lambda self: self.gradients_clip_option.clipnorm)
@@ -254,19 +268,90 @@ class Optimizer:
 
     def _commit(self) -> None:
         pending, self._pending = self._pending or {}, None
+        deferred, self._deferred = self._deferred, []
         placed = [(v, v._prepare(val, copy=False)) for v, val in pending.values()]
+        # Every step was built and validated; only now do the staged in-place updates run
+        # (they cannot fail on valid arrays — a compiler failure falls back to eager inside
+        # the backend —, short of running out of memory mid-commit).
+        self._run_in_place(deferred)
         for v, val in placed:
             v._value = val
 
-    def _compiled(self, backend: Any, make: Callable[[Any], Callable[..., Any]]) -> Callable[..., Any]:
-        """``make(xp)`` once per backend, compiled by the backend when ``jit_compile`` is set."""
-        fn = self._compile_cache.get(backend.name)
+    def _compiled(self, backend: Any, make: Callable[[Any], Callable[..., Any]],
+                  in_place: int = 0) -> Callable[..., Any]:
+        """``make(xp)`` once per backend, through ``backend.compile`` (which compiles where it
+        pays). ``in_place=n``: instead, one function that runs the step for ``n`` variables
+        and writes each result over its array (see :func:`_writing_in_place`)."""
+        key = (backend.name, make, in_place)
+        fn = self._compile_cache.get(key)
         if fn is None:
             fn = make(backend.xp)
-            if self.jit_compile:
-                fn = backend.compile(fn)
-            self._compile_cache[backend.name] = fn
+            fn = backend.compile(_writing_in_place(fn, in_place) if in_place else fn)
+            self._compile_cache[key] = fn
         return fn
+
+    def _run_in_place(self, updates: Sequence["_InPlace"]) -> None:
+        """Run staged in-place updates, up to ``IN_PLACE_GROUP`` consecutive ones of the same
+        step in one compiled call: a compiled call costs ~0.1 ms of dispatch and guards, so 64
+        variables of 2¹⁸ floats took 16 ms one by one and 9.6 ms in groups of 8 (16: 8.8 ms,
+        but a cold compile grows with the group: 12 s for 8, 15 s for 16)."""
+        i = 0
+        while i < len(updates):
+            first = updates[i]
+            j = i + 1
+            while j < len(updates) and j - i < IN_PLACE_GROUP and updates[j].same_kernel(first):
+                j += 1
+            group = updates[i:j]
+            kernel = self._compiled(first.backend, first.make, in_place=len(group))
+            kernel([u.grad for u in group], [u.lr for u in group],
+                   *([u.targets[k] for u in group] for k in range(len(first.targets))))
+            i = j
+
+    def _can_update_in_place(self, targets: Sequence[Variable]) -> bool:
+        """A dense step may overwrite ``targets`` in place: the backend has mutable arrays and
+        compiles (torch), nothing in this step reads their staged values back (no EMA), none
+        of them has a staged value already, and each is a plain local array (not a DTensor)."""
+        backend = targets[0].backend
+        caps = backend.capabilities
+        if not (self._in_place_ok and caps.in_place and caps.compiles):
+            return False
+        for t in targets:
+            if t.backend is not backend or not backend.is_native(t.value) or backend.sharding_of(t.value) is not None:
+                return False
+            if self._pending is not None and id(t) in self._pending:
+                return False
+        return True
+
+    def _apply_step(self, targets: Sequence[Variable], grad: Any, touched: Any,
+                    make: Callable[[Any], Callable[..., Any]]) -> None:
+        """Run ``make(xp)``'s step ``step(grad, lr, *target_values) -> new target values``
+        for ``targets`` (a model variable, then its slots) and stage the results; with
+        ``touched`` (a sparse gradient's row mask) only those rows change.
+
+        A dense step that may run in place (:meth:`_can_update_in_place`) is staged as a
+        compiled in-place update run at commit; the learning rate is then passed as a 0-d
+        array, so a schedule does not specialise (and recompile) the kernel per value."""
+        variable = targets[0]
+        backend = variable.backend
+        lr = self.learning_rate
+        if touched is None and self._can_update_in_place(targets):
+            value = variable.value
+            key = (backend.name, value.dtype, array_api_compat.device(value))
+            lr_arg = self._lr_arrays.get(key) if self._pending is not None else None
+            if lr_arg is None:  # one 0-d array per step and dtype, shared by every variable
+                lr_arg = backend.xp.asarray(lr, dtype=value.dtype, device=key[2])
+                if self._pending is not None:
+                    self._lr_arrays[key] = lr_arg
+            update = _InPlace(backend, make, grad, lr_arg, tuple(t.value for t in targets))
+            if self._pending is None:  # update_step called on its own: apply now
+                self._run_in_place([update])
+            else:
+                self._deferred.append(update)
+            return
+        step = self._compiled(backend, make)
+        new = step(grad, lr, *(self._read(t) for t in targets))
+        for t, value in zip(targets, new):
+            self._write(t, value, touched)
 
     @property
     def _xp(self) -> Any:
@@ -392,6 +477,8 @@ class Optimizer:
             self._slot_index(v)
         self._step_lr = self.learning_rate
         self._pending = {}
+        self._deferred = []
+        self._in_place_ok = not self.use_ema  # EMA reads the new values back before the commit
         try:
             grads = self._clip_gradients(grads)
             for g, v in zip(grads, variables):
@@ -403,6 +490,9 @@ class Optimizer:
             self._commit()
         finally:
             self._pending = None
+            self._deferred = []
+            self._lr_arrays = {}
+            self._in_place_ok = True
             self._step_lr = None
         return self.iterations
 
@@ -528,6 +618,41 @@ class Optimizer:
             return cls(**config, gradients_clip_option=clip, ema_option=ema, mesh=mesh)
         except TypeError as exc:
             raise ConfigError(f"Invalid `config` for {cls.__name__}: {exc}. Received keys: {sorted(config)}") from None
+
+
+#: Staged in-place updates of the same step run this many to a compiled call (see
+#: ``Optimizer._run_in_place``).
+IN_PLACE_GROUP = 8
+
+
+class _InPlace(NamedTuple):
+    """One staged in-place update: ``make(backend.xp)``'s step on ``grad`` and ``lr``,
+    written over ``targets`` (the variable's array, then its slots')."""
+
+    backend: Any
+    make: Callable[[Any], Callable[..., Any]]
+    grad: Any
+    lr: Any
+    targets: tuple
+
+    def same_kernel(self, other: "_InPlace") -> bool:
+        return self.backend is other.backend and self.make == other.make and len(self.targets) == len(other.targets)
+
+
+def _writing_in_place(step: Callable[..., Any], count: int) -> Callable[..., None]:
+    """``step(grad, lr, *targets) -> new targets`` for ``count`` variables at once, writing
+    each new value over its target (``target[...] = new``): compiled, one fused pass per
+    variable with no new arrays. Called as ``f(grads, lrs, *targets_by_position)``, each a
+    list of ``count`` arrays."""
+
+    def step_in_place(grads: Sequence[Any], lrs: Sequence[Any], *targets: Sequence[Any]) -> None:
+        for n in range(count):
+            own = [t[n] for t in targets]
+            for target, new in zip(own, step(grads[n], lrs[n], *own)):
+                target[...] = new
+
+    step_in_place.__wrapped__ = step  # type: ignore[attr-defined]
+    return step_in_place
 
 
 def _required_positional(fn: Callable[..., Any]) -> int:
