@@ -83,6 +83,7 @@ class JaxBackend(JaxDenseMixin, Backend):
         self._kernels: collections.OrderedDict[Any, Callable] = collections.OrderedDict()
         self._auto_capacity: dict[tuple[Any, int], int] = {}
         self._static_only: set[Any] = set()
+        self._prepared: collections.OrderedDict[Any, tuple[Any, Any]] = collections.OrderedDict()
 
     # -- discovery ---------------------------------------------------------------------
     @classmethod
@@ -114,10 +115,24 @@ class JaxBackend(JaxDenseMixin, Backend):
 
     @property
     def xp(self) -> Any:
-        import array_api_compat
-        import jax.numpy as jnp
+        xp = self.__dict__.get("_xp")
+        if xp is None:  # array_namespace needs an array: make it once, not per call
+            import array_api_compat
+            import jax.numpy as jnp
 
-        return array_api_compat.array_namespace(jnp.zeros(()))
+            xp = self._xp = array_api_compat.array_namespace(jnp.zeros(()))
+        return xp
+
+    def all_finite(self, x: Any) -> bool:
+        """The protocol's sum-first test as two compiled reductions instead of eager ops."""
+        if not self.is_native(x):
+            return super().all_finite(x)
+        jnp = self._jax.numpy
+        finite_sum = self._kernel("finite_sum", lambda: self._jax.jit(lambda v: jnp.isfinite(jnp.sum(v))))
+        if bool(finite_sum(x)):
+            return True
+        every = self._kernel("all_finite", lambda: self._jax.jit(lambda v: jnp.all(jnp.isfinite(v))))
+        return bool(every(x))
 
     # -- dense arrays ------------------------------------------------------------------
     def asarray(self, x: Any, dtype: Any = None) -> Any:
@@ -331,23 +346,34 @@ class JaxBackend(JaxDenseMixin, Backend):
         return fn(self.asarray(values), self.asarray(segment_ids), int(num_segments))
 
     def _replicated_1d(self, layout: ShardLayout, x: Any, nb: int, fill: Any, dtype: Any) -> Any:
-        """A flat array padded with ``fill`` to ``nb`` entries, replicated on the mesh."""
-        import jax.numpy as jnp
+        """A flat array padded with ``fill`` to ``nb`` entries, replicated on the mesh.
 
+        A native (immutable) array is converted by one compiled call and remembered: the
+        engine passes the same ids and slots to the lookup and then to the update."""
         dtype = np.dtype(dtype)
-        if self.is_native(x):
-            x = x.reshape(-1)
-            if x.dtype != dtype:
-                x = x.astype(dtype)
-            n = x.shape[0]
-            if nb > n:
-                x = jnp.concatenate([x, jnp.full((nb - n,), fill, dtype)])
-        else:
+        if not self.is_native(x):
             host = np.full((nb,), fill, dtype)
             flat = np.asarray(x).reshape(-1)
             host[: flat.shape[0]] = flat
-            x = host
-        return self._jax.device_put(x, layout.replicated)
+            return self._jax.device_put(host, layout.replicated)
+        key = (id(x), layout, nb, fill, dtype.str)
+        hit = self._prepared.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        jnp, n = self._jax.numpy, int(x.size)
+
+        def build() -> Callable:
+            def pad(v: Any) -> Any:
+                v = v.reshape(-1).astype(dtype)
+                return jnp.concatenate([v, jnp.full((nb - n,), fill, dtype)]) if nb > n else v
+
+            return self._jax.jit(pad, out_shardings=layout.replicated)
+
+        out = self._kernel(("pad", layout, n, nb, fill, dtype.str), build)(x)
+        self._prepared[key] = (x, out)
+        while len(self._prepared) > 8:
+            self._prepared.popitem(last=False)
+        return out
 
     def gather_combine(
         self, table: JaxShardedTable, ids: Any, segment_ids: Any, num_segments: int, weights: Any = None

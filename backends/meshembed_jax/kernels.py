@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from meshembed_jax import cpu_kernels
 from meshembed_jax.layout import AXIS, ShardLayout
 
 try:  # jax >= 0.6 exports shard_map at the top level
@@ -43,6 +44,12 @@ except ImportError:  # pragma: no cover - older jax
 
 
 DEDUP_STRATEGIES = ("dense", "sort")
+
+
+def use_cpu_kernels(layout: ShardLayout, *dtypes: Any) -> bool:
+    """Whether the FFI row kernels (``cpu_kernels``) serve this layout: CPU devices,
+    float32/float64 rows, the library built. Otherwise the pure-XLA kernels below run."""
+    return cpu_kernels.usable(layout.mesh.devices.flat[0].platform, *dtypes)
 
 
 def index_dtype(layout: ShardLayout) -> Any:
@@ -202,6 +209,8 @@ def make_gather_combine(layout: ShardLayout, dim: int, n: int, num_segments: int
     def per_device(block: jax.Array, ids: jax.Array, segs: jax.Array, w: jax.Array) -> jax.Array:
         flat = local_rows(layout, ids)
         table = block.reshape(m, dim)
+        if use_cpu_kernels(layout, table.dtype):
+            return lax.psum(cpu_kernels.gather_combine(table, flat, segs, w, num_segments, weighted), AXIS)
         c = chunk_rows(n, dim * table.dtype.itemsize)
 
         def body(start: jax.Array, acc: jax.Array) -> jax.Array:
@@ -218,9 +227,9 @@ def make_gather_combine(layout: ShardLayout, dim: int, n: int, num_segments: int
 
 
 def _apply_unique(flats: list, uniq: jax.Array, g: jax.Array, dim: int, capacity: int,
-                  call: Callable[..., Any], dyn: tuple) -> list:
+                  call: Callable[..., Any], dyn: tuple, ffi: bool) -> list:
     """Gather the unique rows of every table piece by piece, run the optimizer, scatter back
-    in place (the loop carries the donated tables)."""
+    in place (the loop carries the donated tables; ``ffi``: the CPU row kernels move rows)."""
     n_tables = len(flats)
     target = max(256, CHUNK_BYTES // (dim * flats[0].dtype.itemsize))
     pieces = -(-capacity // target)
@@ -234,8 +243,13 @@ def _apply_unique(flats: list, uniq: jax.Array, g: jax.Array, dim: int, capacity
     def body(start: jax.Array, tabs: tuple) -> tuple:
         idx = _slice(uniq, start, c)
         gc = _slice(g, start, c)
-        rows = [f.at[idx].get(mode="fill", fill_value=0) for f in tabs]
+        if ffi:
+            rows = [cpu_kernels.gather_rows(f, idx) for f in tabs]
+        else:
+            rows = [f.at[idx].get(mode="fill", fill_value=0) for f in tabs]
         new = _as_rows(call(dyn, gc.astype(tabs[0].dtype), *rows), n_tables)
+        if ffi:
+            return tuple(cpu_kernels.scatter_rows(f, idx, jnp.asarray(r).astype(f.dtype)) for f, r in zip(tabs, new))
         return tuple(
             f.at[idx].set(jnp.asarray(r).astype(f.dtype), mode="drop", unique_indices=True)
             for f, r in zip(tabs, new)
@@ -246,16 +260,23 @@ def _apply_unique(flats: list, uniq: jax.Array, g: jax.Array, dim: int, capacity
 
 def _update_body(layout: ShardLayout, dim: int, capacity: int, dedup: str, call: Callable[..., Any],
                  blocks: tuple, ids: jax.Array, dyn: tuple, add_grads: Callable[[jax.Array, jax.Array], jax.Array],
-                 grad_dtype: Any) -> tuple:
-    """Dedup + per-row gradient sum (``add_grads(g, slot)``) + the optimizer, per device."""
+                 grad_dtype: Any, ffi_sum: Callable[..., tuple] | None = None) -> tuple:
+    """Dedup + per-row gradient sum + the optimizer, per device.
+
+    The sum is ``add_grads(g, slot)`` after an XLA dedup, or, when the CPU row kernels serve
+    the layout, ``ffi_sum(flat, m, capacity)`` doing both in one call."""
     m = layout.rows_per_device
     k, r_max = layout.shards_per_device, layout.max_rows
     flat = local_rows(layout, ids)
-    uniq, slot, count = _DEDUP[dedup](flat, m, capacity)
-    uniq = jnp.where(count > capacity, m, uniq)  # overflow: write nothing at all
-    g = add_grads(jnp.zeros((capacity + 1, dim), grad_dtype), slot)[:capacity]
+    ffi = ffi_sum is not None and grad_dtype == blocks[0].dtype and use_cpu_kernels(layout, grad_dtype)
+    if ffi:
+        uniq, g, count = ffi_sum(flat, m, capacity)  # overflow: every row is m already
+    else:
+        uniq, slot, count = _DEDUP[dedup](flat, m, capacity)
+        uniq = jnp.where(count > capacity, m, uniq)  # overflow: write nothing at all
+        g = add_grads(jnp.zeros((capacity + 1, dim), grad_dtype), slot)[:capacity]
     flats = [b.reshape(m, dim) for b in blocks]
-    new = _apply_unique(flats, uniq, g, dim, capacity, call, dyn)
+    new = _apply_unique(flats, uniq, g, dim, capacity, call, dyn, ffi)
     out = tuple(f.reshape(k, r_max, dim) for f in new)
     return out, lax.pmax(count, AXIS)
 
@@ -285,7 +306,11 @@ def make_update(
 
             return _pieces(n, c, body, g)
 
-        return _update_body(layout, dim, capacity, dedup, call, blocks, ids, dyn, add_grads, grads.dtype)
+        def ffi_sum(flat: jax.Array, m: int, cap: int) -> tuple:
+            none = jnp.zeros((1,), jnp.int32)
+            return cpu_kernels.dedup_sum(flat, grads, none, none, m, cap, combined=False, weighted=False)
+
+        return _update_body(layout, dim, capacity, dedup, call, blocks, ids, dyn, add_grads, grads.dtype, ffi_sum)
 
     specs = (tuple(P(AXIS) for _ in range(n_tables)), P(), P(), P())
     fn = shard_map(per_device, layout.mesh, in_specs=specs, out_specs=(tuple(P(AXIS) for _ in range(n_tables)), P()))
@@ -320,7 +345,11 @@ def make_update_combined(
 
             return _pieces(n, c, body, g)
 
-        return _update_body(layout, dim, capacity, dedup, call, blocks, ids, dyn, add_grads, grads.dtype)
+        def ffi_sum(flat: jax.Array, m: int, cap: int) -> tuple:
+            wt = w if weighted else jnp.zeros((1,), grads.dtype)
+            return cpu_kernels.dedup_sum(flat, grads, segs, wt, m, cap, combined=True, weighted=weighted)
+
+        return _update_body(layout, dim, capacity, dedup, call, blocks, ids, dyn, add_grads, grads.dtype, ffi_sum)
 
     specs = (tuple(P(AXIS) for _ in range(n_tables)), P(), P(), P(), P(), P())
     fn = shard_map(per_device, layout.mesh, in_specs=specs, out_specs=(tuple(P(AXIS) for _ in range(n_tables)), P()))

@@ -111,6 +111,17 @@ class Backend(abc.ABC):
         ``[num_segments, ...]`` (the combiner's forward reduction; the Array API has no
         scatter-add)."""
 
+    def all_finite(self, x: Array) -> bool:
+        """Whether every element of ``x`` is finite (the engine's NaN/Inf gradient policy).
+
+        One reduction: a sum is finite only if every term is (NaN and ±Inf propagate through
+        addition), so only a non-finite sum — a NaN/Inf, or an overflow of finite values —
+        pays for the element-wise test. Compiling backends fuse it into one kernel."""
+        xp = self.xp
+        if bool(xp.isfinite(xp.sum(x))):
+            return True
+        return bool(xp.all(xp.isfinite(x)))
+
     def gather_combine(
         self, table: ShardedTable, ids: Array, segment_ids: Array, num_segments: int, weights: Array | None = None
     ) -> Array:

@@ -62,18 +62,6 @@ def _load_config(config: Any) -> Any:
     )
 
 
-def _all_finite(xp: Any, x: Any) -> bool:
-    """Whether every element of ``x`` is finite, in one reduction when it is.
-
-    A sum is finite only if every term is (NaN and ±Inf propagate through addition and
-    nothing turns them finite again), so a finite sum proves the check in one pass without
-    a boolean temporary; only a non-finite sum — a NaN/Inf, or an overflow of finite
-    values — falls back to the element-wise test."""
-    if bool(xp.isfinite(xp.sum(x))):
-        return True
-    return bool(xp.all(xp.isfinite(x)))
-
-
 class TPUEmbedding:
     """Embedding tables with their optimizer slots, sharded over ``num_shards`` by the
     config's ``sharding_strategy`` (MOD or DIV) on one backend.
@@ -380,7 +368,7 @@ class TPUEmbedding:
                     f"{shape} (input_shape + [dimension]). Received: shape={tuple(g.shape)}"
                 )
             g = self.backend.asarray(g, dtype="float32")
-            if not allow_nonfinite and not _all_finite(xp, g):
+            if not allow_nonfinite and not self.backend.all_finite(g):
                 raise InputError(
                     f"Invalid gradient for feature {f.name!r} (table {t.name!r}): it contains NaN "
                     "or Inf. Nothing was updated. Fix: check the loss, clip the gradients, or pass "

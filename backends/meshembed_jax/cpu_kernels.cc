@@ -1,0 +1,361 @@
+// Row kernels for the JAX backend on CPU, called from jit-compiled code through XLA's FFI.
+//
+// XLA's CPU gathers and scatters walk rows element by element on one thread; these do the
+// same data movement row by row on XLA's own intra-op thread pool. They move and sum rows
+// only: every optimizer formula stays in the core's function, compiled by XLA.
+// Semantics match the pure-XLA kernels in kernels.py (rows >= m are "not owned": read as
+// zeros, never written; sums run in batch order, so results are deterministic).
+//
+// Built on first use by cpu_kernels.py (g++ -O3, headers from jax.ffi.include_dir()).
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <type_traits>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Runs body(chunk) for chunk in [0, n_chunks) on the caller and the pool's threads.
+// Deadlock-free whatever the pool is doing: the caller never waits for a chunk nobody has
+// claimed, and a helper that starts late finds no chunk left (it only touches `state`).
+template <class Body>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n_chunks, const Body& body) {
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), n_chunks - 1);
+  if (helpers <= 0) {
+    for (int64_t c = 0; c < n_chunks; ++c) body(c);
+    return;
+  }
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto state = std::make_shared<State>();
+  const Body* work = &body;
+  auto run = [state, work, n_chunks]() {
+    for (int64_t c; (c = state->next.fetch_add(1)) < n_chunks;) {
+      (*work)(c);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(run)(run));
+  run();
+  while (state->done.load(std::memory_order_acquire) < n_chunks) std::this_thread::yield();
+}
+
+// Splits [0, n) into about `target`-sized ranges: calls body(lo, hi) in parallel.
+template <class Body>
+void ParallelRanges(ffi::ThreadPool& pool, int64_t n, int64_t target, const Body& body) {
+  if (n <= 0) return;
+  int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((n + target - 1) / target, 64));
+  int64_t step = (n + chunks - 1) / chunks;
+  ParallelFor(pool, chunks, [&](int64_t c) {
+    int64_t lo = c * step, hi = std::min(n, lo + step);
+    if (lo < hi) body(lo, hi);
+  });
+}
+
+int64_t Rows(const ffi::AnyBuffer& b) { return b.dimensions().size() ? b.dimensions()[0] : 1; }
+int64_t Dim(const ffi::AnyBuffer& b) {
+  return b.dimensions().size() > 1 ? b.element_count() / std::max<int64_t>(Rows(b), 1) : 1;
+}
+
+bool IsFloat(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::F64; }
+bool IsIndex(ffi::DataType t) { return t == ffi::DataType::S32 || t == ffi::DataType::S64; }
+
+ffi::Error Unsupported(const char* what) {
+  return ffi::Error::InvalidArgument(std::string("meshembed cpu kernel: unsupported ") + what +
+                                     " (expected float32/float64 rows and int32/int64 ids)");
+}
+
+// Calls f(T{}, I{}) with the float type of `rows` and the integer type of `ids`.
+template <class F>
+ffi::Error Dispatch(ffi::DataType rows, ffi::DataType ids, F&& f) {
+  if (!IsFloat(rows) || !IsIndex(ids)) return Unsupported("dtype");
+  bool f64 = rows == ffi::DataType::F64, i64 = ids == ffi::DataType::S64;
+  if (f64 && i64) f(double{}, int64_t{});
+  else if (f64) f(double{}, int32_t{});
+  else if (i64) f(float{}, int64_t{});
+  else f(float{}, int32_t{});
+  return ffi::Error::Success();
+}
+
+constexpr int64_t kRowsPerTask = 2048;
+
+// Batch positions grouped by destination row, stable (counting sort): the positions of
+// destination s are order[start[s] .. start[s+1]), in batch order. Positions whose
+// destination is negative or >= n_dest are left out.
+struct Groups {
+  std::vector<int64_t> start;
+  std::vector<int32_t> order;
+
+  template <class Dest>
+  void Build(int64_t n, int64_t n_dest, const Dest& dest) {
+    start.assign(n_dest + 2, 0);
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t s = dest(k);
+      if (s >= 0 && s < n_dest) ++start[s + 2];
+    }
+    for (int64_t s = 2; s < n_dest + 2; ++s) start[s] += start[s - 1];
+    order.resize(n);
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t s = dest(k);
+      if (s >= 0 && s < n_dest) order[start[s + 1]++] = int32_t(k);
+    }  // now start[s] .. start[s + 1] is destination s
+  }
+};
+
+// Row s of dst (for s in [lo, hi)) = sum over the group's positions p of scale(p) * src(p),
+// in batch order; each destination row is written once, by one task. The source rows are
+// random reads (mostly cache misses): prefetch every line of the row kAhead positions on.
+constexpr int64_t kAhead = 8;
+
+template <class T, class Src, class Scale>
+void SumGroups(const Groups& gr, int64_t lo, int64_t hi, int64_t d, T* dst, const Src& src, const Scale& scale) {
+  const int64_t end = gr.start[hi];
+  const int64_t row_bytes = int64_t(sizeof(T)) * d;
+  for (int64_t s = lo; s < hi; ++s) {
+    T* out = dst + s * d;
+    std::memset(out, 0, row_bytes);
+    for (int64_t p = gr.start[s], e = gr.start[s + 1]; p < e; ++p) {
+      if (p + kAhead < end) {
+        const char* ahead = reinterpret_cast<const char*>(src(gr.order[p + kAhead]));
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
+      }
+      const int32_t k = gr.order[p];
+      const T* row = src(k);
+      const T a = scale(k);
+      for (int64_t j = 0; j < d; ++j) out[j] += a * row[j];
+    }
+  }
+}
+
+// SumGroups for sorted destinations: positions of [lo, hi) are one run of `seg`, found by
+// binary search; keep(k) says whether position k has a source row.
+template <class T, class Keep, class Src, class Scale>
+void SumSorted(const int32_t* seg, int64_t n, int64_t lo, int64_t hi, int64_t d, T* dst, const Keep& keep,
+               const Src& src, const Scale& scale) {
+  const int64_t row_bytes = int64_t(sizeof(T)) * d;
+  std::memset(dst + lo * d, 0, row_bytes * (hi - lo));
+  const int64_t b = std::lower_bound(seg, seg + n, int32_t(lo)) - seg;
+  const int64_t e = std::lower_bound(seg + b, seg + n, int32_t(hi)) - seg;
+  for (int64_t p = b; p < e; ++p) {
+    if (p + kAhead < e && keep(p + kAhead)) {
+      const char* ahead = reinterpret_cast<const char*>(src(p + kAhead));
+      for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(ahead + c);
+    }
+    if (!keep(p)) continue;
+    const T* row = src(p);
+    const T a = scale(p);
+    T* out = dst + int64_t(seg[p]) * d;
+    for (int64_t j = 0; j < d; ++j) out[j] += a * row[j];
+  }
+}
+
+// out[s] = sum over i with segs[i] == s of w[i] * table[ids[i]]  (ids[i] >= m: no row).
+ffi::Error GatherCombineImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyBuffer ids,
+                             ffi::AnyBuffer segs, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                             bool weighted) {
+  if (segs.element_type() != ffi::DataType::S32) return Unsupported("segment dtype");
+  if (weighted && w.element_type() != table.element_type()) return Unsupported("weight dtype");
+  return Dispatch(table.element_type(), ids.element_type(), [&](auto t, auto i) {
+    using T = decltype(t);
+    using I = decltype(i);
+    const int64_t m = Rows(table), d = Dim(table), n = ids.element_count(), s_all = Rows(*out);
+    const T* tab = static_cast<const T*>(table.untyped_data());
+    const I* id = static_cast<const I*>(ids.untyped_data());
+    const int32_t* sg = static_cast<const int32_t*>(segs.untyped_data());
+    const T* wt = static_cast<const T*>(w.untyped_data());
+    T* o = static_cast<T*>(out->untyped_data());
+    auto src = [&](int64_t k) { return tab + int64_t(id[k]) * d; };
+    auto scale = [&](int64_t k) { return weighted ? wt[k] : T(1); };
+    if (std::is_sorted(sg, sg + n)) {  // the engine's sample-major batches: no grouping pass
+      ParallelRanges(pool, s_all, kRowsPerTask, [&](int64_t lo, int64_t hi) {
+        SumSorted<T>(sg, n, lo, hi, d, o, [&](int64_t k) { return id[k] >= 0 && id[k] < m; }, src, scale);
+      });
+      return;
+    }
+    thread_local Groups per_thread;
+    Groups& groups = per_thread;  // the tasks below run on other threads: share this one
+    groups.Build(n, s_all, [&](int64_t k) { return (id[k] >= 0 && id[k] < m) ? int64_t(sg[k]) : int64_t(-1); });
+    ParallelRanges(pool, s_all, kRowsPerTask, [&](int64_t lo, int64_t hi) {
+      SumGroups<T>(groups, lo, hi, d, o, src, scale);
+    });
+  });
+}
+
+// First-occurrence dedup of the owned rows (ids[i] < m) with an open-addressing hash map,
+// then the per-row gradient sums:
+//   plain:    g[slot(i)] += grads[i]
+//   combined: g[slot(i)] += w[i] * grads[segs[i]]     (the combiner's backward pass)
+// uniq[slot] = row (m for unused slots), count = number of unique owned rows. When count
+// exceeds the capacity, every uniq entry is m: the caller writes nothing and reports it.
+ffi::Error DedupSumImpl(ffi::ThreadPool pool, ffi::AnyBuffer ids, ffi::AnyBuffer grads, ffi::AnyBuffer segs,
+                        ffi::AnyBuffer w, int64_t m, bool combined, bool weighted,
+                        ffi::Result<ffi::AnyBuffer> uniq, ffi::Result<ffi::AnyBuffer> g,
+                        ffi::Result<ffi::AnyBuffer> count) {
+  if (uniq->element_type() != ids.element_type()) return Unsupported("unique-id dtype");
+  if (g->element_type() != grads.element_type()) return Unsupported("gradient dtype");
+  if (count->element_type() != ffi::DataType::S32) return Unsupported("count dtype");
+  if (combined && segs.element_type() != ffi::DataType::S32) return Unsupported("segment dtype");
+  if (weighted && w.element_type() != grads.element_type()) return Unsupported("weight dtype");
+  return Dispatch(grads.element_type(), ids.element_type(), [&](auto t, auto i) {
+    using T = decltype(t);
+    using I = decltype(i);
+    const int64_t n = ids.element_count(), cap = Rows(*uniq), d = Dim(grads), s_all = Rows(grads);
+    const I* id = static_cast<const I*>(ids.untyped_data());
+    I* u = static_cast<I*>(uniq->untyped_data());
+    T* gs = static_cast<T*>(g->untyped_data());
+    const T* gr = static_cast<const T*>(grads.untyped_data());
+    const int32_t* sg = static_cast<const int32_t*>(segs.untyped_data());
+    const T* wt = static_cast<const T*>(w.untyped_data());
+
+    // slot of every batch position (-1: not owned, or no gradient row); hash map row -> slot
+    thread_local std::vector<int32_t> slot_of, map_slot;
+    thread_local std::vector<I> map_key;
+    slot_of.resize(n);
+    int64_t size = 16;
+    while (size < 2 * n) size <<= 1;
+    map_key.assign(size, I(-1));
+    map_slot.resize(size);
+    const uint64_t mask = size - 1;
+    int32_t next = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      const I r = id[k];
+      if (r < 0 || r >= m) {
+        slot_of[k] = -1;
+        continue;
+      }
+      uint64_t h = (uint64_t(r) * 0x9E3779B97F4A7C15ull) >> 20;
+      for (;; ++h) {
+        const uint64_t b = h & mask;
+        if (map_key[b] == r) {
+          slot_of[k] = map_slot[b];
+          break;
+        }
+        if (map_key[b] == I(-1)) {
+          map_key[b] = r;
+          map_slot[b] = next;
+          slot_of[k] = next;
+          if (next < cap) u[next] = r;
+          ++next;
+          break;
+        }
+      }
+    }
+    *static_cast<int32_t*>(count->untyped_data()) = next;
+    const bool overflow = next > cap;
+    for (int64_t s = overflow ? 0 : next; s < cap; ++s) u[s] = I(m);
+    if (overflow) {
+      std::memset(gs, 0, sizeof(T) * cap * d);
+      return;
+    }
+    const int32_t* so = slot_of.data();
+    auto in_range = [&](int64_t k) { return combined ? (sg[k] >= 0 && sg[k] < s_all) : true; };
+    thread_local Groups per_thread;
+    Groups& groups = per_thread;  // the tasks below run on other threads: share this one
+    groups.Build(n, next, [&](int64_t k) { return in_range(k) ? int64_t(so[k]) : int64_t(-1); });
+    auto src = [&](int64_t k) { return gr + (combined ? int64_t(sg[k]) : k) * d; };
+    ParallelRanges(pool, cap, kRowsPerTask, [&](int64_t lo, int64_t hi) {
+      const int64_t used = std::min<int64_t>(hi, next);  // slots >= next stay zero
+      if (lo < used) {
+        if (weighted) SumGroups<T>(groups, lo, used, d, gs, src, [&](int64_t k) { return wt[k]; });
+        else SumGroups<T>(groups, lo, used, d, gs, src, [](int64_t) { return T(1); });
+      }
+      const int64_t z = std::max(lo, used);
+      if (z < hi) std::memset(gs + z * d, 0, sizeof(T) * (hi - z) * d);
+    });
+  });
+}
+
+// rows[j] = table[idx[j]], zeros where idx[j] is outside [0, m).
+ffi::Error GatherRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyBuffer idx,
+                          ffi::Result<ffi::AnyBuffer> rows) {
+  if (rows->element_type() != table.element_type()) return Unsupported("row dtype");
+  return Dispatch(table.element_type(), idx.element_type(), [&](auto t, auto i) {
+    using T = decltype(t);
+    using I = decltype(i);
+    const int64_t m = Rows(table), d = Dim(table), c = idx.element_count();
+    const T* tab = static_cast<const T*>(table.untyped_data());
+    const I* ix = static_cast<const I*>(idx.untyped_data());
+    T* o = static_cast<T*>(rows->untyped_data());
+    ParallelRanges(pool, c, kRowsPerTask, [&](int64_t lo, int64_t hi) {
+      for (int64_t j = lo; j < hi; ++j) {
+        const int64_t r = ix[j];
+        if (r >= 0 && r < m) std::memcpy(o + j * d, tab + r * d, sizeof(T) * d);
+        else std::memset(o + j * d, 0, sizeof(T) * d);
+      }
+    });
+  });
+}
+
+// table[idx[j]] = rows[j] in place (the output aliases the donated table); idx[j] outside
+// [0, m) is skipped. The indices are unique (they come from the dedup), so tasks never
+// write the same row.
+ffi::Error ScatterRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyBuffer idx, ffi::AnyBuffer rows,
+                           ffi::Result<ffi::AnyBuffer> out) {
+  if (rows.element_type() != table.element_type()) return Unsupported("row dtype");
+  return Dispatch(table.element_type(), idx.element_type(), [&](auto t, auto i) {
+    using T = decltype(t);
+    using I = decltype(i);
+    const int64_t m = Rows(table), d = Dim(table), c = idx.element_count();
+    T* o = static_cast<T*>(out->untyped_data());
+    if (o != table.untyped_data()) std::memcpy(o, table.untyped_data(), sizeof(T) * m * d);  // not aliased
+    const I* ix = static_cast<const I*>(idx.untyped_data());
+    const T* src = static_cast<const T*>(rows.untyped_data());
+    ParallelRanges(pool, c, kRowsPerTask, [&](int64_t lo, int64_t hi) {
+      for (int64_t j = lo; j < hi; ++j) {
+        const int64_t r = ix[j];
+        if (r >= 0 && r < m) std::memcpy(o + r * d, src + j * d, sizeof(T) * d);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedGatherCombine, GatherCombineImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("weighted"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedDedupSum, DedupSumImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("m")
+                                  .Attr<bool>("combined")
+                                  .Attr<bool>("weighted")
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedGatherRows, GatherRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedScatterRows, ScatterRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

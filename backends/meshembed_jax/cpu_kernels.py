@@ -1,0 +1,185 @@
+"""The CPU row kernels (``cpu_kernels.cc``): built on first use, registered with XLA's FFI.
+
+Why: XLA's CPU gathers and scatters move rows element by element on one thread, which made
+the W1 step 3-5x slower than the torch backend. These kernels only move and sum rows on
+XLA's intra-op thread pool; the optimizer formula stays the core's function compiled by XLA.
+
+The shared library is compiled once per source/jax version with the system C++ compiler
+(``$CXX`` or ``g++``) into ``$MESHEMBED_CACHE`` (default ``~/.cache/meshembed``), like
+``torch.utils.cpp_extension.load``. Where it cannot be built (no compiler) or on another
+platform the backend uses its pure-XLA kernels, which compute the same numbers;
+``MESHEMBED_JAX_CPU_KERNELS=0`` forces them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+_TARGETS = {
+    "meshembed_gather_combine": "MeshembedGatherCombine",
+    "meshembed_dedup_sum": "MeshembedDedupSum",
+    "meshembed_gather_rows": "MeshembedGatherRows",
+    "meshembed_scatter_rows": "MeshembedScatterRows",
+}
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+_state: dict[str, Any] = {}
+
+
+class BuildError(RuntimeError):
+    """The kernels could not be compiled; the message has the compiler's output."""
+
+
+def enabled() -> bool:
+    """Whether the FFI kernels are wanted (``MESHEMBED_JAX_CPU_KERNELS``, default on)."""
+    return os.environ.get("MESHEMBED_JAX_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MESHEMBED_CACHE") or Path.home() / ".cache" / "meshembed")
+
+
+def library_path() -> Path:
+    import jax
+    import jaxlib
+
+    key = hashlib.sha256(_SOURCE.read_bytes() + repr((_FLAGS, jax.__version__, jaxlib.__version__)).encode()).hexdigest()[:16]
+    return cache_dir() / f"jax_cpu_kernels-{key}.so"
+
+
+def build(path: Path) -> Path:
+    """Compile the kernels into ``path`` (atomically, under a file lock)."""
+    import jax.ffi
+
+    if path.exists():
+        return path
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if not cxx:
+        raise BuildError("no C++ compiler found (set CXX or install g++)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():  # another process built it meanwhile
+            return path
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            raise BuildError(f"{' '.join(cmd)} failed:\n{done.stderr[:4000]}")
+        os.replace(tmp, path)
+    return path
+
+
+def load() -> bool:
+    """Build (once), load and register the kernels; False (with one warning) if impossible."""
+    if "ok" in _state:
+        return _state["ok"]
+    try:
+        import jax.ffi
+
+        lib = ctypes.cdll.LoadLibrary(str(build(library_path())))
+        for target, symbol in _TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        _state["lib"] = lib
+        _state["ok"] = True
+    except Exception as exc:  # no compiler, old jax without FFI, ...
+        _state["ok"] = False
+        _state["error"] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(
+            f"meshembed: the JAX CPU row kernels are unavailable ({_state['error'][:500]}); using the "
+            "pure-XLA kernels (same numbers, slower). Set MESHEMBED_JAX_CPU_KERNELS=0 to silence this.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return _state["ok"]
+
+
+def usable(platform: str, *dtypes: Any) -> bool:
+    """Whether a kernel for ``platform`` with these row dtypes can use the FFI kernels."""
+    import numpy as np
+
+    if platform != "cpu" or not enabled():
+        return False
+    if any(np.dtype(d) not in (np.float32, np.float64) for d in dtypes):
+        return False
+    return load()
+
+
+# -- wrappers (call inside jit / shard_map; shapes are per device) -----------------------
+def _vary_like(outs: Any, *inputs: Any) -> Any:
+    """Give FFI results the device-variance of their inputs: under ``shard_map`` an FFI
+    call's results are typed as replicated, which loop carries (and psum) reject."""
+    import jax
+    from jax import lax
+
+    def varying(x: Any) -> set:
+        aval = jax.typeof(x)
+        mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; older: ``vma``
+        return set(mat.varying if mat is not None else getattr(aval, "vma", ()) or ())
+
+    axes = set().union(*(varying(x) for x in inputs))
+    if not axes or not hasattr(lax, "pcast"):
+        return outs
+
+    def one(y: Any) -> Any:
+        missing = tuple(sorted(axes - varying(y)))
+        return lax.pcast(y, missing, to="varying") if missing else y
+
+    return jax.tree.map(one, outs)
+
+
+def gather_combine(table: Any, ids: Any, segs: Any, w: Any, num_segments: int, weighted: bool) -> Any:
+    import jax
+
+    out = jax.ShapeDtypeStruct((num_segments, table.shape[1]), table.dtype)
+    return _vary_like(jax.ffi.ffi_call("meshembed_gather_combine", out)(table, ids, segs, w, weighted=weighted),
+                      table, ids, segs, w)
+
+
+def dedup_sum(ids: Any, grads: Any, segs: Any, w: Any, m: int, capacity: int, combined: bool,
+              weighted: bool) -> tuple[Any, Any, Any]:
+    """-> (unique rows [capacity] (m = unused; all m on overflow), summed grads, count)."""
+    import jax
+    import jax.numpy as jnp
+
+    outs = (
+        jax.ShapeDtypeStruct((capacity,), ids.dtype),
+        jax.ShapeDtypeStruct((capacity, grads.shape[1]), grads.dtype),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    res = jax.ffi.ffi_call("meshembed_dedup_sum", outs)(
+        ids, grads, segs, w, m=int(m), combined=combined, weighted=weighted
+    )
+    return _vary_like(tuple(res), ids, grads, segs, w)
+
+
+def gather_rows(table: Any, idx: Any) -> Any:
+    import jax
+
+    out = jax.ShapeDtypeStruct((idx.shape[0], table.shape[1]), table.dtype)
+    return _vary_like(jax.ffi.ffi_call("meshembed_gather_rows", out)(table, idx), table, idx)
+
+
+def scatter_rows(table: Any, idx: Any, rows: Any) -> Any:
+    """In place: the output aliases ``table`` (donated by the caller's jit)."""
+    import jax
+
+    out = jax.ShapeDtypeStruct(table.shape, table.dtype)
+    res = jax.ffi.ffi_call("meshembed_scatter_rows", out, input_output_aliases={0: 0})(table, idx, rows)
+    return _vary_like(res, table, idx, rows)
+
+
+if __name__ == "__main__":  # python -m meshembed_jax.cpu_kernels: build and report
+    print(build(library_path()) if load() else _state.get("error"), file=sys.stderr)

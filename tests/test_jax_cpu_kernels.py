@@ -1,0 +1,178 @@
+"""The JAX backend's CPU row kernels (XLA FFI, ``meshembed_jax/cpu_kernels.cc``).
+
+They must give the numbers of the pure-XLA kernels they replace (and of the NumPy
+reference), be what the compiled steps actually call, and fall back cleanly — with one
+warning — where they cannot be built.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+
+import meshembed as me  # noqa: E402
+from meshembed.sharding import Placement  # noqa: E402
+from meshembed_jax import JaxBackend, cpu_kernels  # noqa: E402
+from meshembed_numpy import NumpyBackend  # noqa: E402
+
+RTOL = {"float32": 2e-6, "float64": 1e-13}
+needs_compiler = pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
+    reason="no C++ compiler on this machine: the backend uses its pure-XLA kernels (tested elsewhere)",
+)
+
+
+def _backend(monkeypatch, ffi: bool) -> JaxBackend:
+    """A fresh backend (own kernel cache) tracing with or without the FFI kernels."""
+    monkeypatch.setenv("MESHEMBED_JAX_CPU_KERNELS", "1" if ffi else "0")
+    return JaxBackend()
+
+
+def _close(actual, expected, dtype: str) -> None:
+    expected = np.asarray(expected, np.float64)
+    scale = float(np.max(np.abs(expected))) if expected.size else 0.0
+    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=RTOL[dtype], atol=RTOL[dtype] * scale)
+
+
+@needs_compiler
+def test_kernels_build_and_register():
+    assert cpu_kernels.load(), cpu_kernels._state.get("error")
+    assert cpu_kernels.library_path().exists()
+
+
+@needs_compiler
+def test_compiled_steps_call_the_ffi_kernels(monkeypatch):
+    """The lookup and the update lower to the FFI custom calls, and not when disabled."""
+    from meshembed_jax import kernels
+
+    for ffi in (True, False):
+        be = _backend(monkeypatch, ffi)
+        layout = be.layout(Placement(50, 1, "mod"))
+        table = jnp.zeros((1, 50, 4), jnp.float32)
+        ids = jnp.arange(16, dtype=jnp.int32)
+        segs = jnp.arange(16, dtype=jnp.int32) // 2
+        w = jnp.zeros((1,), jnp.float32)
+        lookup = kernels.make_gather_combine(layout, 4, 16, 8, False)
+        text = lookup.lower(table, ids, segs, w).as_text()
+        assert ("meshembed_gather_combine" in text) == ffi
+        update = kernels.make_update_combined(layout, 4, 1, 16, "dense", lambda dyn, g, t: (t - g,), False)
+        text = update.lower((table,), ids, jnp.ones((8, 4), jnp.float32), segs, w, ()).as_text()
+        for target in ("meshembed_dedup_sum", "meshembed_gather_rows", "meshembed_scatter_rows"):
+            assert (target in text) == ffi, target
+
+
+def _make_fn(xp, lr=0.1):
+    """Adagrad-like row update touching a slot (two tables)."""
+    def fn(g, w, acc):
+        acc = acc + g * g
+        return w - lr * g / xp.sqrt(acc), acc
+
+    return fn
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shards,strategy", [(1, "mod"), (3, "div")])
+@pytest.mark.parametrize("sorted_segments", [True, False])
+def test_ffi_and_xla_kernels_agree(monkeypatch, dtype, shards, strategy, sorted_segments):
+    """Lookup (weighted and not) and the fused update: FFI == pure XLA == NumPy, with
+    duplicates, padding and segment ids in any order."""
+    ref = NumpyBackend()
+    placement = Placement(97, shards, strategy)
+    rng = np.random.default_rng(shards + sorted_segments)
+    values = rng.standard_normal((97, 6)).astype(dtype)
+    n, segments = 700, 53
+    ids = rng.integers(0, 97, size=n) ** 2 % 97  # many duplicates
+    seg = rng.integers(0, segments, size=n)
+    if sorted_segments:
+        seg = np.sort(seg)
+    w = rng.random(n).astype(dtype)
+    g = rng.standard_normal((segments, 6)).astype(dtype)
+    results = []
+    for ffi in (True, False):
+        be = _backend(monkeypatch, ffi)
+        t = [be.create_table(values, placement), be.create_table(np.full_like(values, 0.1), placement)]
+        outs = [be.to_numpy(be.gather_combine(t[0], be.asarray(ids), be.asarray(seg), segments, wt))
+                for wt in (None, be.asarray(w))]
+        t = be.update_rows(t, be.asarray(ids), be.asarray(g), _make_fn(be.xp), grad_index=be.asarray(seg),
+                           grad_weights=be.asarray(w))
+        t = be.update_rows(t, be.asarray(ids[:300]), be.asarray(g[seg[:300]]), _make_fn(be.xp))  # plain form
+        results.append(outs + [be.unshard(x) for x in t])
+    r = [ref.create_table(values, placement), ref.create_table(np.full_like(values, 0.1), placement)]
+    expected = [ref.gather_combine(r[0], ids, seg, segments, wt) for wt in (None, w)]
+    r = ref.update_rows(r, ids, g, _make_fn(ref.xp), grad_index=seg, grad_weights=w)
+    r = ref.update_rows(r, ids[:300], g[seg[:300]], _make_fn(ref.xp))
+    expected += [ref.unshard(x) for x in r]
+    for ffi_out, xla_out, want in zip(*results, expected):
+        _close(ffi_out, want, dtype)
+        _close(ffi_out, xla_out, dtype)
+
+
+@needs_compiler
+@pytest.mark.parametrize("index_dtype", [jnp.int32, jnp.int64])
+def test_raw_kernels_bounds_and_index_dtypes(index_dtype):
+    """Rows outside [0, m) read as zeros and are never written; segment ids outside
+    [0, S) are dropped; int32 and int64 ids; the dedup keeps first-occurrence order."""
+    assert cpu_kernels.load()
+    table = jnp.arange(5 * 3, dtype=jnp.float32).reshape(5, 3)
+    idx = jnp.asarray([4, 5, 0, 7, 2], index_dtype)  # 5 and 7: not owned (m = 5)
+    rows = jax.jit(cpu_kernels.gather_rows)(table, idx)
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(table)[[4, 0, 0, 0, 2]] * np.array([1, 0, 1, 0, 1])[:, None])
+    new = jax.jit(cpu_kernels.scatter_rows)(table, idx, -jnp.ones((5, 3), jnp.float32))
+    want = np.asarray(table).copy()
+    want[[4, 0, 2]] = -1
+    np.testing.assert_array_equal(np.asarray(new), want)
+
+    segs = jnp.asarray([0, 1, 1, 0, 9], jnp.int32)  # 9: dropped
+    out = jax.jit(lambda t, i, s: cpu_kernels.gather_combine(t, i, s, jnp.zeros((1,), jnp.float32), 2, False))(
+        table, idx, segs)
+    tab = np.asarray(table)
+    np.testing.assert_array_equal(np.asarray(out), np.stack([tab[4], tab[0]]))
+
+    ids = jnp.asarray([3, 1, 3, 9, 1, 0], index_dtype)  # 9: not owned
+    grads = jnp.asarray(np.arange(6 * 2, dtype=np.float32).reshape(6, 2))
+    none = jnp.zeros((1,), jnp.int32)
+    uniq, gs, count = jax.jit(lambda i, g: cpu_kernels.dedup_sum(i, g, none, none, 5, 4, False, False))(ids, grads)
+    assert int(count) == 3 and uniq.dtype == index_dtype
+    np.testing.assert_array_equal(np.asarray(uniq), [3, 1, 0, 5])  # unused slot: m
+    gn = np.asarray(grads)
+    np.testing.assert_array_equal(np.asarray(gs), [gn[0] + gn[2], gn[1] + gn[4], gn[5], [0, 0]])
+    # overflow: capacity 2 < 3 unique rows -> every slot says "write nothing"
+    uniq, _, count = jax.jit(lambda i, g: cpu_kernels.dedup_sum(i, g, none, none, 5, 2, False, False))(ids, grads)
+    assert int(count) == 3
+    np.testing.assert_array_equal(np.asarray(uniq), [5, 5])
+
+
+def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path):
+    """No compiler: one RuntimeWarning naming the fix, then the pure-XLA kernels."""
+    saved = dict(cpu_kernels._state)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("MESHEMBED_CACHE", str(tmp_path))
+    cpu_kernels._state.clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="MESHEMBED_JAX_CPU_KERNELS=0"):
+            assert cpu_kernels.usable("cpu", np.float32) is False
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # only once
+            assert cpu_kernels.usable("cpu", np.float32) is False
+        be = JaxBackend()
+        t = be.create_table(np.ones((10, 2), np.float32), Placement(10, 1, "mod"))
+        out = be.gather_combine(t, be.asarray(np.array([1, 2, 2])), be.asarray(np.array([0, 0, 1])), 2)
+        np.testing.assert_array_equal(np.asarray(out), [[2, 2], [1, 1]])
+    finally:
+        cpu_kernels._state.clear()
+        cpu_kernels._state.update(saved)
+
+
+def test_other_platforms_and_dtypes_use_xla():
+    assert cpu_kernels.usable("tpu", np.float32) is False
+    assert cpu_kernels.usable("gpu", np.float32) is False
+    assert cpu_kernels.usable("cpu", np.float16) is False
+    assert me.get_backend("jax").capabilities.compiles
