@@ -117,6 +117,17 @@ struct Groups {
 // random reads (mostly cache misses): prefetch every line of the row kAhead positions on.
 constexpr int64_t kAhead = 8;
 
+// Prefetch every cache line of row r of a [m, d] array (for reading or writing).
+template <class T>
+inline void Prefetch(const T* base, int64_t r, int64_t m, int64_t d, bool write) {
+  if (r < 0 || r >= m) return;
+  const char* p = reinterpret_cast<const char*>(base + r * d);
+  for (int64_t b = 0; b < int64_t(sizeof(T)) * d; b += 64) {
+    if (write) __builtin_prefetch(p + b, 1);
+    else __builtin_prefetch(p + b, 0);
+  }
+}
+
 template <class T, class Src, class Scale>
 void SumGroups(const Groups& gr, int64_t lo, int64_t hi, int64_t d, T* dst, const Src& src, const Scale& scale) {
   const int64_t end = gr.start[hi];
@@ -288,6 +299,7 @@ ffi::Error GatherRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyBu
     T* o = static_cast<T*>(rows->untyped_data());
     ParallelRanges(pool, c, kRowsPerTask, [&](int64_t lo, int64_t hi) {
       for (int64_t j = lo; j < hi; ++j) {
+        if (j + kAhead < hi) Prefetch(tab, ix[j + kAhead], m, d, false);
         const int64_t r = ix[j];
         if (r >= 0 && r < m) std::memcpy(o + j * d, tab + r * d, sizeof(T) * d);
         else std::memset(o + j * d, 0, sizeof(T) * d);
@@ -312,6 +324,7 @@ ffi::Error ScatterRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyB
     const T* src = static_cast<const T*>(rows.untyped_data());
     ParallelRanges(pool, c, kRowsPerTask, [&](int64_t lo, int64_t hi) {
       for (int64_t j = lo; j < hi; ++j) {
+        if (j + kAhead < hi) Prefetch(o, ix[j + kAhead], m, d, true);
         const int64_t r = ix[j];
         if (r >= 0 && r < m) std::memcpy(o + r * d, src + j * d, sizeof(T) * d);
       }
