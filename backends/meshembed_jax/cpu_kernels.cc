@@ -332,7 +332,46 @@ ffi::Error ScatterRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyB
   });
 }
 
+// arrays[i][start : start + len(pieces[i])] = pieces[i] (flat), in place: result i aliases
+// array i. One call writes every array of a step, so every read of the old values (the
+// pieces' inputs) happens before it and XLA needs no defensive copy of a whole array.
+ffi::Error WriteSlicesImpl(ffi::ThreadPool pool, ffi::AnyBuffer start_buf, ffi::RemainingArgs args,
+                           ffi::RemainingRets rets) {
+  int64_t start;
+  if (start_buf.element_type() == ffi::DataType::S64) start = *static_cast<const int64_t*>(start_buf.untyped_data());
+  else if (start_buf.element_type() == ffi::DataType::S32) start = *static_cast<const int32_t*>(start_buf.untyped_data());
+  else return Unsupported("start dtype");
+  const size_t k = rets.size();
+  if (args.size() != 2 * k) return ffi::Error::InvalidArgument("write_slices: expected 2 arguments per result");
+  for (size_t i = 0; i < k; ++i) {
+    auto array = args.get<ffi::AnyBuffer>(i);
+    auto piece = args.get<ffi::AnyBuffer>(k + i);
+    auto out = rets.get<ffi::AnyBuffer>(i);
+    if (!array.has_value() || !piece.has_value() || !out.has_value()) return ffi::Error::Internal("write_slices: bad buffer");
+    if (array->element_type() != piece->element_type() || (*out)->element_type() != array->element_type())
+      return Unsupported("piece dtype");
+    const size_t width = array->size_bytes() / std::max<size_t>(array->element_count(), 1);
+    if (start < 0 || start + int64_t(piece->element_count()) > int64_t(array->element_count()))
+      return ffi::Error::InvalidArgument("write_slices: piece out of bounds");
+    char* dst = static_cast<char*>((*out)->untyped_data());
+    if (dst != array->untyped_data()) std::memcpy(dst, array->untyped_data(), array->size_bytes());  // not aliased
+    const char* src = static_cast<const char*>(piece->untyped_data());
+    dst += start * width;
+    ParallelRanges(pool, int64_t(piece->size_bytes()), int64_t(1) << 20, [&](int64_t lo, int64_t hi) {
+      std::memcpy(dst + lo, src + lo, hi - lo);
+    });
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedWriteSlices, WriteSlicesImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedGatherCombine, GatherCombineImpl,
                               ffi::Ffi::Bind()

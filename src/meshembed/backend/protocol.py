@@ -182,6 +182,29 @@ class Backend(abc.ABC):
         """Compile a pure function of arrays (jax.jit, torch.compile, ...). Default: as is."""
         return fn
 
+    def can_update_in_place(self, value: Array) -> bool:
+        """Whether :meth:`compile_update` may overwrite (or donate) ``value``'s storage."""
+        return self.sharding_of(value) is None
+
+    def compile_update(self, step: Callable[..., Any], count: int) -> Callable[..., Any]:
+        """The dense optimizer's step for ``count`` variables at once, over their storage.
+
+        ``step(grad, lr, *targets) -> new targets`` (a variable, then its slots). The result
+        is called as ``f(grads, lrs, *targets)`` (``targets[k]``: the ``count`` arrays of
+        position k) and either writes each new value over its target and returns None
+        (mutable arrays: ``target[...] = new``, fused by the compiler) or returns the new
+        arrays by position (immutable arrays whose buffers it donated: JAX). The caller
+        runs it only after every step of the update was built and validated."""
+
+        def step_in_place(grads: Sequence[Any], lrs: Sequence[Any], *targets: Sequence[Any]) -> None:
+            for n in range(count):
+                own = [t[n] for t in targets]
+                for target, new in zip(own, step(grads[n], lrs[n], *own)):
+                    target[...] = new
+
+        step_in_place.__wrapped__ = step  # type: ignore[attr-defined]
+        return self.compile(step_in_place)
+
     # -- dense mesh (me.Mesh / me.Layout / me.Variable) ----------------------------------
     def make_mesh(self, dim_names: Sequence[str], shape: Sequence[int], devices: Any = None) -> Any:
         """The backend's own mesh object (jax Mesh, torch DeviceMesh) or None for logical."""

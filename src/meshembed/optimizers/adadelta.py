@@ -94,6 +94,7 @@ class Adadelta(Optimizer):
             new, slots = adadelta(xp, params, grad, AdadeltaSlots(acc_grad, acc_delta), lr=lr, rho=rho, epsilon=epsilon)
             return new, slots.accumulators, slots.updates
 
+        step.elementwise = True  # each output element needs only the same element of each input
         return step
 
     def get_config(self) -> dict[str, Any]:

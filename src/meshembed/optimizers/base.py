@@ -281,12 +281,12 @@ class Optimizer:
                   in_place: int = 0) -> Callable[..., Any]:
         """``make(xp)`` once per backend, through ``backend.compile`` (which compiles where it
         pays). ``in_place=n``: instead, one function that runs the step for ``n`` variables
-        and writes each result over its array (see :func:`_writing_in_place`)."""
+        and writes each result over its array (see ``Backend.compile_update``)."""
         key = (backend.name, make, in_place)
         fn = self._compile_cache.get(key)
         if fn is None:
             fn = make(backend.xp)
-            fn = backend.compile(_writing_in_place(fn, in_place) if in_place else fn)
+            fn = backend.compile_update(fn, in_place) if in_place else backend.compile(fn)
             self._compile_cache[key] = fn
         return fn
 
@@ -303,8 +303,12 @@ class Optimizer:
                 j += 1
             group = updates[i:j]
             kernel = self._compiled(first.backend, first.make, in_place=len(group))
-            kernel([u.grad for u in group], [u.lr for u in group],
-                   *([u.targets[k] for u in group] for k in range(len(first.targets))))
+            new = kernel([u.grad for u in group], [u.lr for u in group],
+                         *([u.targets[k] for u in group] for k in range(len(first.targets))))
+            if new is not None:  # immutable arrays (JAX): the old buffers were donated
+                for k in range(len(first.targets)):
+                    for u, value in zip(group, new[k]):
+                        u.variables[k]._value = value
             i = j
 
     def _can_update_in_place(self, targets: Sequence[Variable]) -> bool:
@@ -316,7 +320,7 @@ class Optimizer:
         if not (self._in_place_ok and caps.in_place and caps.compiles):
             return False
         for t in targets:
-            if t.backend is not backend or not backend.is_native(t.value) or backend.sharding_of(t.value) is not None:
+            if t.backend is not backend or not backend.is_native(t.value) or not backend.can_update_in_place(t.value):
                 return False
             if self._pending is not None and id(t) in self._pending:
                 return False
@@ -342,7 +346,7 @@ class Optimizer:
                 lr_arg = backend.xp.asarray(lr, dtype=value.dtype, device=key[2])
                 if self._pending is not None:
                     self._lr_arrays[key] = lr_arg
-            update = _InPlace(backend, make, grad, lr_arg, tuple(t.value for t in targets))
+            update = _InPlace(backend, make, grad, lr_arg, tuple(t.value for t in targets), tuple(targets))
             if self._pending is None:  # update_step called on its own: apply now
                 self._run_in_place([update])
             else:
@@ -627,32 +631,18 @@ IN_PLACE_GROUP = 8
 
 class _InPlace(NamedTuple):
     """One staged in-place update: ``make(backend.xp)``'s step on ``grad`` and ``lr``,
-    written over ``targets`` (the variable's array, then its slots')."""
+    written over ``targets`` (the variable's array, then its slots'), the arrays of
+    ``variables`` (rebound to the results where the backend returns new arrays)."""
 
     backend: Any
     make: Callable[[Any], Callable[..., Any]]
     grad: Any
     lr: Any
     targets: tuple
+    variables: tuple
 
     def same_kernel(self, other: "_InPlace") -> bool:
         return self.backend is other.backend and self.make == other.make and len(self.targets) == len(other.targets)
-
-
-def _writing_in_place(step: Callable[..., Any], count: int) -> Callable[..., None]:
-    """``step(grad, lr, *targets) -> new targets`` for ``count`` variables at once, writing
-    each new value over its target (``target[...] = new``): compiled, one fused pass per
-    variable with no new arrays. Called as ``f(grads, lrs, *targets_by_position)``, each a
-    list of ``count`` arrays."""
-
-    def step_in_place(grads: Sequence[Any], lrs: Sequence[Any], *targets: Sequence[Any]) -> None:
-        for n in range(count):
-            own = [t[n] for t in targets]
-            for target, new in zip(own, step(grads[n], lrs[n], *own)):
-                target[...] = new
-
-    step_in_place.__wrapped__ = step  # type: ignore[attr-defined]
-    return step_in_place
 
 
 def _required_positional(fn: Callable[..., Any]) -> int:
