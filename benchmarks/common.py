@@ -125,3 +125,18 @@ def table(rows: list[Row], gbs: float) -> str:
             f"| {bound:.2f} | {r.median_ms / bound:.1f} | {r.peak_mb:.0f} | {r.state_bytes / 2**20:.0f} | {r.note} |"
         )
     return "\n".join(lines)
+
+
+def w2_main(doc: str, w2: Callable[..., list[Row]], impls: tuple[str, ...], argv: list[str] | None) -> None:
+    """The command line of a backend's W2 module (``python -m benchmarks.<backend>_w2``)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="CI sizes")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--only", default=",".join(impls), help=f"comma list of {impls}")
+    args = ap.parse_args(argv)
+    rows = w2(TINY_W2 if args.tiny else W2, args.repeats, tuple(args.only.split(",")), verbose=True)
+    gbs = bandwidth_gbs()
+    print(f"\ncopy bandwidth {gbs:.1f} GB/s")
+    print(table(rows, gbs))

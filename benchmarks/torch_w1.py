@@ -273,15 +273,6 @@ def w1(sizes: dict, repeats: int = 7, impls: tuple[str, ...] = IMPLS,
     return rows
 
 
-def run(workload: str = "w1", sizes: str | dict = "full", repeats: int = 7, **kw: Any) -> list[dict]:
-    """Entry point for a common runner: rows as dicts (``Row.as_dict``)."""
-    if workload.lower() != "w1":
-        raise ValueError(f"Invalid `workload`. Expected 'w1'. Received: workload={workload!r}")
-    if isinstance(sizes, str):
-        sizes = {"full": W1, "tiny": TINY_W1}[sizes]
-    return [r.as_dict() for r in w1(sizes, repeats, **kw)]
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CI sizes")

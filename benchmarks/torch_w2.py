@@ -17,14 +17,13 @@ Run: ``python -m benchmarks.torch_w2 [--tiny] [--repeats N]``.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import TINY_W2, W2, Row, bandwidth_gbs, table, timeit, w2_bytes
+from benchmarks.common import Row, timeit, w2_bytes, w2_main
 
 LR, RHO, EPS = 1.0, 0.95, 1e-6
 IMPLS = ("optimizer", "eager", "compile", "torch-foreach", "torch-loop")
@@ -115,25 +114,8 @@ def w2(sizes: dict, repeats: int = 7, impls: tuple[str, ...] = IMPLS, counts: tu
     return rows
 
 
-def run(workload: str = "w2", sizes: str | dict = "full", repeats: int = 7, **kw: Any) -> list[dict]:
-    """Entry point for a common runner: rows as dicts (``Row.as_dict``)."""
-    if workload.lower() != "w2":
-        raise ValueError(f"Invalid `workload`. Expected 'w2'. Received: workload={workload!r}")
-    if isinstance(sizes, str):
-        sizes = {"full": W2, "tiny": TINY_W2}[sizes]
-    return [r.as_dict() for r in w2(sizes, repeats, **kw)]
-
-
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="CI sizes")
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--only", default=",".join(IMPLS), help=f"comma list of {IMPLS}")
-    args = ap.parse_args(argv)
-    rows = w2(TINY_W2 if args.tiny else W2, args.repeats, tuple(args.only.split(",")), verbose=True)
-    gbs = bandwidth_gbs()
-    print(f"\ncopy bandwidth {gbs:.1f} GB/s")
-    print(table(rows, gbs))
+    w2_main(__doc__, w2, IMPLS, argv)
 
 
 if __name__ == "__main__":
