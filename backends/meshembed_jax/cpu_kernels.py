@@ -50,12 +50,26 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MESHEMBED_CACHE") or Path.home() / ".cache" / "meshembed")
 
 
+def _cpu_id() -> str:
+    """What ``-march=native`` depends on: a cache shared by machines with different CPUs
+    (a network home directory) must not hand one a library with instructions it lacks."""
+    import platform
+
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{platform.machine()}/{platform.processor()}/{flags}"
+
+
 def library_path() -> Path:
     import jax
     import jaxlib
 
-    key = hashlib.sha256(_SOURCE.read_bytes() + repr((_FLAGS, jax.__version__, jaxlib.__version__)).encode()).hexdigest()[:16]
-    return cache_dir() / f"jax_cpu_kernels-{key}.so"
+    key = repr((_FLAGS, jax.__version__, jaxlib.__version__, _cpu_id())).encode()
+    return cache_dir() / f"jax_cpu_kernels-{hashlib.sha256(_SOURCE.read_bytes() + key).hexdigest()[:16]}.so"
 
 
 def build(path: Path) -> Path:

@@ -16,6 +16,10 @@ Every kernel is ``jax.jit(shard_map(per_device, ...))`` over the table's one-axi
 If a device owns more unique ids than ``capacity``, nothing is written (every row index is
 set to the sentinel) and the per-device counts come back so the caller can raise
 ``CapacityError`` with the tables unchanged — never a silent truncation.
+
+On CPU devices the row movement inside these kernels (gather + combine, dedup + gradient
+sums, row gather and in-place scatter) is done by the FFI kernels of ``cpu_kernels``; the
+pure-XLA code below is what runs elsewhere (TPU, GPU) and where they cannot be built.
 """
 
 from __future__ import annotations
@@ -268,7 +272,8 @@ def _update_body(layout: ShardLayout, dim: int, capacity: int, dedup: str, call:
     m = layout.rows_per_device
     k, r_max = layout.shards_per_device, layout.max_rows
     flat = local_rows(layout, ids)
-    ffi = ffi_sum is not None and grad_dtype == blocks[0].dtype and use_cpu_kernels(layout, grad_dtype)
+    ffi = (ffi_sum is not None and grad_dtype == blocks[0].dtype
+           and use_cpu_kernels(layout, grad_dtype, *(b.dtype for b in blocks)))
     if ffi:
         uniq, g, count = ffi_sum(flat, m, capacity)  # overflow: every row is m already
     else:
