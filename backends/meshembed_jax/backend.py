@@ -30,7 +30,14 @@ from meshembed.errors import CapacityError, InputError
 from meshembed.sharding.placement import Placement
 from meshembed_jax import fnspec
 from meshembed_jax.dense import JaxDenseMixin
-from meshembed_jax.layout import JaxShardedTable, ShardLayout, choose_devices, pad_shards, unpad_shards
+from meshembed_jax.layout import (
+    JaxShardedTable,
+    ShardLayout,
+    choose_devices,
+    collapse_to_huge_pages,
+    pad_shards,
+    unpad_shards,
+)
 
 _KERNEL_CACHE_SIZE = 128
 
@@ -210,6 +217,7 @@ class JaxBackend(JaxDenseMixin, Backend):
             )
         layout = self.layout(placement)
         data = self._put(pad_shards(values, placement), layout.sharding)
+        collapse_to_huge_pages(data)
         return JaxShardedTable(data, layout, values.shape[1])
 
     def unshard(self, table: JaxShardedTable) -> np.ndarray:

@@ -25,8 +25,8 @@ for name in spec["preload"]:
         importlib.import_module(name)
     except ImportError:
         pass
-from benchmarks.common import peak_rss_mb
-base = peak_rss_mb()
+from benchmarks.common import peak_rss_mb, start_peak_rss
+base = start_peak_rss()
 mod = importlib.import_module("benchmarks." + spec["module"])
 rows = getattr(mod, spec["function"])(**spec["kwargs"])
 peak = peak_rss_mb() - base

@@ -126,18 +126,21 @@ class TPUEmbedding:
             init = overrides.get(t.name, t.initializer)
             if init is None:
                 init = default_initializer(t.optimizer)
-            values = initial_values(init, (t.vocabulary_size, t.dimension), table_rng(self.seed, t.index), t.name)
-            self._state[t.index] = self._fresh_state(t, values)
+            self._state[t.index] = self._fresh_state(
+                t, initial_values(init, (t.vocabulary_size, t.dimension), table_rng(self.seed, t.index), t.name))
 
     # -- construction helpers ---------------------------------------------------------------
     def _slot_names(self, table: TableSpec) -> tuple[str, ...]:
         return tuple(table.optimizer.slot_names)
 
     def _fresh_state(self, table: TableSpec, values: np.ndarray) -> list[Any]:
+        """The table (from ``values``, the caller's only reference) and its slots."""
         placement = self._placements[table.index]
+        shape = values.shape
         state = [self.backend.create_table(values, placement)]
+        del values  # free the host copy before the slots are made: peak memory at creation
         for init in table.optimizer.slot_initial_values():
-            state.append(self.backend.create_table(np.full(values.shape, init, dtype=np.float32), placement))
+            state.append(self.backend.create_table(np.full(shape, init, dtype=np.float32), placement))
         return state
 
     # -- introspection ---------------------------------------------------------------------

@@ -28,13 +28,25 @@ class TruncatedNormal:
     stddev: float | None = None
 
     def __call__(self, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+        """float32 values; the float64 draws are made in pieces (a 10⁶ × 64 table would
+        otherwise hold 1.5 GB of float64 temporaries). Same values as drawing the whole
+        array at once and redrawing every out-of-range entry in order until none is left."""
         std = self.stddev if self.stddev is not None else 1.0 / math.sqrt(shape[1])
-        out = rng.standard_normal(shape)
-        bad = np.abs(out) > 2.0
-        while np.any(bad):
-            out[bad] = rng.standard_normal(int(bad.sum()))
-            bad = np.abs(out) > 2.0
-        return (self.mean + std * out).astype(np.float32)
+        out = np.empty(int(np.prod(shape)), dtype=np.float32)
+        redraw = []
+        for start in range(0, out.size, _DRAW_PIECE):
+            draws = rng.standard_normal(min(_DRAW_PIECE, out.size - start))
+            out[start : start + draws.size] = self.mean + std * draws
+            redraw.append(np.flatnonzero(np.abs(draws) > 2.0) + start)
+        bad = np.concatenate(redraw) if redraw else np.zeros(0, np.int64)
+        while bad.size:
+            draws = rng.standard_normal(bad.size)
+            out[bad] = self.mean + std * draws
+            bad = bad[np.abs(draws) > 2.0]
+        return out.reshape(shape)
+
+
+_DRAW_PIECE = 1 << 20  # float64 draws per piece (8 MiB)
 
 
 @dataclass(frozen=True)
@@ -107,4 +119,4 @@ def initial_values(init: Any, shape: tuple[int, int], rng: np.random.Generator, 
             f"Invalid initializer for table {table!r}: expected values of shape {tuple(shape)}. "
             f"Received: shape={values.shape}"
         )
-    return np.array(values, dtype=np.float32, copy=True)
+    return values  # backends copy what they store (create_table), so no defensive copy here
