@@ -288,6 +288,32 @@ def test_no_recompilation_across_steps_and_batch_sizes(be):
     assert [k._cache_size() for k in kernels] == sizes
 
 
+def test_engine_steps_with_varying_id_counts_do_not_recompile():
+    """Full engine steps (weighted combiner, fused lookup and update) whose id counts vary
+    inside one size bucket compile nothing after the first: padding is done on the host,
+    not by a function compiled per batch size."""
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig(name="t", vocabulary_size=500, dimension=4,
+                               optimizer=me.embedding.Adagrad(learning_rate=0.1), combiner="mean")],
+        features=[me.FeatureConfig(table="t", input_shape=(16,), name="f")],
+    )
+    emb = me.TPUEmbedding(cfg, backend="jax")
+    rng = np.random.default_rng(11)
+
+    def step(n_ids: int) -> None:
+        splits = np.concatenate([[0], np.sort(rng.integers(0, n_ids + 1, 15)), [n_ids]])
+        emb.enqueue([me.RaggedIds(splits, rng.integers(0, 500, n_ids))])
+        emb.dequeue()
+        emb.apply_gradients([np.ones((16, 4), np.float32)])
+
+    step(97)
+    step(112)  # 97..112 share one bucket
+    with CompileCounter() as counter:
+        for n in (98, 100, 105, 111, 103):
+            step(n)
+    assert counter.count == 0
+
+
 def test_fnspec_keys():
     import functools
 

@@ -356,28 +356,31 @@ class JaxBackend(JaxDenseMixin, Backend):
     def _replicated_1d(self, layout: ShardLayout, x: Any, nb: int, fill: Any, dtype: Any) -> Any:
         """A flat array padded with ``fill`` to ``nb`` entries, replicated on the mesh.
 
-        A native (immutable) array is converted by one compiled call and remembered: the
+        Padding runs on the host (no compilation per batch size); a native array on a CPU
+        device is read in place. A native (immutable) array's result is remembered: the
         engine passes the same ids and slots to the lookup and then to the update."""
         dtype = np.dtype(dtype)
-        if not self.is_native(x):
-            host = np.full((nb,), fill, dtype)
-            flat = np.asarray(x).reshape(-1)
-            host[: flat.shape[0]] = flat
-            return self._jax.device_put(host, layout.replicated)
-        key = (id(x), layout, nb, fill, dtype.str)
-        hit = self._prepared.get(key)
-        if hit is not None and hit[0] is x:
-            return hit[1]
-        jnp, n = self._jax.numpy, int(x.size)
+        native = self.is_native(x)
+        if native:
+            key = (id(x), layout, nb, fill, dtype.str)
+            hit = self._prepared.get(key)
+            if hit is not None and hit[0] is x:
+                return hit[1]
+            if any(d.platform != "cpu" for d in x.devices()):  # keep it on the accelerator
+                import jax.numpy as jnp
 
-        def build() -> Callable:
-            def pad(v: Any) -> Any:
-                v = v.reshape(-1).astype(dtype)
-                return jnp.concatenate([v, jnp.full((nb - n,), fill, dtype)]) if nb > n else v
+                flat = x.reshape(-1).astype(dtype)
+                if nb > flat.shape[0]:
+                    flat = jnp.concatenate([flat, jnp.full((nb - flat.shape[0],), fill, dtype)])
+                out = self._jax.device_put(flat, layout.replicated)
+                return self._remember(key, x, out)
+        host = np.full((nb,), fill, dtype)
+        flat = np.asarray(x).reshape(-1)
+        host[: flat.shape[0]] = flat
+        out = self._jax.device_put(host, layout.replicated)
+        return self._remember(key, x, out) if native else out
 
-            return self._jax.jit(pad, out_shardings=layout.replicated)
-
-        out = self._kernel(("pad", layout, n, nb, fill, dtype.str), build)(x)
+    def _remember(self, key: Any, x: Any, out: Any) -> Any:
         self._prepared[key] = (x, out)
         while len(self._prepared) > 8:
             self._prepared.popitem(last=False)

@@ -33,7 +33,7 @@ class _DeviceFeature:
     host_ids: np.ndarray
     ids: Any
     slots: Any
-    scale: Any  # [n, 1] float32: the combiner factor w_k / N_s of every id
+    scale: Any  # [n] float32: the combiner factor w_k / N_s of every id
     num_slots: int
     # Every factor is exactly 1 (sum combiner, unit weights): the weighting is skipped, which
     # changes no bit (x * 1 == x) and saves a pass over the ids on every backend.
@@ -267,7 +267,7 @@ class TPUEmbedding:
                     host_ids=b.ids,
                     ids=self.backend.asarray(b.ids, dtype="int64"),
                     slots=self.backend.asarray(b.slots, dtype="int64"),
-                    scale=self.backend.asarray(scale.reshape(-1, 1), dtype="float32"),
+                    scale=self.backend.asarray(scale.reshape(-1), dtype="float32"),
                     num_slots=b.num_slots,
                     unit_scale=unit,
                 )
@@ -297,9 +297,9 @@ class TPUEmbedding:
                 lo = -np.inf if quant.lower is None else quant.lower
                 hi = np.inf if quant.upper is None else quant.upper
                 rows = quantize(xp, self.backend.gather(table, d.ids), lo, hi, quant.num_buckets)
-                act = combiners.forward(self.backend, rows, d.scale, d.slots, d.num_slots)
+                act = combiners.forward(self.backend, rows, xp.reshape(d.scale, (-1, 1)), d.slots, d.num_slots)
             else:  # fused gather + combine where the backend has one
-                weights = None if d.unit_scale else xp.reshape(d.scale, (-1,))
+                weights = None if d.unit_scale else d.scale
                 act = self.backend.gather_combine(table, d.ids, d.slots, d.num_slots, weights)
             outs.append(xp.reshape(act, f.output_shape + (t.dimension,)))
         p.dequeued = True
@@ -416,15 +416,16 @@ class TPUEmbedding:
                 if all(d.unit_scale for d, _ in parts):
                     weights = None  # the sum combiner without weights: nothing to multiply
                 elif one:
-                    weights = xp.reshape(parts[0][0].scale, (-1,))
+                    weights = parts[0][0].scale
                 else:
-                    weights = xp.concat([xp.reshape(d.scale, (-1,)) for d, _ in parts], axis=0)
+                    weights = xp.concat([d.scale for d, _ in parts], axis=0)
                 source = parts[0][1] if one else xp.concat([g for _, g in parts], axis=0)
                 new_state[t.index] = list(self.backend.update_rows(
                     self._state[t.index], ids, source, fns[t.index], grad_index=index, grad_weights=weights))
                 continue
             host_ids = np.concatenate([d.host_ids for d, _ in parts]) if parts else np.zeros(0, np.int64)
-            rows = [combiners.backward(self.backend, g, d.scale, d.slots, d.unit_scale) for d, g in parts]
+            rows = [combiners.backward(self.backend, g, xp.reshape(d.scale, (-1, 1)), d.slots, d.unit_scale)
+                    for d, g in parts]
             row_grads = xp.concat(rows, axis=0) if len(rows) > 1 else rows[0] if rows else None
             if row_grads is None:
                 row_grads = self.backend.asarray(np.zeros((0, t.dimension), np.float32))
