@@ -14,7 +14,6 @@ platform the backend uses its pure-XLA kernels, which compute the same numbers;
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import hashlib
 import os
 import shutil
@@ -78,6 +77,10 @@ def build(path: Path) -> Path:
 
     if path.exists():
         return path
+    try:
+        import fcntl  # POSIX: several processes may build at once (tests, jax.distributed)
+    except ImportError as exc:
+        raise BuildError(f"cannot lock the build directory here ({exc})") from None
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if not cxx:
         raise BuildError("no C++ compiler found (set CXX or install g++)")
