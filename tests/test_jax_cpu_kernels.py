@@ -119,7 +119,8 @@ def test_ffi_and_xla_kernels_agree(monkeypatch, dtype, shards, strategy, sorted_
 @pytest.mark.parametrize("index_dtype", [jnp.int32, jnp.int64])
 def test_raw_kernels_bounds_and_index_dtypes(index_dtype):
     """Rows outside [0, m) read as zeros and are never written; segment ids outside
-    [0, S) are dropped; int32 and int64 ids; the dedup keeps first-occurrence order."""
+    [0, S) are dropped; int32 and int64 ids; the dedup gives ascending rows (first-occurrence
+    order for shards too large for its bitmap)."""
     assert cpu_kernels.load()
     table = jnp.arange(5 * 3, dtype=jnp.float32).reshape(5, 3)
     idx = jnp.asarray([4, 5, 0, 7, 2], index_dtype)  # 5 and 7: not owned (m = 5)
@@ -141,9 +142,15 @@ def test_raw_kernels_bounds_and_index_dtypes(index_dtype):
     none = jnp.zeros((1,), jnp.int32)
     uniq, gs, count = jax.jit(lambda i, g: cpu_kernels.dedup_sum(i, g, none, none, 5, 4, False, False))(ids, grads)
     assert int(count) == 3 and uniq.dtype == index_dtype
-    np.testing.assert_array_equal(np.asarray(uniq), [3, 1, 0, 5])  # unused slot: m
+    np.testing.assert_array_equal(np.asarray(uniq), [0, 1, 3, 5])  # ascending rows; unused slot: m
     gn = np.asarray(grads)
-    np.testing.assert_array_equal(np.asarray(gs), [gn[0] + gn[2], gn[1] + gn[4], gn[5], [0, 0]])
+    np.testing.assert_array_equal(np.asarray(gs), [gn[5], gn[1] + gn[4], gn[0] + gn[2], [0, 0]])
+    # a shard too large for the bitmap: hash dedup, first-occurrence order, same sums
+    big = 1 << 28
+    uniq, gs, count = jax.jit(lambda i, g: cpu_kernels.dedup_sum(i, g, none, none, big, 4, False, False))(ids, grads)
+    assert int(count) == 4  # 9 is owned here
+    np.testing.assert_array_equal(np.asarray(uniq), [3, 1, 9, 0])
+    np.testing.assert_array_equal(np.asarray(gs), [gn[0] + gn[2], gn[1] + gn[4], gn[3], gn[5]])
     # overflow: capacity 2 < 3 unique rows -> every slot says "write nothing"
     uniq, _, count = jax.jit(lambda i, g: cpu_kernels.dedup_sum(i, g, none, none, 5, 2, False, False))(ids, grads)
     assert int(count) == 3

@@ -202,12 +202,86 @@ ffi::Error GatherCombineImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::An
   });
 }
 
-// First-occurrence dedup of the owned rows (ids[i] < m) with an open-addressing hash map,
-// then the per-row gradient sums:
+// Unique owned rows (ids[k] in [0, m)) in ascending order, from a bitmap of the m rows:
+// slot of row r = number of owned rows below r (popcounts). Ascending slots make the later
+// gathers and scatters walk the table in address order (measured on torch's W1 path, where
+// the same choice exists: 5.4 ms sorted vs 5.8 ms in a hashed order). Returns the count;
+// slot_of[k] = slot or -1; uniq gets the rows when count <= cap.
+template <class I>
+int64_t DedupBitmap(const I* id, int64_t n, int64_t m, int64_t cap, I* uniq, int32_t* slot_of) {
+  thread_local std::vector<uint64_t> bits;
+  thread_local std::vector<int32_t> base;
+  const int64_t words = (m + 63) / 64;
+  bits.assign(words, 0);
+  base.resize(words);
+  for (int64_t k = 0; k < n; ++k) {
+    const I r = id[k];
+    if (r >= 0 && r < m) bits[r >> 6] |= uint64_t(1) << (r & 63);
+  }
+  int64_t total = 0;
+  for (int64_t w = 0; w < words; ++w) {
+    base[w] = int32_t(total);
+    total += __builtin_popcountll(bits[w]);
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const I r = id[k];
+    slot_of[k] = (r >= 0 && r < m)
+                     ? base[r >> 6] + __builtin_popcountll(bits[r >> 6] & ((uint64_t(1) << (r & 63)) - 1))
+                     : -1;
+  }
+  if (total <= cap) {
+    int64_t s = 0;
+    for (int64_t w = 0; w < words; ++w)
+      for (uint64_t b = bits[w]; b; b &= b - 1) uniq[s++] = I(w * 64 + __builtin_ctzll(b));
+  }
+  return total;
+}
+
+// Unique owned rows in first-occurrence order, with an open-addressing hash map sized by
+// the batch (for shards too large for a bitmap). Same contract as DedupBitmap.
+template <class I>
+int64_t DedupHash(const I* id, int64_t n, int64_t m, int64_t cap, I* uniq, int32_t* slot_of) {
+  thread_local std::vector<int32_t> map_slot;
+  thread_local std::vector<I> map_key;
+  int64_t size = 16;
+  while (size < 2 * n) size <<= 1;
+  map_key.assign(size, I(-1));
+  map_slot.resize(size);
+  const uint64_t mask = size - 1;
+  int32_t next = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const I r = id[k];
+    if (r < 0 || r >= m) {
+      slot_of[k] = -1;
+      continue;
+    }
+    for (uint64_t h = (uint64_t(r) * 0x9E3779B97F4A7C15ull) >> 20;; ++h) {
+      const uint64_t b = h & mask;
+      if (map_key[b] == r) {
+        slot_of[k] = map_slot[b];
+        break;
+      }
+      if (map_key[b] == I(-1)) {
+        map_key[b] = r;
+        map_slot[b] = slot_of[k] = next;
+        if (next < cap) uniq[next] = r;
+        ++next;
+        break;
+      }
+    }
+  }
+  return next;
+}
+
+// A bitmap of the shard's rows costs m / 8 bytes per call: used up to 2^27 rows (16 MiB).
+constexpr int64_t kBitmapMaxRows = int64_t(1) << 27;
+
+// Dedup of the owned rows, then the per-row gradient sums:
 //   plain:    g[slot(i)] += grads[i]
 //   combined: g[slot(i)] += w[i] * grads[segs[i]]     (the combiner's backward pass)
-// uniq[slot] = row (m for unused slots), count = number of unique owned rows. When count
-// exceeds the capacity, every uniq entry is m: the caller writes nothing and reports it.
+// uniq[slot] = row (m for unused slots), count = number of unique owned rows; each slot's
+// sum runs in batch order. When count exceeds the capacity, every uniq entry is m: the
+// caller writes nothing and reports it.
 ffi::Error DedupSumImpl(ffi::ThreadPool pool, ffi::AnyBuffer ids, ffi::AnyBuffer grads, ffi::AnyBuffer segs,
                         ffi::AnyBuffer w, int64_t m, bool combined, bool weighted,
                         ffi::Result<ffi::AnyBuffer> uniq, ffi::Result<ffi::AnyBuffer> g,
@@ -228,47 +302,17 @@ ffi::Error DedupSumImpl(ffi::ThreadPool pool, ffi::AnyBuffer ids, ffi::AnyBuffer
     const int32_t* sg = static_cast<const int32_t*>(segs.untyped_data());
     const T* wt = static_cast<const T*>(w.untyped_data());
 
-    // slot of every batch position (-1: not owned, or no gradient row); hash map row -> slot
-    thread_local std::vector<int32_t> slot_of, map_slot;
-    thread_local std::vector<I> map_key;
-    slot_of.resize(n);
-    int64_t size = 16;
-    while (size < 2 * n) size <<= 1;
-    map_key.assign(size, I(-1));
-    map_slot.resize(size);
-    const uint64_t mask = size - 1;
-    int32_t next = 0;
-    for (int64_t k = 0; k < n; ++k) {
-      const I r = id[k];
-      if (r < 0 || r >= m) {
-        slot_of[k] = -1;
-        continue;
-      }
-      uint64_t h = (uint64_t(r) * 0x9E3779B97F4A7C15ull) >> 20;
-      for (;; ++h) {
-        const uint64_t b = h & mask;
-        if (map_key[b] == r) {
-          slot_of[k] = map_slot[b];
-          break;
-        }
-        if (map_key[b] == I(-1)) {
-          map_key[b] = r;
-          map_slot[b] = next;
-          slot_of[k] = next;
-          if (next < cap) u[next] = r;
-          ++next;
-          break;
-        }
-      }
-    }
-    *static_cast<int32_t*>(count->untyped_data()) = next;
+    thread_local std::vector<int32_t> slot_store;  // slot of every batch position, -1: none
+    slot_store.resize(n);
+    int32_t* so = slot_store.data();
+    const int64_t next = m <= kBitmapMaxRows ? DedupBitmap(id, n, m, cap, u, so) : DedupHash(id, n, m, cap, u, so);
+    *static_cast<int32_t*>(count->untyped_data()) = int32_t(next);
     const bool overflow = next > cap;
     for (int64_t s = overflow ? 0 : next; s < cap; ++s) u[s] = I(m);
     if (overflow) {
       std::memset(gs, 0, sizeof(T) * cap * d);
       return;
     }
-    const int32_t* so = slot_of.data();
     auto in_range = [&](int64_t k) { return combined ? (sg[k] >= 0 && sg[k] < s_all) : true; };
     thread_local Groups per_thread;
     Groups& groups = per_thread;  // the tasks below run on other threads: share this one
