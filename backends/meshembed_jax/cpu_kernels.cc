@@ -112,6 +112,25 @@ struct Groups {
   }
 };
 
+// out += a * row over d columns; common widths get a fixed-size loop (fully vectorised and
+// unrolled, no aliasing checks).
+template <class T, int64_t D>
+inline void AddRowFixed(T* __restrict out, const T* __restrict row, T a) {
+  for (int64_t j = 0; j < D; ++j) out[j] += a * row[j];
+}
+
+template <class T>
+inline void AddRow(T* __restrict out, const T* __restrict row, T a, int64_t d) {
+  switch (d) {
+    case 16: return AddRowFixed<T, 16>(out, row, a);
+    case 32: return AddRowFixed<T, 32>(out, row, a);
+    case 64: return AddRowFixed<T, 64>(out, row, a);
+    case 128: return AddRowFixed<T, 128>(out, row, a);
+    default:
+      for (int64_t j = 0; j < d; ++j) out[j] += a * row[j];
+  }
+}
+
 // Row s of dst (for s in [lo, hi)) = sum over the group's positions p of scale(p) * src(p),
 // in batch order; each destination row is written once, by one task. The source rows are
 // random reads (mostly cache misses): prefetch every line of the row kAhead positions on.
@@ -141,9 +160,7 @@ void SumGroups(const Groups& gr, int64_t lo, int64_t hi, int64_t d, T* dst, cons
         for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
       }
       const int32_t k = gr.order[p];
-      const T* row = src(k);
-      const T a = scale(k);
-      for (int64_t j = 0; j < d; ++j) out[j] += a * row[j];
+      AddRow<T>(out, src(k), scale(k), d);
     }
   }
 }
@@ -163,10 +180,7 @@ void SumSorted(const int32_t* seg, int64_t n, int64_t lo, int64_t hi, int64_t d,
       for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(ahead + c);
     }
     if (!keep(p)) continue;
-    const T* row = src(p);
-    const T a = scale(p);
-    T* out = dst + int64_t(seg[p]) * d;
-    for (int64_t j = 0; j < d; ++j) out[j] += a * row[j];
+    AddRow<T>(dst + int64_t(seg[p]) * d, src(p), scale(p), d);
   }
 }
 
