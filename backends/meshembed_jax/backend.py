@@ -380,6 +380,11 @@ class JaxBackend(JaxDenseMixin, Backend):
         out = self._jax.device_put(host, layout.replicated)
         return self._remember(key, x, out) if native else out
 
+    def _no_weights(self, layout: ShardLayout, dtype: Any) -> Any:
+        """The placeholder weights of an unweighted kernel call (made once per layout/dtype)."""
+        return self._kernel(("no_weights", layout, np.dtype(dtype).str),
+                            lambda: self._jax.device_put(np.zeros(1, dtype), layout.replicated))
+
     def _remember(self, key: Any, x: Any, out: Any) -> Any:
         self._prepared[key] = (x, out)
         while len(self._prepared) > 8:
@@ -402,7 +407,7 @@ class JaxBackend(JaxDenseMixin, Backend):
         gids = self._replicated_1d(layout, ids, nb, -1, idt)
         segs = self._replicated_1d(layout, segment_ids, nb, sb, np.int32)  # padding: dropped
         weighted = weights is not None
-        w = self._replicated_1d(layout, weights if weighted else np.zeros(1), nb if weighted else 1, 0, table.dtype)
+        w = self._replicated_1d(layout, weights, nb, 0, table.dtype) if weighted else self._no_weights(layout, table.dtype)
         fn = self._kernel(
             ("gather_combine", layout, dim, nb, sb, weighted),
             lambda: kernels.make_gather_combine(layout, dim, nb, sb, weighted),
@@ -461,11 +466,14 @@ class JaxBackend(JaxDenseMixin, Backend):
         n = int(np.prod(ids.shape))
         nb = bucket(n)
         gids = self._replicated_1d(layout, ids, nb, -1, index_dtype(layout))
-        segs = self._replicated_1d(layout, grad_index, nb, 0, np.int32)  # padding ids own no row
+        # padded like the lookup's segment ids (the same array is then converted once);
+        # padding ids own no row, so their segment is never read
+        source = self.asarray(grads).reshape(-1, dim)
+        segs = self._replicated_1d(layout, grad_index, nb, bucket(int(source.shape[0])), np.int32)
         weighted = grad_weights is not None
-        w = self._replicated_1d(layout, grad_weights if weighted else np.zeros(1), nb if weighted else 1, 0,
-                                tables[0].dtype)
-        g = self._jax.device_put(self.asarray(grads).reshape(-1, dim), layout.replicated)
+        w = (self._replicated_1d(layout, grad_weights, nb, 0, tables[0].dtype) if weighted
+             else self._no_weights(layout, tables[0].dtype))
+        g = self._jax.device_put(source, layout.replicated)
         return self._update(tables, layout, dim, fn, nb, (gids, g, segs, w), weighted)
 
     def _check_tables(self, tables: list[JaxShardedTable]) -> tuple[ShardLayout, int]:
