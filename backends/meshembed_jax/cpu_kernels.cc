@@ -131,9 +131,8 @@ inline void AddRow(T* __restrict out, const T* __restrict row, T a, int64_t d) {
   }
 }
 
-// Row s of dst (for s in [lo, hi)) = sum over the group's positions p of scale(p) * src(p),
-// in batch order; each destination row is written once, by one task. The source rows are
-// random reads (mostly cache misses): prefetch every line of the row kAhead positions on.
+// Source rows are random reads and writes (mostly cache misses): loops prefetch every line
+// of the row kAhead positions on.
 constexpr int64_t kAhead = 8;
 
 // Prefetch every cache line of row r of a [m, d] array (for reading or writing).
@@ -147,6 +146,8 @@ inline void Prefetch(const T* base, int64_t r, int64_t m, int64_t d, bool write)
   }
 }
 
+// Row s of dst (for s in [lo, hi)) = sum over the group's positions p of scale(p) * src(p),
+// in batch order; each destination row is written once, by one task.
 template <class T, class Src, class Scale>
 void SumGroups(const Groups& gr, int64_t lo, int64_t hi, int64_t d, T* dst, const Src& src, const Scale& scale) {
   const int64_t end = gr.start[hi];
