@@ -37,6 +37,18 @@ def test_create_unshard_round_trip(backend, vocab, shards, strategy, dtype):
     np.testing.assert_array_equal(out, values)
 
 
+@pytest.mark.parametrize("vocab,dim", [(13, 4), (4096, 16), (65536, 64)])
+@pytest.mark.parametrize("shards", [1, 2])
+def test_create_table_copies_the_callers_values(backend, vocab, dim, shards):
+    """A table owns its storage: writing into the array it was made from afterwards (or the
+    table's updates) never shows through the other (some runtimes alias host buffers)."""
+    values = _table(vocab, dim, "float32")
+    expected = values.copy()
+    table = backend.create_table(values, Placement(vocab, shards, "mod"))
+    values[:] = -1.0
+    np.testing.assert_array_equal(backend.unshard(table), expected)
+
+
 @pytest.mark.parametrize("vocab,shards,strategy", SHARDINGS)
 def test_gather_with_duplicates(backend, vocab, shards, strategy):
     values = _table(vocab, 3, "float32")

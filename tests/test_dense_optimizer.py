@@ -260,6 +260,22 @@ def test_torch_dense_steps_run_compiled_in_place_and_match_numpy():
         np.testing.assert_allclose(b, a, rtol=2e-6, atol=2e-7)
 
 
+def test_gradients_that_are_variables_arrays(bk):
+    """A gradient may be a variable's own array (its own, or another variable's updated in
+    the same call, across staged groups of in-place steps): every step reads the values it
+    was given, as on NumPy — no aliasing through in-place writes or donated buffers."""
+    def run(name):
+        rng = np.random.default_rng(4)
+        vs = [me.Variable(rng.standard_normal(7).astype(np.float32), name=f"v{i}", backend=name) for i in range(12)]
+        opt = me.optimizers.Adadelta(learning_rate=1.0, rho=0.9, epsilon=1e-6)
+        for _ in range(2):
+            opt.apply_gradients([(vs[i - 1].value if i % 2 else vs[i].value, vs[i]) for i in range(12)])
+        return [v.numpy() for v in vs]
+
+    for got, want in zip(run(bk), run("numpy")):
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+
+
 def test_jax_dense_steps_donate_run_in_pieces_and_match_numpy(monkeypatch):
     """JAX: the staged step is jitted with every target donated (the old buffers are gone,
     the variables hold the new arrays); a variable over two pieces runs the core step on

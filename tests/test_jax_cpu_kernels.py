@@ -182,4 +182,21 @@ def test_other_platforms_and_dtypes_use_xla():
     assert cpu_kernels.usable("tpu", np.float32) is False
     assert cpu_kernels.usable("gpu", np.float32) is False
     assert cpu_kernels.usable("cpu", np.float16) is False
-    assert me.get_backend("jax").capabilities.compiles
+
+
+def test_huge_page_hint_keeps_the_table(monkeypatch):
+    """Collapsing a CPU table's buffer to 2 MiB pages is a hint: values and updates are
+    unchanged whether or not the kernel honours it."""
+    from meshembed_jax import layout
+
+    monkeypatch.setattr(layout, "HUGE_PAGE_MIN_BYTES", 1 << 21)
+    be = me.get_backend("jax")
+    values = np.arange(4096 * 256, dtype=np.float32).reshape(4096, 256)  # 4 MiB
+    t = be.create_table(values, Placement(4096, 1, "mod"))
+    layout.collapse_to_huge_pages(t.data)  # again: idempotent
+    np.testing.assert_array_equal(be.unshard(t), values)
+    t = be.update_rows([t], be.asarray(np.array([5, 4000])), be.asarray(np.ones((2, 256), np.float32)),
+                       lambda g, w: (w - g,))[0]
+    expected = values.copy()
+    expected[[5, 4000]] -= 1
+    np.testing.assert_array_equal(be.unshard(t), expected)

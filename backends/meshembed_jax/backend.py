@@ -91,6 +91,7 @@ class JaxBackend(JaxDenseMixin, Backend):
         self._auto_capacity: dict[tuple[Any, int], int] = {}
         self._static_only: set[Any] = set()
         self._prepared: collections.OrderedDict[Any, tuple[Any, Any]] = collections.OrderedDict()
+        self._no_weight_arrays: dict[tuple, Any] = {}
 
     # -- discovery ---------------------------------------------------------------------
     @classmethod
@@ -196,7 +197,10 @@ class JaxBackend(JaxDenseMixin, Backend):
         return found
 
     def _put(self, host: np.ndarray, sharding: Any) -> Any:
-        """Host array (the same on every process) -> global array with ``sharding``."""
+        """Host array (the same on every process) -> global array with ``sharding``.
+
+        On CPU the runtime may keep using ``host``'s memory instead of copying it, so
+        ``host`` must be an array nobody else writes to."""
         jax = self._jax
         if jax.process_count() == 1:
             return jax.device_put(host, sharding)
@@ -216,7 +220,7 @@ class JaxBackend(JaxDenseMixin, Backend):
                 "Fix: MESHEMBED_JAX_X64=1 (the default) or use float32 values."
             )
         layout = self.layout(placement)
-        data = self._put(pad_shards(values, placement), layout.sharding)
+        data = self._put(pad_shards(values, placement), layout.sharding)  # a fresh host array
         collapse_to_huge_pages(data)
         return JaxShardedTable(data, layout, values.shape[1])
 
@@ -382,8 +386,10 @@ class JaxBackend(JaxDenseMixin, Backend):
 
     def _no_weights(self, layout: ShardLayout, dtype: Any) -> Any:
         """The placeholder weights of an unweighted kernel call (made once per layout/dtype)."""
-        return self._kernel(("no_weights", layout, np.dtype(dtype).str),
-                            lambda: self._jax.device_put(np.zeros(1, dtype), layout.replicated))
+        key = (layout, np.dtype(dtype).str)
+        if key not in self._no_weight_arrays:
+            self._no_weight_arrays[key] = self._jax.device_put(np.zeros(1, dtype), layout.replicated)
+        return self._no_weight_arrays[key]
 
     def _remember(self, key: Any, x: Any, out: Any) -> Any:
         self._prepared[key] = (x, out)

@@ -123,13 +123,12 @@ class JaxShardedTable(ShardedTable):
 
 
 def pad_shards(values: np.ndarray, placement: Placement) -> np.ndarray:
-    """``[V, D]`` -> ``[S, max_rows, D]`` with zero padding rows (host side).
+    """``[V, D]`` -> a new ``[S, max_rows, D]`` array with zero padding rows (host side).
 
-    One shard is a view (no copy of the table); otherwise each shard's rows are a strided
-    (MOD) or contiguous (DIV) slice, copied once into the padded array."""
+    Always a fresh array: the CPU runtime may keep the memory it is given, and a table must
+    never alias its caller's values. Each shard's rows are a strided (MOD) or contiguous
+    (DIV) slice, copied once (no fancy-indexing temporary)."""
     s_all = placement.num_shards
-    if s_all == 1:
-        return values[np.newaxis]
     out = np.zeros((s_all, placement.max_rows) + values.shape[1:], dtype=values.dtype)
     for s in range(s_all):
         rows = placement.rows_in_shard(s)
