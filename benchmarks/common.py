@@ -81,6 +81,40 @@ def start_peak_rss() -> float:
     return peak_rss_mb()
 
 
+_baseline: list[float] = []
+
+
+def start_frameworks(names: list[str]) -> None:
+    """Import (and start) the frameworks a job uses before its memory baseline is taken, so
+    that a row's peak is the job's, not the framework's fixed cost: torch with the compiler
+    stack ``torch.compile`` loads on first use (~100 MB of Python modules), jax with its CPU
+    runtime and compiler started by one tiny compiled call (~40 MB of code and buffers).
+    Both are the same for any table size. A framework that is not installed is skipped."""
+    import importlib
+
+    for name in names:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if name == "torch":
+            importlib.import_module("torch._inductor.compile_fx")
+        elif name == "jax":
+            module.jit(lambda x: x + 1)(1.0).block_until_ready()
+
+
+def inputs_ready() -> None:
+    """A job calls this once its inputs exist (ids, gradients, host values it hands to the
+    implementation): the job's peak memory counts from here, so it is the implementation's
+    (state, temporaries, compiled code), not the harness's data."""
+    _baseline[:] = [start_peak_rss()]
+
+
+def job_peak_mb() -> float:
+    """Peak RSS growth since :func:`inputs_ready` (MB)."""
+    return peak_rss_mb() - _baseline[0]
+
+
 def peak_rss_mb() -> float:
     """Peak RSS of this process in MB (since the last :func:`start_peak_rss` on Linux)."""
     hwm = _status_mb("VmHWM")

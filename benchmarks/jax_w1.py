@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import TINY_W1, W1, Row, bandwidth_gbs, table, timeit, w1_bytes, zipf_ids
+from benchmarks.common import TINY_W1, W1, Row, bandwidth_gbs, inputs_ready, table, timeit, w1_bytes, zipf_ids
 
 OPTIMIZERS = ("sgd", "adagrad", "adadelta")
 IMPLS = ("engine", "update_rows", "optax")
@@ -176,6 +176,7 @@ def w1(sizes: dict, repeats: int = 7, impls: tuple[str, ...] = IMPLS,
        optimizers: tuple[str, ...] = OPTIMIZERS, warmup: int = 2, verbose: bool = False) -> list[Row]:
     """One Row per (implementation, optimizer); a failure becomes a NaN row with a note."""
     d = _Data(sizes)
+    inputs_ready()
     s = sizes
     rows = []
     for optimizer in optimizers:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 import meshembed as me
-from benchmarks.common import Row, timeit, w1_bytes, w2_bytes, zipf_ids
+from benchmarks.common import Row, inputs_ready, timeit, w1_bytes, w2_bytes, zipf_ids
 
 W1_OPTIMIZERS = {
     "sgd": lambda: me.embedding.SGD(learning_rate=0.01),
@@ -29,7 +29,9 @@ def w1(sizes: dict, repeats: int = 7, backend: str = "numpy", case: str = "sgd",
     v, d, b, k = sizes["vocab"], sizes["dim"], sizes["batch"], sizes["ids_per_sample"]
     ids = zipf_ids(b * k, v, sizes["zipf"])
     splits = np.arange(0, b * k + 1, k, dtype=np.int64)
+    grad_host = np.random.default_rng(1).standard_normal((b, d)).astype(np.float32) * 0.01
     optimizer = W1_OPTIMIZERS[case]()
+    inputs_ready()
     cfg = me.EmbeddingConfig(
         tables=[me.TableConfig(name="t", vocabulary_size=v, dimension=d, optimizer=optimizer, combiner="sum")],
         features=[me.FeatureConfig(table="t", input_shape=(b,), name="f")],
@@ -37,7 +39,7 @@ def w1(sizes: dict, repeats: int = 7, backend: str = "numpy", case: str = "sgd",
     )
     emb = me.TPUEmbedding(cfg, backend=backend, num_shards=num_shards)
     be = emb.backend
-    grad = be.asarray(np.random.default_rng(1).standard_normal((b, d)).astype(np.float32) * 0.01)
+    grad = be.asarray(grad_host)
     ragged = me.RaggedIds(splits, ids)
 
     def step():
@@ -58,9 +60,10 @@ def w2(sizes: dict, repeats: int = 7, backend: str = "numpy", tensors: int = 1) 
     m = n // tensors
     rng = np.random.default_rng(0)
     be = me.get_backend(backend)
-    variables = [me.Variable(rng.standard_normal(m).astype(np.float32), name=f"w{i}", backend=backend)
-                 for i in range(tensors)]
-    grads = [be.asarray(rng.standard_normal(m).astype(np.float32)) for _ in range(tensors)]
+    values = [rng.standard_normal(m, dtype=np.float32) for _ in range(tensors)]
+    grads = [be.asarray(rng.standard_normal(m, dtype=np.float32)) for _ in range(tensors)]
+    inputs_ready()
+    variables = [me.Variable(v, name=f"w{i}", backend=backend) for i, v in enumerate(values)]
     opt = me.optimizers.Adadelta(learning_rate=1e-3, rho=0.95, epsilon=1e-7)
     opt.build(variables)
     pairs = list(zip(grads, variables))

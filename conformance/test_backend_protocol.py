@@ -49,6 +49,39 @@ def test_create_table_copies_the_callers_values(backend, vocab, dim, shards):
     np.testing.assert_array_equal(backend.unshard(table), expected)
 
 
+def _blocks(values: np.ndarray, sizes: list[int]):
+    start = 0
+    for size in sizes + [values.shape[0]]:
+        stop = min(values.shape[0], start + size)
+        if stop > start:
+            yield values[start:stop]
+        start = stop
+
+
+# 131,075 x 64 float32 is 32 MiB: large enough that a backend may fill it on its devices
+# window by window (JAX), with shards of unequal size.
+@pytest.mark.parametrize("vocab,shards,strategy", SHARDINGS + [(131075, 1, "mod"), (131075, 3, "mod"), (131075, 3, "div")])
+def test_create_table_from_blocks(backend, vocab, shards, strategy):
+    """Blocks of logical rows of any size make the same table as the whole array."""
+    dim = 64 if vocab > 1000 else 4
+    values = _table(vocab, dim, "float32")
+    placement = Placement(vocab, shards, strategy)
+    table = backend.create_table_from_blocks((vocab, dim), _blocks(values, [1, 5, vocab // 3, 7]), placement)
+    assert table.shape == (vocab, dim)
+    np.testing.assert_array_equal(backend.unshard(table), values)
+    if vocab < 1000:  # and the table behaves like one made by create_table
+        ids = np.array([vocab - 1, 0, 2], dtype=np.int64)
+        np.testing.assert_array_equal(backend.to_numpy(backend.gather(table, backend.asarray(ids))), values[ids])
+
+
+@pytest.mark.parametrize("sizes", [[3, 3], [3, 3, 3, 3, 3], [13, 1]])
+def test_create_table_from_blocks_that_do_not_cover_the_table(backend, sizes):
+    values = _table(20, 4, "float32")
+    blocks = [values[:k] for k in sizes]
+    with pytest.raises(ValueError, match="blocks"):
+        backend.create_table_from_blocks((13, 4), iter(blocks), Placement(13, 2, "mod"))
+
+
 @pytest.mark.parametrize("vocab,shards,strategy", SHARDINGS)
 def test_gather_with_duplicates(backend, vocab, shards, strategy):
     values = _table(vocab, 3, "float32")

@@ -120,6 +120,26 @@ def test_create_unshard_and_sharding(be, vocab, shards, strategy, dtype):
 
 
 @pytest.mark.parametrize("vocab,shards,strategy", SHARDINGS)
+@pytest.mark.parametrize("window_rows", [1, 3, 100])
+def test_create_table_from_blocks_fills_in_place_on_the_devices(be, vocab, shards, strategy, window_rows, monkeypatch):
+    """Forced onto the device-side fill (small windows: several windows per block, windows
+    clamped at the end of a shard): the same padded, sharded table as ``create_table``."""
+    from meshembed_jax import backend as jax_backend
+
+    dim = 4
+    monkeypatch.setattr(jax_backend, "BLOCKWISE_MIN_BYTES", 0)
+    monkeypatch.setattr(jax_backend, "WINDOW_BYTES", 4 * dim * shards * window_rows)
+    values = _table(vocab, dim)
+    placement = Placement(vocab, shards, strategy)
+    blocks = (values[a : a + 5] for a in range(0, vocab, 5))
+    table = be.create_table_from_blocks((vocab, dim), blocks, placement)
+    expected = be.create_table(values, placement)
+    np.testing.assert_array_equal(np.asarray(table.data), np.asarray(expected.data))  # padding rows too
+    assert table.data.sharding == expected.data.sharding
+    assert ("window_write", table.layout, min(window_rows, placement.max_rows), dim) in be._kernels
+
+
+@pytest.mark.parametrize("vocab,shards,strategy", SHARDINGS)
 def test_gather_scatter_parity(be, ref, vocab, shards, strategy):
     values = _table(vocab, 3)
     placement = Placement(vocab, shards, strategy)

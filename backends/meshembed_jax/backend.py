@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from meshembed.backend.protocol import Backend, Capabilities
+from meshembed.backend.protocol import Backend, Capabilities, walk_blocks
 from meshembed.errors import CapacityError, InputError
 from meshembed.sharding.placement import Placement
 from meshembed_jax import fnspec
@@ -40,6 +40,11 @@ from meshembed_jax.layout import (
 )
 
 _KERNEL_CACHE_SIZE = 128
+#: Tables from this size on are filled on their devices block by block
+#: (``create_table_from_blocks``); smaller ones are joined on the host first.
+BLOCKWISE_MIN_BYTES = 32 << 20
+#: Host bytes of one window of that fill (all shards together).
+WINDOW_BYTES = 8 << 20
 
 
 def bucket(n: int) -> int:
@@ -223,6 +228,48 @@ class JaxBackend(JaxDenseMixin, Backend):
         data = self._put(pad_shards(values, placement), layout.sharding)  # a fresh host array
         collapse_to_huge_pages(data)
         return JaxShardedTable(data, layout, values.shape[1])
+
+    def create_table_from_blocks(self, shape: tuple[int, int], blocks: Any, placement: Placement) -> JaxShardedTable:
+        """A large table is made as zeros on its devices and filled window by window, in
+        place, so the host never holds the whole table next to the devices' copy; a small
+        one is joined on the host and put at once (fewer compiled kernels)."""
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from meshembed_jax import kernels
+        from meshembed_jax.layout import AXIS
+
+        rows, dim = shape
+        if rows * dim * 4 < BLOCKWISE_MIN_BYTES:
+            return super().create_table_from_blocks(shape, blocks, placement)
+        layout = self.layout(placement)
+        s_all, r_max = placement.num_shards, placement.max_rows
+        c = max(1, min(r_max, WINDOW_BYTES // (4 * dim * s_all)))  # rows per shard and window
+        zeros = self._kernel(("zeros", layout, dim), lambda: self._jax.jit(
+            lambda: jnp.zeros((s_all, r_max, dim), jnp.float32), out_shardings=layout.sharding))
+        write = self._kernel(("window_write", layout, c, dim), lambda: kernels.make_window_write(layout))
+        by_shard = NamedSharding(layout.mesh, PartitionSpec(AXIS))
+        table = JaxShardedTable(zeros(), layout, dim)
+
+        def place(start: int, block: np.ndarray) -> None:
+            parts = placement.block_parts(start, start + len(block))
+            longest = max(len(range(*sl.indices(len(block)))) for _, _, sl in parts)
+            for w in range(0, longest, c):
+                window = np.zeros((s_all, c, dim), np.float32)
+                at, lo, hi = (np.zeros(s_all, np.int32) for _ in range(3))
+                for s, first, sl in parts:
+                    part = block[sl][w : w + c]
+                    if len(part):  # shard s gets local rows first + w ...: a window ending in the table
+                        at[s] = min(first + w, r_max - c)
+                        lo[s], hi[s] = first + w - at[s], first + w - at[s] + len(part)
+                        window[s, lo[s] : hi[s]] = part
+                table.data = write(table.data, self._put(window, layout.sharding),
+                                   *(self._put(x, by_shard) for x in (at, lo, hi)))
+                table.data.block_until_ready()  # one window in flight: dispatch is asynchronous
+
+        walk_blocks(shape, blocks, place)
+        collapse_to_huge_pages(table.data)
+        return table
 
     def unshard(self, table: JaxShardedTable) -> np.ndarray:
         return unpad_shards(self.to_numpy(table.data), table.placement)

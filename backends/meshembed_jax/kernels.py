@@ -160,6 +160,28 @@ def make_scatter(layout: ShardLayout, dim: int) -> Callable:
     return jax.jit(fn, donate_argnums=(0,))
 
 
+def make_window_write(layout: ShardLayout) -> Callable:
+    """``write(data, window, at, lo, hi) -> data``: every logical shard ``s`` replaces rows
+    ``at[s] + lo[s] .. at[s] + hi[s]`` of its table with rows ``lo[s]:hi[s]`` of its
+    ``[c, D]`` slice of ``window`` and keeps the others (``lo == hi``: nothing written), in
+    place in the donated table. Fills a table block by block (``create_table_from_blocks``)."""
+    k = layout.shards_per_device
+
+    def per_device(block: jax.Array, window: jax.Array, at: jax.Array, lo: jax.Array, hi: jax.Array) -> jax.Array:
+        c, dim = window.shape[1], window.shape[2]
+        pos = jnp.arange(c)[:, None]
+        for j in range(k):  # the k logical shards this device holds
+            start = (jnp.int32(j), at[j], jnp.int32(0))
+            old = lax.dynamic_slice(block, start, (1, c, dim))
+            keep = (pos < lo[j]) | (pos >= hi[j])
+            new = jnp.where(keep[None], old, window[j][None].astype(block.dtype))
+            block = lax.dynamic_update_slice(block, new, start)
+        return block
+
+    fn = shard_map(per_device, layout.mesh, in_specs=(P(AXIS),) * 5, out_specs=P(AXIS))
+    return jax.jit(fn, donate_argnums=(0,))
+
+
 # XLA's CPU runtime allocates every output and one temporary block per execution; glibc
 # serves a request of 32 MiB or more with a fresh mmap, so a kernel whose temporaries reach
 # that size pays a page fault per 4 KiB touched on every call (measured on W1: a

@@ -12,7 +12,7 @@ from typing import Any
 import array_api_compat.numpy as xp_numpy
 import numpy as np
 
-from meshembed.backend.protocol import Backend, Capabilities, ShardedTable
+from meshembed.backend.protocol import Backend, Capabilities, ShardedTable, walk_blocks
 from meshembed.sharding.placement import Placement, shard, unshard
 
 
@@ -48,7 +48,19 @@ class NumpyBackend(Backend):
         return np.asarray(x)
 
     def create_table(self, values: np.ndarray, placement: Placement) -> NumpyShardedTable:
-        return NumpyShardedTable([np.array(s, copy=True) for s in shard(np.asarray(values), placement)], placement)
+        return NumpyShardedTable(shard(np.asarray(values), placement), placement)  # fresh arrays
+
+    def create_table_from_blocks(self, shape: tuple[int, int], blocks: Any, placement: Placement) -> NumpyShardedTable:
+        shards = [np.empty((placement.rows_in_shard(s), shape[1]), dtype=np.float32)
+                  for s in range(placement.num_shards)]
+
+        def place(start: int, block: np.ndarray) -> None:
+            for s, first, rows in placement.block_parts(start, start + len(block)):
+                part = block[rows]
+                shards[s][first : first + len(part)] = part
+
+        walk_blocks(shape, blocks, place)
+        return NumpyShardedTable(shards, placement)
 
     def unshard(self, table: NumpyShardedTable) -> np.ndarray:
         return unshard(table.shards, table.placement)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from meshembed.backend.protocol import Backend, Capabilities
+from meshembed.backend.protocol import Backend, Capabilities, walk_blocks
 from meshembed.errors import InputError
 from meshembed.sharding.placement import Placement
 from meshembed.sharding.placement import unshard as unshard_numpy
@@ -183,20 +183,30 @@ class TorchBackend(TorchDenseMixin, Backend):
                 f"Invalid table values: expected shape ({placement.vocabulary_size}, dim). "
                 f"Received: shape={vals.shape}"
             )
+        table = self._empty_table(vals.shape[1], self.torch_dtype(vals.dtype), placement)
+        self._place_block(table, 0, vals)
+        return table
+
+    def create_table_from_blocks(self, shape: tuple[int, int], blocks: Any, placement: Placement) -> TorchShardedTable:
+        table = self._empty_table(shape[1], self._torch.float32, placement)
+        walk_blocks(shape, blocks, lambda start, block: self._place_block(table, start, block))
+        return table
+
+    def _empty_table(self, dim: int, dtype: Any, placement: Placement) -> TorchShardedTable:
         group = self._rank_group()
         world, rank = (1, 0) if group is None else (group.world, group.rank)
         held = tuple(s for s in range(placement.num_shards) if s % world == rank)
-        device = self.device
-        rowmap = self._k.RowMap(placement.vocabulary_size, placement.num_shards, placement.strategy, held, device)
-        if rowmap.identity and group is None:
-            local = vals
-        elif held:
-            local = np.concatenate([vals[placement.global_ids(s)] for s in held])
-        else:
-            local = np.empty((0, vals.shape[1]), dtype=vals.dtype)
-        data = self._k.empty_rows(local.shape, self.torch_dtype(local.dtype), device)
-        data.copy_(torch.from_numpy(np.ascontiguousarray(local)))
-        return TorchShardedTable(data, placement, rowmap, group)
+        rowmap = self._k.RowMap(placement.vocabulary_size, placement.num_shards, placement.strategy, held, self.device)
+        return TorchShardedTable(self._k.empty_rows((rowmap.local_rows, dim), dtype, self.device), placement, rowmap, group)
+
+    def _place_block(self, table: TorchShardedTable, start: int, block: np.ndarray) -> None:
+        """Copy logical rows ``[start, start + len(block))`` into the shards held here."""
+        src = self._torch.from_numpy(np.ascontiguousarray(block))
+        for s, first, rows in table.placement.block_parts(start, start + len(block)):
+            if s in table.rowmap.held:
+                part = src[rows]
+                at = table.rowmap.local_offset(s) + first
+                table.data[at : at + len(part)].copy_(part)
 
     def unshard(self, table: TorchShardedTable) -> np.ndarray:
         """The logical table as a new NumPy array (collective: all-gather of every shard)."""

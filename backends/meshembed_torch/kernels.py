@@ -227,8 +227,13 @@ class RowMap:
             offsets[s] = acc
             acc += sizes[s]
         self.local_rows = acc
+        self._offset_list = offsets
         self.identity = (num_shards == 1) or (strategy == "div" and held == tuple(range(num_shards)))
         self._offsets = torch.tensor(offsets, dtype=torch.int64, device=device)
+
+    def local_offset(self, shard: int) -> int:
+        """First row of a held shard in the local storage."""
+        return self._offset_list[shard]
 
     def owner(self, ids: torch.Tensor) -> torch.Tensor:
         """Shard of each global id (``Placement.owner`` in torch)."""

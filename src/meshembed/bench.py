@@ -1,7 +1,7 @@
 """``meshembed bench``: the benchmarks of ``benchmarks/`` in one runner.
 
 Each job runs in a fresh subprocess so its peak memory (growth of peak RSS over the
-baseline after the framework is imported) is its own. Prints one table with medians,
+baseline taken after the framework is imported and the job has made its inputs) is its own. Prints one table with medians,
 min–max, the memory-traffic lower bound from the measured bandwidth, and peak memory;
 writes JSON and a PNG bar chart when asked. Needs a source checkout (``benchmarks/``).
 """
@@ -20,16 +20,12 @@ _ROOT = pathlib.Path(__file__).resolve().parents[2]
 _CHILD = r"""
 import importlib, json, sys
 spec = json.loads(sys.argv[1])
-for name in spec["preload"]:
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        pass
-from benchmarks.common import peak_rss_mb, start_peak_rss
-base = start_peak_rss()
+from benchmarks import common
+common.start_frameworks(spec["preload"])
+common.inputs_ready()  # jobs call it again once they have made their inputs
 mod = importlib.import_module("benchmarks." + spec["module"])
 rows = getattr(mod, spec["function"])(**spec["kwargs"])
-peak = peak_rss_mb() - base
+peak = common.job_peak_mb()
 out = []
 for r in rows:
     r.peak_mb = peak

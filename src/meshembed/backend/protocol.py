@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -88,6 +88,15 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def create_table(self, values: np.ndarray, placement: Placement) -> ShardedTable:
         """Place a logical ``[V, D]`` NumPy table over ``placement.num_shards`` shards."""
+
+    def create_table_from_blocks(self, shape: tuple[int, int], blocks: Iterable[np.ndarray],
+                                 placement: Placement) -> ShardedTable:
+        """A table from consecutive blocks of its logical rows (in order, ``[V, D]`` in all),
+        so that the whole table need not sit on the host next to the backend's copy: the
+        engine makes tables and slots this way (peak memory at creation ≈ the table, not 2×).
+        Backends place each block with :meth:`Placement.block_parts`; this default joins the
+        blocks and calls :meth:`create_table`."""
+        return self.create_table(join_blocks(shape, blocks, np.float32), placement)
 
     @abc.abstractmethod
     def unshard(self, table: ShardedTable) -> np.ndarray:
@@ -227,3 +236,29 @@ class Backend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<meshembed backend {self.name!r}>"
+
+
+
+def walk_blocks(shape: tuple[int, int], blocks: Iterable[np.ndarray], place: Callable[[int, np.ndarray], None]) -> None:
+    """Hand each block of logical rows to ``place(start_row, block)``; raises ``ValueError``
+    unless the blocks are ``[rows, D]`` arrays that cover ``shape`` exactly."""
+    rows, dim = shape
+    start = 0
+    for block in blocks:
+        block = np.asarray(block)
+        if block.ndim != 2 or block.shape[1] != dim or start + block.shape[0] > rows:
+            raise ValueError(
+                f"Invalid table block of shape {block.shape} at row {start}: expected [rows, {dim}] "
+                f"blocks covering {rows} rows in all."
+            )
+        place(start, block)
+        start += block.shape[0]
+    if start != rows:
+        raise ValueError(f"Invalid table blocks: they cover {start} rows, expected {rows}.")
+
+
+def join_blocks(shape: tuple[int, int], blocks: Iterable[np.ndarray], dtype: Any) -> np.ndarray:
+    """Blocks of logical rows -> one ``shape`` array."""
+    out = np.empty(shape, dtype=dtype)
+    walk_blocks(shape, blocks, lambda start, block: out.__setitem__(slice(start, start + len(block)), block))
+    return out

@@ -15,13 +15,13 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from meshembed.backend import Backend, get_backend
 from meshembed.embedding import combiners, inputs
-from meshembed.embedding.initializers import default_initializer, initial_values, table_rng
+from meshembed.embedding.initializers import Constant, default_initializer, initial_blocks, table_rng
 from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec, build_layout
 from meshembed.embedding.updates import apply_table, is_non_lazy, make_update_fn, uses_accumulation
 from meshembed.errors import ConfigError, InputError, StateError
@@ -127,20 +127,20 @@ class TPUEmbedding:
             if init is None:
                 init = default_initializer(t.optimizer)
             self._state[t.index] = self._fresh_state(
-                t, initial_values(init, (t.vocabulary_size, t.dimension), table_rng(self.seed, t.index), t.name))
+                t, initial_blocks(init, (t.vocabulary_size, t.dimension), table_rng(self.seed, t.index), t.name))
 
     # -- construction helpers ---------------------------------------------------------------
     def _slot_names(self, table: TableSpec) -> tuple[str, ...]:
         return tuple(table.optimizer.slot_names)
 
-    def _fresh_state(self, table: TableSpec, values: np.ndarray) -> list[Any]:
-        """The table (from ``values``, the caller's only reference) and its slots."""
+    def _fresh_state(self, table: TableSpec, blocks: Iterator[np.ndarray]) -> list[Any]:
+        """The table (from its initial ``blocks`` of rows) and its slots, each made block by
+        block, so creating them never holds a whole table on the host beside the backend's."""
         placement = self._placements[table.index]
-        shape = values.shape
-        state = [self.backend.create_table(values, placement)]
-        del values  # free the host copy before the slots are made: peak memory at creation
+        shape = (table.vocabulary_size, table.dimension)
+        state = [self.backend.create_table_from_blocks(shape, blocks, placement)]
         for init in table.optimizer.slot_initial_values():
-            state.append(self.backend.create_table(np.full(shape, init, dtype=np.float32), placement))
+            state.append(self.backend.create_table_from_blocks(shape, Constant(init).blocks(shape), placement))
         return state
 
     # -- introspection ---------------------------------------------------------------------

@@ -13,10 +13,11 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
+from meshembed.backend.protocol import join_blocks
 from meshembed.errors import ConfigError
 
 
@@ -28,25 +29,25 @@ class TruncatedNormal:
     stddev: float | None = None
 
     def __call__(self, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
-        """float32 values; the float64 draws are made in pieces (a 10⁶ × 64 table would
-        otherwise hold 1.5 GB of float64 temporaries). Same values as drawing the whole
-        array at once and redrawing every out-of-range entry in order until none is left."""
+        return join_blocks(shape, self.blocks(shape, rng), np.float32)
+
+    def blocks(self, shape: tuple[int, int], rng: np.random.Generator) -> Iterator[np.ndarray]:
+        """float32 rows, block by block (about 8 MiB of float64 draws each, whole rows): a
+        block's out-of-range draws are redrawn before the next block is drawn, so a
+        10⁶ × 64 table never needs its float64 draws, or the whole table, at once."""
         std = self.stddev if self.stddev is not None else 1.0 / math.sqrt(shape[1])
-        out = np.empty(int(np.prod(shape)), dtype=np.float32)
-        redraw = []
-        for start in range(0, out.size, _DRAW_PIECE):
-            draws = rng.standard_normal(min(_DRAW_PIECE, out.size - start))
-            out[start : start + draws.size] = self.mean + std * draws
-            redraw.append(np.flatnonzero(np.abs(draws) > 2.0) + start)
-        bad = np.concatenate(redraw) if redraw else np.zeros(0, np.int64)
-        while bad.size:
-            draws = rng.standard_normal(bad.size)
-            out[bad] = self.mean + std * draws
-            bad = bad[np.abs(draws) > 2.0]
-        return out.reshape(shape)
+        rows_per_block = max(1, _DRAW_PIECE // max(1, shape[1]))
+        for start in range(0, shape[0], rows_per_block):
+            draws = rng.standard_normal((min(rows_per_block, shape[0] - start), shape[1]))
+            bad = np.flatnonzero(np.abs(draws) > 2.0)
+            while bad.size:
+                redrawn = rng.standard_normal(bad.size)
+                draws.flat[bad] = redrawn
+                bad = bad[np.abs(redrawn) > 2.0]
+            yield (self.mean + std * draws).astype(np.float32)
 
 
-_DRAW_PIECE = 1 << 20  # float64 draws per piece (8 MiB)
+_DRAW_PIECE = 1 << 20  # float64 draws per block (8 MiB)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,13 @@ class Constant:
 
     def __call__(self, shape: tuple[int, int], rng: np.random.Generator | None = None) -> np.ndarray:
         return np.full(shape, self.value, dtype=np.float32)
+
+    def blocks(self, shape: tuple[int, int], rng: np.random.Generator | None = None) -> Iterator[np.ndarray]:
+        """The same block over and over (backends copy what they store)."""
+        rows_per_block = max(1, _DRAW_PIECE // max(1, shape[1]))
+        block = np.full((min(rows_per_block, shape[0]), shape[1]), self.value, dtype=np.float32)
+        for start in range(0, shape[0], rows_per_block):
+            yield block[: shape[0] - start]
 
 
 def Zeros() -> Constant:  # noqa: N802 - reads like the TF/Keras class
@@ -91,10 +99,9 @@ def table_rng(seed: int, table_index: int) -> np.random.Generator:
     return np.random.default_rng([int(seed), int(table_index)])
 
 
-def initial_values(init: Any, shape: tuple[int, int], rng: np.random.Generator, table: str) -> np.ndarray:
-    """Materialise ``init`` (None, callable, array or number) as a float32 ``shape`` array."""
+def _resolve(init: Any, table: str) -> Any:
     if init is None:
-        init = TruncatedNormal()
+        return TruncatedNormal()
     if isinstance(init, str):
         named = {"zeros": Zeros(), "ones": Constant(1.0), "truncated_normal": TruncatedNormal()}
         if init not in named:
@@ -102,15 +109,30 @@ def initial_values(init: Any, shape: tuple[int, int], rng: np.random.Generator, 
                 f"Invalid initializer for table {table!r}. Expected one of {sorted(named)}, a "
                 f"callable, an array or a number. Received: {init!r}"
             )
-        init = named[init]
+        return named[init]
+    if not callable(init) and np.ndim(init) == 0:
+        return Constant(float(init))
+    return init
+
+
+def initial_blocks(init: Any, shape: tuple[int, int], rng: np.random.Generator, table: str) -> Iterator[np.ndarray]:
+    """``init`` as float32 blocks of rows (see ``Backend.create_table_from_blocks``): our
+    initialisers make them one at a time; any other callable or array is one block."""
+    init = _resolve(init, table)
+    if isinstance(init, (TruncatedNormal, Constant)):
+        return init.blocks(shape, rng)
+    return iter([initial_values(init, shape, rng, table)])
+
+
+def initial_values(init: Any, shape: tuple[int, int], rng: np.random.Generator, table: str) -> np.ndarray:
+    """Materialise ``init`` (None, callable, array or number) as a float32 ``shape`` array."""
+    init = _resolve(init, table)
     if callable(init):
         try:
             takes_rng = len(inspect.signature(init).parameters) >= 2
         except (TypeError, ValueError):
             takes_rng = True
         values = init(shape, rng) if takes_rng else init(shape)
-    elif np.ndim(init) == 0:
-        values = np.full(shape, float(init), dtype=np.float32)
     else:
         values = init
     values = np.asarray(values, dtype=np.float32)

@@ -76,6 +76,24 @@ class Placement:
         q, r = divmod(self.vocabulary_size, self.num_shards)
         return shard_id * q + np.minimum(shard_id, r)
 
+    def block_parts(self, start: int, stop: int) -> list[tuple[int, int, slice]]:
+        """Where the logical rows ``[start, stop)`` go, shard by shard: ``(shard, first local
+        row, slice of the block's rows)`` for each shard that gets any. A part's local rows are
+        consecutive, so a backend can fill a table block by block (see
+        ``Backend.create_table_from_blocks``)."""
+        n, parts = self.num_shards, []
+        for s in range(n):
+            if self.strategy == "mod":
+                first = start + (s - start) % n
+                if first < stop:
+                    parts.append((s, first // n, slice(first - start, stop - start, n)))
+            else:
+                lo = max(start, int(self.shard_start(s)))
+                hi = min(stop, int(self.shard_start(s)) + self.rows_in_shard(s))
+                if lo < hi:
+                    parts.append((s, lo - int(self.shard_start(s)), slice(lo - start, hi - start)))
+        return parts
+
     def global_ids(self, shard_id: int) -> np.ndarray:
         """Global ids held by a shard, in local-row order."""
         rows = np.arange(self.rows_in_shard(shard_id), dtype=np.int64)
