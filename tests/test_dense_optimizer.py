@@ -309,6 +309,34 @@ def test_jax_dense_steps_donate_run_in_pieces_and_match_numpy(monkeypatch):
         assert not be._update_in_pieces(step, [x[:100]], [[x[:100]]] * 3)  # one piece: XLA alone
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_numpy_elementwise_steps_in_pieces_are_the_whole_step(monkeypatch, dtype):
+    """NumPy runs Adadelta's elementwise step on pieces written in place (small pieces here:
+    several and a tail, and a 2-D variable): bit-identical to the step on whole arrays, and
+    every variable and slot keeps its own storage."""
+    from meshembed_numpy import backend as numpy_backend
+
+    rng = np.random.default_rng(3)
+    shapes = [(1000,), (33, 17), (5,)]
+    init = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(dtype) for s in shapes] for _ in range(3)]
+    results = []
+    for piece in (10**9, 64):
+        monkeypatch.setattr(numpy_backend, "PIECE_ELEMENTS", piece)
+        vs = [me.Variable(x, name=f"v{i}", backend="numpy") for i, x in enumerate(init)]
+        opt = me.optimizers.Adadelta(learning_rate=0.5, rho=0.9, epsilon=1e-6)
+        storage = None
+        for step in grads:
+            opt.apply_gradients(list(zip(step, vs)))
+            now = [v.value.ctypes.data for v in opt.variables[1:] + vs]
+            assert storage in (None, now), "a step replaced a variable's array instead of writing into it"
+            storage = now
+        results.append([v.numpy() for v in opt.variables[1:] + vs])
+    for whole, pieces in zip(*results):
+        np.testing.assert_array_equal(pieces, whole)
+    assert not np.array_equal(results[0][-1], init[-1])
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"rho": 1.5}, "Invalid `rho`"),
     ({"epsilon": -1.0}, "Invalid `epsilon`"),

@@ -7,7 +7,7 @@ whatever the array library's own sharding propagation does.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -50,6 +50,13 @@ def _full_array(value: Any) -> Any:
     return full() if callable(full) else value
 
 
+class _Fresh(NamedTuple):
+    """An initial value made for one variable alone (an optimizer's zeros): the variable
+    adopts it instead of copying it, so making a slot never holds two copies."""
+
+    value: Any
+
+
 class Variable:
     """A mutable, named array on a backend, optionally laid out over a mesh.
 
@@ -80,13 +87,16 @@ class Variable:
                 f"Invalid `layout`. Expected a mesh on backend {self._backend.name!r}. "
                 f"Received: layout={layout!r}"
             )
-        if callable(initial_value) and not self._backend.is_native(initial_value):
+        copy = not isinstance(initial_value, _Fresh)
+        if not copy:
+            initial_value = initial_value.value
+        elif callable(initial_value) and not self._backend.is_native(initial_value):
             initial_value = initial_value()
         self.name: str = name if name is not None else "Variable"
         self.layout: Layout | None = layout
         self.trainable: bool = bool(trainable)
         self._value: Any = None
-        self._value = self._prepare(initial_value, dtype=dtype, copy=True, check_shape=False)
+        self._value = self._prepare(initial_value, dtype=dtype, copy=copy, check_shape=False)
 
     # -- conversion -------------------------------------------------------------------
     def _prepare(self, value: Any, *, dtype: Any = None, copy: bool, check_shape: bool = True) -> Any:

@@ -36,7 +36,7 @@ from meshembed.errors import ConfigError, InputError, StateError
 from meshembed.optimizers import schedules
 from meshembed.optimizers.options import EMAOption, GradientsClipOption
 from meshembed.sharding.mesh import Layout, Mesh
-from meshembed.variable import IndexedSlices, Variable, dtype_name
+from meshembed.variable import IndexedSlices, Variable, _Fresh, dtype_name
 
 __all__ = ["Optimizer"]
 
@@ -209,9 +209,9 @@ class Optimizer:
         shape = tuple(int(d) for d in shape)
         dtype = dtype_name(dtype) if dtype is not None else "float32"
         if initializer == "zeros":
-            value = np.zeros(shape, dtype=dtype)
+            value = _Fresh(np.zeros(shape, dtype=dtype))
         elif initializer == "ones":
-            value = np.ones(shape, dtype=dtype)
+            value = _Fresh(np.ones(shape, dtype=dtype))
         elif callable(initializer):
             value = initializer(shape, dtype)
         else:
@@ -233,8 +233,10 @@ class Optimizer:
                 f"Invalid `model_variable`. Expected a meshembed.Variable. Received: model_variable={model_variable!r}"
             )
         backend = model_variable.backend
-        if initial_value is None:
-            initial_value = backend.xp.zeros_like(model_variable.value)
+        if initial_value is None:  # zeros made for this slot alone, adopted without a copy
+            ref, xp = model_variable.value, backend.xp
+            initial_value = _Fresh(xp.zeros_like(ref) if backend.sharding_of(ref) is not None else
+                                   xp.zeros(ref.shape, dtype=ref.dtype, device=array_api_compat.device(ref)))
         var = Variable(initial_value, name=f"{variable_name}/{model_variable.name}", layout=model_variable.layout,
                        trainable=False, backend=backend, dtype=model_variable.dtype)
         if var.shape != model_variable.shape:
@@ -320,13 +322,13 @@ class Optimizer:
             i = j
 
     def _can_update_in_place(self, targets: Sequence[Variable]) -> bool:
-        """A dense step may overwrite ``targets`` in place: the backend compiles and updates
-        in place (torch writes into the arrays, JAX donates them), nothing in this step reads
+        """A dense step may overwrite ``targets`` in place: the backend updates
+        in place (NumPy and torch write into the arrays, JAX donates them), nothing in this step reads
         their staged values back (no EMA), none of them has a staged value already, and the
         backend accepts each array (``can_update_in_place``: not a DTensor, one JAX device)."""
         backend = targets[0].backend
         caps = backend.capabilities
-        if not (self._in_place_ok and caps.in_place and caps.compiles):
+        if not (self._in_place_ok and caps.in_place):
             return False
         for t in targets:
             if t.backend is not backend or not backend.is_native(t.value) or not backend.can_update_in_place(t.value):
