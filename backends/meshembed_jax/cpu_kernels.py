@@ -5,8 +5,8 @@ the W1 step 3-5x slower than the torch backend. These kernels only move and sum 
 XLA's intra-op thread pool; the optimizer formula stays the core's function compiled by XLA.
 
 The shared library is compiled once per source/jax version with the system C++ compiler
-(``$CXX`` or ``g++``) into ``$MESHEMBED_CACHE`` (default ``~/.cache/meshembed``), like
-``torch.utils.cpp_extension.load``. Where it cannot be built (no compiler) or on another
+(``$CXX`` or ``g++``) into ``$MESHEMBED_CACHE`` (default ``~/.cache/meshembed``), see
+:mod:`meshembed.native`. Where it cannot be built (no compiler) or on another
 platform the backend uses its pure-XLA kernels, which compute the same numbers;
 ``MESHEMBED_JAX_CPU_KERNELS=0`` forces them.
 """
@@ -14,15 +14,13 @@ platform the backend uses its pure-XLA kernels, which compute the same numbers;
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
+
+from meshembed import native
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 _TARGETS = {
@@ -32,12 +30,7 @@ _TARGETS = {
     "meshembed_scatter_rows": "MeshembedScatterRows",
     "meshembed_write_slices": "MeshembedWriteSlices",
 }
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 _state: dict[str, Any] = {}
-
-
-class BuildError(RuntimeError):
-    """The kernels could not be compiled; the message has the compiler's output."""
 
 
 def enabled() -> bool:
@@ -45,59 +38,22 @@ def enabled() -> bool:
     return os.environ.get("MESHEMBED_JAX_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("MESHEMBED_CACHE") or Path.home() / ".cache" / "meshembed")
-
-
-def _cpu_id() -> str:
-    """What ``-march=native`` depends on: a cache shared by machines with different CPUs
-    (a network home directory) must not hand one a library with instructions it lacks."""
-    import platform
-
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return f"{platform.machine()}/{platform.processor()}/{flags}"
-
-
-def library_path() -> Path:
+def _key() -> str:
     import jax
     import jaxlib
 
-    key = repr((_FLAGS, jax.__version__, jaxlib.__version__, _cpu_id())).encode()
-    return cache_dir() / f"jax_cpu_kernels-{hashlib.sha256(_SOURCE.read_bytes() + key).hexdigest()[:16]}.so"
+    return f"jax {jax.__version__} jaxlib {jaxlib.__version__}"
 
 
-def build(path: Path) -> Path:
-    """Compile the kernels into ``path`` (atomically, under a file lock)."""
+def library_path() -> Path:
+    return native.library_path(_SOURCE, "jax_cpu_kernels", _key())
+
+
+def build() -> Path:
+    """Compile the kernels against jax's FFI headers (once; see :mod:`meshembed.native`)."""
     import jax.ffi
 
-    if path.exists():
-        return path
-    try:
-        import fcntl  # POSIX: several processes may build at once (tests, jax.distributed)
-    except ImportError as exc:
-        raise BuildError(f"cannot lock the build directory here ({exc})") from None
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if not cxx:
-        raise BuildError("no C++ compiler found (set CXX or install g++)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if path.exists():  # another process built it meanwhile
-            return path
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            os.unlink(tmp)
-            raise BuildError(f"{' '.join(cmd)} failed:\n{done.stderr[:4000]}")
-        os.replace(tmp, path)
-    return path
+    return native.build_library(_SOURCE, "jax_cpu_kernels", _key(), include_dirs=[jax.ffi.include_dir()])
 
 
 def load() -> bool:
@@ -107,7 +63,7 @@ def load() -> bool:
     try:
         import jax.ffi
 
-        lib = ctypes.cdll.LoadLibrary(str(build(library_path())))
+        lib = ctypes.cdll.LoadLibrary(str(build()))
         for target, symbol in _TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         _state["lib"] = lib
@@ -213,4 +169,4 @@ def write_slices(arrays: tuple, start: Any, pieces: tuple) -> tuple:
 
 
 if __name__ == "__main__":  # python -m meshembed_jax.cpu_kernels: build and report
-    print(build(library_path()) if load() else _state.get("error"), file=sys.stderr)
+    print(build() if load() else _state.get("error"), file=sys.stderr)

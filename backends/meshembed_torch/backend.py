@@ -25,6 +25,7 @@ from meshembed.backend.protocol import Backend, Capabilities, walk_blocks
 from meshembed.errors import InputError
 from meshembed.sharding.placement import Placement
 from meshembed.sharding.placement import unshard as unshard_numpy
+from meshembed_torch import fused_cpu
 from meshembed_torch.dense import TorchDenseMixin  # imports torch lazily, like this module
 from meshembed_torch.table import TorchShardedTable
 
@@ -359,6 +360,13 @@ class TorchBackend(TorchDenseMixin, Backend):
             raise InputError(
                 f"Invalid `grads`: expected one row per id ({ids.shape[0]}). Received: shape={tuple(g_src.shape)}"
             )
+        if first.group is None and ids.numel() and ids.numel() < 2**31:
+            datas = [t.data for t in tables]
+            kernel = fused_cpu.kernel_for(fn, datas, g_src)
+            if kernel is not None:  # a registered fused kernel computes fn (see fused_cpu.py)
+                rows = ids if first.rowmap.identity else first.rowmap.local_index(ids)
+                fused_cpu.update(kernel, rows, g_src, rows_of, w, datas, torch.get_num_threads())
+                return list(tables)
         seg = self._k.segments(ids, id_range)
         if first.group is None and seg.unique.numel():
             flat = g_src.reshape(g_src.shape[0], -1)

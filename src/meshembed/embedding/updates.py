@@ -15,7 +15,7 @@ scatters back, so the same math runs on every backend.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import array_api_compat
 import numpy as np
@@ -98,10 +98,22 @@ def _jax_program_runner(table: TableSpec) -> dict[str, Any]:
     return {"hlo_runner": runner, "takes_learning_rate": n_params == 3 + num_slots}
 
 
+class UpdateSpec(NamedTuple):
+    """What an update function computes, as data (``fn.update_spec``): lets a backend run a
+    registered fused kernel instead (conformance compares each one with the core function).
+    ``plain``: no gradient or weight clipping and no weight decay around the formula."""
+
+    algorithm: str
+    lr: float
+    hyperparameters: dict
+    plain: bool
+
+
 def make_update_fn(
     xp: Any, table: TableSpec, learning_rates: Sequence[float], backend_name: str = ""
 ) -> Callable[..., tuple]:
-    """``fn(grad_rows, param_rows, *slot_rows) -> (param_rows', *slot_rows')`` for this table."""
+    """``fn(grad_rows, param_rows, *slot_rows) -> (param_rows', *slot_rows')`` for this table,
+    with ``fn.update_spec`` (:class:`UpdateSpec`) describing it."""
     from meshembed import math as me_math
 
     opt = table.optimizer
@@ -135,6 +147,8 @@ def make_update_fn(
         )
         return (new_params, *tuple(new_slots))
 
+    fn.update_spec = UpdateSpec(algorithm if isinstance(algorithm, str) else "custom", lr, dict(hp),
+                                decay == 0 and gradient_clip is None and weight_clip is None)
     return fn
 
 

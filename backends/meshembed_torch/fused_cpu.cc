@@ -1,0 +1,192 @@
+// Fused sparse update of one embedding table on the CPU: dedup of the looked-up rows,
+// per-row gradient sums (in batch order, as the core's reference) and the optimizer's
+// element-wise formula, in one pass over each unique row. A registered optimisation of the
+// torch backend (meshembed_torch/fused.py): conformance compares it with the core function.
+//
+// Plain C ABI (called through ctypes with tensors' data pointers), float32 rows, no torch
+// headers. Threads: OpenMP, which resolves to the libgomp torch has loaded, so the kernel
+// runs on torch's own intra-op threads (a second pool would compete with torch's spinning
+// workers for the same cores). Each thread owns a contiguous range of unique rows, balanced
+// by contribution count, so no two threads write the same row.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+enum Algorithm : int { kSgd = 0, kAdagrad = 1, kAdadelta = 2 };
+
+struct Problem {
+  int algorithm;
+  const float* grads;
+  int64_t dim;
+  float* table;
+  float* slot0;
+  float* slot1;
+  float lr, rho, epsilon, one_minus_rho;  // 1 - rho rounded once from double, as the core's
+                                         // Python-float hyper-parameters are
+  int64_t n;                  // contributions, in batch order:
+  const int32_t* rank;        // ... the unique row each one adds to,
+  const int64_t* grad_index;  // ... its row of `grads` (nullptr: i),
+  const float* weights;       // ... and its weight (nullptr: 1)
+  const int64_t* uniq;        // unique rows, ascending
+  float* sums;                // [unique, dim] gradient sums
+};
+
+// sum += a * row (a == 1: plain sum), D a compile-time width where it is a common one so
+// the loop is fully unrolled into vector registers.
+template <int D>
+inline void AddFixed(float* __restrict sum, const float* __restrict row, float a, bool scaled) {
+  if (scaled) {
+    for (int d = 0; d < D; ++d) sum[d] += a * row[d];
+  } else {
+    for (int d = 0; d < D; ++d) sum[d] += row[d];
+  }
+}
+
+inline void Add(float* __restrict sum, const float* __restrict row, float a, bool scaled, int64_t dim) {
+  switch (dim) {
+    case 16: return AddFixed<16>(sum, row, a, scaled);
+    case 32: return AddFixed<32>(sum, row, a, scaled);
+    case 64: return AddFixed<64>(sum, row, a, scaled);
+    case 128: return AddFixed<128>(sum, row, a, scaled);
+  }
+  if (scaled) {
+    for (int64_t d = 0; d < dim; ++d) sum[d] += a * row[d];
+  } else {
+    for (int64_t d = 0; d < dim; ++d) sum[d] += row[d];
+  }
+}
+
+// The optimizer on one row, with the formulas of meshembed/math written out in float32
+// in the same operation order (no fused multiply-adds: -ffp-contract=off). Scalars are
+// copied to locals and pointers are restrict: a store to a row could otherwise alias
+// them, which forces a reload per element and stops vectorisation.
+void update_row(const Problem& p, int64_t row, const float* __restrict g) {
+  const int64_t dim = p.dim;
+  const float lr = p.lr, rho = p.rho, eps = p.epsilon, one_minus_rho = p.one_minus_rho;
+  float* __restrict w = p.table + row * dim;
+  switch (p.algorithm) {
+    case kSgd:
+      for (int64_t d = 0; d < dim; ++d) w[d] = w[d] - lr * g[d];
+      break;
+    case kAdagrad: {
+      float* __restrict acc = p.slot0 + row * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        const float a = acc[d] + g[d] * g[d];
+        acc[d] = a;
+        w[d] = w[d] - lr * g[d] / std::sqrt(a);
+      }
+      break;
+    }
+    case kAdadelta: {
+      float* __restrict acc = p.slot0 + row * dim;
+      float* __restrict upd = p.slot1 + row * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        const float a = rho * acc[d] + one_minus_rho * (g[d] * g[d]);
+        const float step = std::sqrt(upd[d] + eps) / std::sqrt(a + eps) * g[d];
+        upd[d] = rho * upd[d] + one_minus_rho * (step * step);
+        acc[d] = a;
+        w[d] = w[d] - lr * step;
+      }
+      break;
+    }
+  }
+}
+
+constexpr int64_t kAhead = 8;
+
+// Sums of unique rows [lo, hi): their contributions added in batch order (the order of the
+// core's reference, so the same float32 sums). Every thread scans all contributions but
+// adds only to its own rows: gradient rows are then read in batch order (a sample's row
+// stays in cache for its ids) and no two threads write one row.
+void sum_range(const Problem& p, int64_t lo, int64_t hi) {
+  const int64_t dim = p.dim;
+  std::fill(p.sums + lo * dim, p.sums + hi * dim, 0.0f);
+  const bool scaled = p.weights != nullptr;
+  for (int64_t i = 0; i < p.n; ++i) {
+    const int64_t r = p.rank[i];
+    if (r < lo || r >= hi) continue;
+    const float* src = p.grads + (p.grad_index ? p.grad_index[i] : i) * dim;
+    Add(p.sums + r * dim, src, scaled ? p.weights[i] : 1.0f, scaled, dim);
+  }
+}
+
+// The optimizer on unique rows [lo, hi). They ascend but lie far apart in the table:
+// prefetch the table's (and slots') row kAhead on.
+void update_range(const Problem& p, int64_t lo, int64_t hi) {
+  const int64_t dim = p.dim, row_bytes = dim * int64_t(sizeof(float));
+  for (int64_t u = lo; u < hi; ++u) {
+    if (u + kAhead < hi) {
+      const int64_t ahead = p.uniq[u + kAhead] * dim;
+      for (float* base : {p.table, p.slot0, p.slot1})
+        if (base)
+          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<char*>(base + ahead) + b, 1);
+    }
+    update_row(p, p.uniq[u], p.sums + u * dim);
+  }
+}
+
+}  // namespace
+
+// Returns the number of unique rows updated, or -1 if a row is outside [0, num_rows).
+// hp: learning rate, rho, epsilon (the ones the algorithm uses).
+extern "C" int64_t meshembed_fused_update(int algorithm, const int64_t* rows, int64_t n,
+                                          const int64_t* grad_index, const float* weights,
+                                          const float* grads, int64_t dim, float* table,
+                                          int64_t num_rows, float* slot0, float* slot1,
+                                          const double* hp, int threads) {
+  // Scratch kept between calls (per calling thread): fresh megabytes every step would cost
+  // a page fault per 4 KiB touched.
+  thread_local std::vector<uint64_t> bits;
+  thread_local std::vector<int64_t> base, uniq, count;
+  thread_local std::vector<int32_t> rank;
+  thread_local std::vector<float> sums;
+  // Dedup by a bitmap of the table's rows: the unique rows come out ascending, so the
+  // updates walk the table in address order. rank(row) = set bits before it.
+  const int64_t words = (num_rows + 63) >> 6;
+  bits.assign(words, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = rows[i];
+    if (r < 0 || r >= num_rows) return -1;
+    bits[r >> 6] |= uint64_t(1) << (r & 63);
+  }
+  base.resize(words + 1);
+  base[0] = 0;
+  for (int64_t w = 0; w < words; ++w) base[w + 1] = base[w] + __builtin_popcountll(bits[w]);
+  const int64_t unique = base[words];
+  uniq.resize(unique);
+  for (int64_t w = 0, k = 0; w < words; ++w)
+    for (uint64_t b = bits[w]; b; b &= b - 1) uniq[k++] = (w << 6) + __builtin_ctzll(b);
+  rank.resize(n);
+  count.assign(unique + 1, 0);  // count[u + 1]: contributions of unique row u
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = rows[i];
+    const uint64_t below = bits[r >> 6] & ((uint64_t(1) << (r & 63)) - 1);
+    rank[i] = int32_t(base[r >> 6] + __builtin_popcountll(below));
+    ++count[rank[i] + 1];
+  }
+  for (int64_t u = 0; u < unique; ++u) count[u + 1] += count[u];
+  sums.resize(unique * dim);
+
+  Problem p{algorithm, grads, dim, table, slot0, slot1, float(hp[0]), float(hp[1]), float(hp[2]), float(1.0 - hp[1]),
+            n, rank.data(), grad_index, weights, uniq.data(), sums.data()};
+  // Sums: the unique rows split into ranges of about equal contribution counts (in a Zipf
+  // batch a few hot rows hold half of them); updates: ranges of equal row counts.
+  const int t_count = int(std::max<int64_t>(1, std::min<int64_t>(threads, unique / 256)));
+  std::vector<int64_t> cut(t_count + 1, unique);
+  cut[0] = 0;
+  for (int t = 1; t < t_count; ++t)
+    cut[t] = std::lower_bound(count.begin(), count.end() - 1, n * t / t_count) - count.begin();
+#pragma omp parallel num_threads(t_count)
+  {
+#pragma omp for schedule(static, 1)
+    for (int t = 0; t < t_count; ++t) sum_range(p, cut[t], cut[t + 1]);
+#pragma omp for schedule(static, 1)
+    for (int t = 0; t < t_count; ++t) update_range(p, unique * t / t_count, unique * (t + 1) / t_count);
+  }
+  return unique;
+}
