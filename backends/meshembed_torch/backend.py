@@ -362,7 +362,7 @@ class TorchBackend(TorchDenseMixin, Backend):
             )
         if first.group is None and ids.numel() and ids.numel() < 2**31:
             datas = [t.data for t in tables]
-            kernel = fused_cpu.kernel_for(fn, datas, g_src)
+            kernel = fused_cpu.kernel_for(fn, datas, g_src, ids.numel(), rows_of, w)
             if kernel is not None:  # a registered fused kernel computes fn (see fused_cpu.py)
                 rows = ids if first.rowmap.identity else first.rowmap.local_index(ids)
                 fused_cpu.update(kernel, rows, g_src, rows_of, w, datas, torch.get_num_threads())

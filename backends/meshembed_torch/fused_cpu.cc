@@ -132,11 +132,12 @@ void update_range(const Problem& p, int64_t lo, int64_t hi) {
 
 }  // namespace
 
-// Returns the number of unique rows updated, or -1 if a row is outside [0, num_rows).
+// Returns the number of unique rows updated, or (before writing anything) -1 if a row is
+// outside [0, num_rows), -2 if a gradient index is outside [0, grad_rows).
 // hp: learning rate, rho, epsilon (the ones the algorithm uses).
 extern "C" int64_t meshembed_fused_update(int algorithm, const int64_t* rows, int64_t n,
                                           const int64_t* grad_index, const float* weights,
-                                          const float* grads, int64_t dim, float* table,
+                                          const float* grads, int64_t grad_rows, int64_t dim, float* table,
                                           int64_t num_rows, float* slot0, float* slot1,
                                           const double* hp, int threads) {
   // Scratch kept between calls (per calling thread): fresh megabytes every step would cost
@@ -152,6 +153,7 @@ extern "C" int64_t meshembed_fused_update(int algorithm, const int64_t* rows, in
   for (int64_t i = 0; i < n; ++i) {
     const int64_t r = rows[i];
     if (r < 0 || r >= num_rows) return -1;
+    if (grad_index && (grad_index[i] < 0 || grad_index[i] >= grad_rows)) return -2;
     bits[r >> 6] |= uint64_t(1) << (r & 63);
   }
   base.resize(words + 1);

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from meshembed import native
+from meshembed.errors import InputError
 
 _SOURCE = Path(__file__).with_name("fused_cpu.cc")
 
@@ -46,8 +47,8 @@ def _library() -> Any:
             fn = lib.meshembed_fused_update
             fn.restype = ctypes.c_int64
             fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
             _state["lib"] = lib
         except Exception as exc:  # no compiler, ...
             _state["lib"] = None
@@ -58,9 +59,12 @@ def _library() -> Any:
     return _state["lib"]
 
 
-def kernel_for(fn: Any, datas: Sequence[Any], grads: Any) -> tuple[int, tuple[float, float, float]] | None:
+def kernel_for(fn: Any, datas: Sequence[Any], grads: Any, n: int, grad_index: Any, weights: Any
+               ) -> tuple[int, tuple[float, float, float]] | None:
     """``(kernel code, (lr, rho, epsilon))`` when a registered kernel computes ``fn`` for
-    these float32 CPU tables (a plain update: no clipping or weight decay), else None."""
+    these float32 CPU tables (a plain update: no clipping or weight decay) and ``n`` ids'
+    gradients of the expected shapes, else None (the core function then runs, and reports
+    any shape error)."""
     import torch
 
     spec = getattr(fn, "update_spec", None)
@@ -70,6 +74,13 @@ def kernel_for(fn: Any, datas: Sequence[Any], grads: Any) -> tuple[int, tuple[fl
     if len(datas) != 1 + n_slots or set(spec.hyperparameters) - set(reads):
         return None
     if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in (*datas, grads)):
+        return None
+    dim = datas[0].shape[1]
+    if grads.dim() != 2 or grads.shape[1] != dim or any(d.shape != datas[0].shape for d in datas):
+        return None
+    if (grad_index is None and grads.shape[0] != n) or (grad_index is not None and grad_index.numel() != n):
+        return None
+    if weights is not None and weights.numel() != n:
         return None
     if _library() is None:
         return None
@@ -87,13 +98,15 @@ def update(kernel: tuple[int, tuple[float, float, float]], rows: Any, grads: Any
     rows = rows.to(torch.int64).contiguous()
     index = None if grad_index is None else grad_index.to(torch.int64).contiguous()
     w = None if weights is None else weights.to(torch.float32).contiguous()
-    grads = grads.reshape(grads.shape[0], -1)
     params = (ctypes.c_double * 3)(*hp)
     slots = [d.data_ptr() for d in datas[1:]] + [None, None]
     done = _library().meshembed_fused_update(
         code, rows.data_ptr(), rows.numel(), None if index is None else index.data_ptr(),
-        None if w is None else w.data_ptr(), grads.data_ptr(), grads.shape[1], datas[0].data_ptr(),
-        datas[0].shape[0], slots[0], slots[1], params, int(threads))
+        None if w is None else w.data_ptr(), grads.data_ptr(), grads.shape[0], grads.shape[1],
+        datas[0].data_ptr(), datas[0].shape[0], slots[0], slots[1], params, int(threads))
+    if done == -2:
+        raise InputError(f"Invalid `grad_index`: expected every index in [0, {grads.shape[0]}) (a row of "
+                         "`grads`). Nothing was updated.")
     if done < 0:  # the backend checked the ids: an internal error, not a user's
         raise RuntimeError("meshembed fused update: a row outside the table reached the kernel")
     calls[0] += 1
