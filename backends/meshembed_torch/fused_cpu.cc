@@ -1,18 +1,19 @@
 // Fused sparse update of one embedding table on the CPU: dedup of the looked-up rows,
 // per-row gradient sums (in batch order, as the core's reference) and the optimizer's
-// element-wise formula, in one pass over each unique row. A registered optimisation of the
-// torch backend (meshembed_torch/fused.py): conformance compares it with the core function.
+// element-wise formula, with no intermediate tensor. A registered optimisation of the torch
+// backend (meshembed_torch/fused_cpu.py); tests/test_torch_fused.py compares it with the
+// core function and the NumPy reference.
 //
 // Plain C ABI (called through ctypes with tensors' data pointers), float32 rows, no torch
 // headers. Threads: OpenMP, which resolves to the libgomp torch has loaded, so the kernel
 // runs on torch's own intra-op threads (a second pool would compete with torch's spinning
-// workers for the same cores). Each thread owns a contiguous range of unique rows, balanced
-// by contribution count, so no two threads write the same row.
+// workers for the same cores). Each thread owns a contiguous range of unique rows — for the
+// sums balanced by contribution count, for the updates by row count — so no two threads
+// write the same row.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
