@@ -24,13 +24,14 @@ def test_every_registered_kernel_is_tested():
     assert set(fused_cpu.REGISTERED) == set(OPTIMIZERS)
 
 
-def _train(backend: str, algorithm: str, combiner: str, shards: int, dim: int, steps: int = 3) -> dict:
+def _train(backend: str, algorithm: str, combiner: str, shards: int, dim: int, steps: int = 3,
+           strategy: str = "mod") -> dict:
     rng = np.random.default_rng(5)
     vocab, batch = 1000, 64
     cfg = me.EmbeddingConfig(
         tables=[me.TableConfig("t", vocab, dim, optimizer=OPTIMIZERS[algorithm](), combiner=combiner)],
         features=[me.FeatureConfig("t", (batch,), name="f")],
-        sharding_strategy="mod",
+        sharding_strategy=strategy,
     )
     emb = me.TPUEmbedding(cfg, backend=backend, num_shards=shards, seed=3)
     for _ in range(steps):
@@ -46,15 +47,15 @@ def _train(backend: str, algorithm: str, combiner: str, shards: int, dim: int, s
 
 @pytest.mark.parametrize("algorithm", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("combiner", ["sum", "mean"])
-@pytest.mark.parametrize("shards,dim", [(1, 64), (3, 7)])
-def test_fused_kernel_equals_the_core_function(monkeypatch, algorithm, combiner, shards, dim):
+@pytest.mark.parametrize("shards,dim,strategy", [(1, 64, "mod"), (3, 7, "mod"), (2, 16, "div")])
+def test_fused_kernel_equals_the_core_function(monkeypatch, algorithm, combiner, shards, dim, strategy):
     before = fused_cpu.calls[0]
-    fused = _train("torch", algorithm, combiner, shards, dim)
+    fused = _train("torch", algorithm, combiner, shards, dim, strategy=strategy)
     assert fused_cpu.calls[0] == before + 3, "the fused kernel did not run"
     monkeypatch.setenv("MESHEMBED_TORCH_FUSED", "0")
-    core = _train("torch", algorithm, combiner, shards, dim)
+    core = _train("torch", algorithm, combiner, shards, dim, strategy=strategy)
     assert fused_cpu.calls[0] == before + 3
-    reference = _train("numpy", algorithm, combiner, shards, dim)
+    reference = _train("numpy", algorithm, combiner, shards, dim, strategy=strategy)
     for name in reference:
         # Same float32 operations in the same order (batch-order sums, no fused multiply-add)
         # as the NumPy reference: equal to the last bit.
