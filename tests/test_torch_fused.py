@@ -1,7 +1,7 @@
 """The torch backend's registered fused CPU updates (``meshembed_torch/fused_cpu.py``) against
 the core functions they stand in for: every registered algorithm, plain and weighted
-(mean combiner) gradients, one and several shards, on torch with the kernel, on torch
-without it and on the NumPy reference."""
+(mean combiner) gradients, 1 shard, 3 MOD shards and 2 DIV shards, on torch with the
+kernel, on torch without it and on the NumPy reference."""
 
 from __future__ import annotations
 
