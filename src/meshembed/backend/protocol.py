@@ -238,7 +238,6 @@ class Backend(abc.ABC):
         return f"<meshembed backend {self.name!r}>"
 
 
-
 def walk_blocks(shape: tuple[int, int], blocks: Iterable[np.ndarray], place: Callable[[int, np.ndarray], None]) -> None:
     """Hand each block of logical rows to ``place(start_row, block)``; raises ``ValueError``
     unless the blocks are ``[rows, D]`` arrays that cover ``shape`` exactly."""
