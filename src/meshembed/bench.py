@@ -3,8 +3,8 @@
 Each job runs in a fresh subprocess so its peak memory (growth of peak RSS over the
 baseline taken once the framework has started and the job has made its inputs) is its own.
 Prints one table with medians, min–max, the memory-traffic lower bound from the measured
-bandwidth, and peak memory;
-writes JSON and a PNG bar chart when asked. Needs a source checkout (``benchmarks/``).
+bandwidth, and peak memory; writes JSON and a PNG bar chart when asked. Needs a source
+checkout (``benchmarks/``).
 """
 
 from __future__ import annotations
