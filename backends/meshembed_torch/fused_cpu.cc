@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "row_dedup.h"
+
 namespace {
 
 enum Algorithm : int { kSgd = 0, kAdagrad = 1, kAdadelta = 2 };
@@ -141,35 +143,18 @@ extern "C" int64_t meshembed_fused_update(int algorithm, const int64_t* rows, in
                                           const float* grads, int64_t grad_rows, int64_t dim, float* table,
                                           int64_t num_rows, float* slot0, float* slot1,
                                           const double* hp, int threads) {
-  // Scratch kept between calls (per calling thread): fresh megabytes every step would cost
-  // a page fault per 4 KiB touched.
-  thread_local std::vector<uint64_t> bits;
-  thread_local std::vector<int64_t> base, uniq, count;
+  // Unique rows ascending (so the updates walk the table in address order) and the rank of
+  // each contribution's row among them: the bitmap dedup the JAX kernels use too.
+  thread_local std::vector<int64_t> uniq, count;
   thread_local std::vector<int32_t> rank;
   thread_local std::vector<float> sums;
-  // Dedup by a bitmap of the table's rows: the unique rows come out ascending, so the
-  // updates walk the table in address order. rank(row) = set bits before it.
-  const int64_t words = (num_rows + 63) >> 6;
-  bits.assign(words, 0);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t r = rows[i];
-    if (r < 0 || r >= num_rows) return -1;
-    if (grad_index && (grad_index[i] < 0 || grad_index[i] >= grad_rows)) return -2;
-    bits[r >> 6] |= uint64_t(1) << (r & 63);
-  }
-  base.resize(words + 1);
-  base[0] = 0;
-  for (int64_t w = 0; w < words; ++w) base[w + 1] = base[w] + __builtin_popcountll(bits[w]);
-  const int64_t unique = base[words];
-  uniq.resize(unique);
-  for (int64_t w = 0, k = 0; w < words; ++w)
-    for (uint64_t b = bits[w]; b; b &= b - 1) uniq[k++] = (w << 6) + __builtin_ctzll(b);
+  uniq.resize(n);
   rank.resize(n);
+  const int64_t unique = meshembed::DedupBitmap(rows, n, num_rows, n, uniq.data(), rank.data());
   count.assign(unique + 1, 0);  // count[u + 1]: contributions of unique row u
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t r = rows[i];
-    const uint64_t below = bits[r >> 6] & ((uint64_t(1) << (r & 63)) - 1);
-    rank[i] = int32_t(base[r >> 6] + __builtin_popcountll(below));
+    if (rank[i] < 0) return -1;
+    if (grad_index && (grad_index[i] < 0 || grad_index[i] >= grad_rows)) return -2;
     ++count[rank[i] + 1];
   }
   for (int64_t u = 0; u < unique; ++u) count[u + 1] += count[u];

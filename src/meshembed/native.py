@@ -1,6 +1,7 @@
 """Building a backend's small C++ kernels on first use (like ``torch.utils.cpp_extension.load``).
 
-A backend ships a ``.cc`` file; :func:`build_library` compiles it with the system compiler
+A backend ships a ``.cc`` file (which may include the shared headers of ``cpp/``, e.g. the
+bitmap row dedup); :func:`build_library` compiles it with the system compiler
 (``$CXX`` or ``g++``) into ``$MESHEMBED_CACHE`` (default ``~/.cache/meshembed``), once per
 source, flags, caller's key (framework versions) and CPU, under a file lock so that several
 processes (tests, ``jax.distributed``, ``torchrun``) can ask at once. A backend that cannot
@@ -22,6 +23,11 @@ from typing import Sequence
 #: computes it, instead of one fused multiply-add; ``-fno-math-errno`` lets ``sqrt`` vectorise
 #: (errno is never read; the results are the same IEEE square roots).
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-w")
+
+
+#: Headers every kernel may include (``#include "row_dedup.h"``): on the include path of
+#: every build, and part of every library's cache key.
+INCLUDE_DIR = Path(__file__).with_name("cpp")
 
 
 class BuildError(RuntimeError):
@@ -46,12 +52,13 @@ def _cpu_id() -> str:
 
 def library_path(source: Path, stem: str, key: str = "", flags: Sequence[str] = FLAGS) -> Path:
     """Where the library of ``source`` built with ``flags`` for ``key`` lives in the cache."""
-    digest = hashlib.sha256(source.read_bytes() + repr((tuple(flags), key, _cpu_id())).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + repr((tuple(flags), key, _cpu_id())).encode()).hexdigest()[:16]
     return cache_dir() / f"{stem}-{digest}.so"
 
 
 def build_library(source: Path, stem: str, key: str = "", flags: Sequence[str] = FLAGS,
-                  include_dirs: Sequence[str] = (), libraries: Sequence[str] = ()) -> Path:
+                  include_dirs: Sequence[str] = ()) -> Path:
     """The compiled library of ``source`` (built atomically under a file lock if missing)."""
     path = library_path(source, stem, key, flags)
     if path.exists():
@@ -70,7 +77,8 @@ def build_library(source: Path, stem: str, key: str = "", flags: Sequence[str] =
             return path
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
-        cmd = [cxx, *flags, *(f"-I{d}" for d in include_dirs), str(source), "-o", tmp, *(f"-l{lib}" for lib in libraries)]
+        includes = [str(INCLUDE_DIR), *include_dirs]
+        cmd = [cxx, *flags, *(f"-I{d}" for d in includes), str(source), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             os.unlink(tmp)
