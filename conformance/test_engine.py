@@ -261,8 +261,12 @@ def test_bad_apply_is_rejected_and_changes_nothing(backend, case):
         args = (acts, [np.array([0.1, 0.2])])
     else:
         args = (_bad_grads(acts)[case], [0.1] if dynamic else [])
-    with pytest.raises(me.InputError):
+    with pytest.raises(me.InputError) as info:
         emb.apply_gradients(*args)
+    # the NaN/Inf error names its feature (on a guarded backend table "a" was already
+    # stepped, writing nothing, when table "b"'s Inf is found)
+    named = {"nan gradient": "'fa_seq'", "inf gradient": "'fb'"}.get(case, "")
+    assert named in str(info.value)
     assert_same_state(before, snapshot(emb))
     emb.apply_gradients(acts, [0.1] if dynamic else [])  # the batch is still pending and usable
     assert emb.step == 1

@@ -276,15 +276,14 @@ def test_gradients_that_are_variables_arrays(bk):
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
 
 
-def test_jax_dense_steps_donate_run_in_pieces_and_match_numpy(monkeypatch):
+def test_jax_dense_steps_donate_run_one_pass_per_output_and_match_numpy():
     """JAX: the staged step is jitted with every target donated (the old buffers are gone,
-    the variables hold the new arrays); a variable over two pieces runs the core step on
-    slices written in place by the FFI kernel (small pieces here: loop + tail), and every
-    number matches the NumPy backend."""
+    the variables hold the new arrays); Adadelta's elementwise step on CPU runs as one
+    compiled pass per output, parameters first, then accumulated_delta_var, then
+    accumulated_grad (each pass reads only targets not yet written), each one loop fusion
+    with no copy; and every number matches the NumPy backend."""
     jax = pytest.importorskip("jax")
-    from meshembed_jax import cpu_kernels, dense
 
-    monkeypatch.setattr(dense, "PIECE_BYTES", 4096)  # 1024 floats: 3 pieces + a tail below
     rng = np.random.default_rng(7)
     shapes = [(3100,), (40, 7)]
     init = [rng.standard_normal(s).astype(np.float32) for s in shapes]
@@ -294,19 +293,37 @@ def test_jax_dense_steps_donate_run_in_pieces_and_match_numpy(monkeypatch):
         vs = [me.Variable(x, name=f"v{i}", backend=name) for i, x in enumerate(init)]
         opt = me.optimizers.Adadelta(learning_rate=0.5, rho=0.9, epsilon=1e-6)
         for step in grads:
-            old = [v.value for v in vs]
+            old = [v.value for v in vs] + [s.value for s in opt.variables[1:]]
             opt.apply_gradients(list(zip(step, vs)))
             if name == "jax":
                 assert all(o.is_deleted() for o in old), "the step copied instead of donating"
         results[name] = [v.numpy() for v in opt.variables[1:]] + [v.numpy() for v in vs]
     for a, b in zip(results["numpy"], results["jax"]):
         np.testing.assert_allclose(b, a, rtol=2e-6, atol=2e-7)
-    if cpu_kernels.usable("cpu", np.float32):
-        be = me.get_backend("jax")
-        step = me.optimizers.Adadelta()._step_fn(be.xp)
-        x = jax.numpy.ones(3100, jax.numpy.float32)
-        assert be._update_in_pieces(step, [x], [[x], [x], [x]])
-        assert not be._update_in_pieces(step, [x[:100]], [[x[:100]]] * 3)  # one piece: XLA alone
+
+    be = me.get_backend("jax")
+    step = me.optimizers.Adadelta()._step_fn(be.xp)
+    x = jax.numpy.ones(3100, jax.numpy.float32)
+    lr = jax.numpy.asarray(0.1, jax.numpy.float32)
+    assert be._pass_order(step, [x], [lr], [[x], [x], [x]]) == [0, 2, 1]
+    run = be.compile_update(step, 1)
+    targets = [[jax.numpy.ones(3100, jax.numpy.float32) * k] for k in (1, 2, 3)]
+    run([x], [lr], *targets)
+    for hlo in (c.as_text() for _, c in _compiled_passes(run)):
+        assert hlo.count("fusion(") == 1 and " copy(" not in hlo
+    # a step whose every output reads every target cannot be split: one pass
+    def swap(g, lr, a, b):
+        return b - lr * g, a + lr * g
+
+    swap.elementwise = True
+    assert be._pass_order(swap, [x], [lr], [[x], [x]]) is None
+
+
+def _compiled_passes(run):
+    """The compiled passes :meth:`JaxDenseMixin.compile_update` cached (its closure)."""
+    cache = next(c.cell_contents for c in run.__closure__ if isinstance(c.cell_contents, dict))
+    (plan,) = cache.values()
+    return plan
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

@@ -262,6 +262,52 @@ def test_capacity_error_leaves_state_unchanged():
     assert not np.array_equal(be.unshard(t[0])[[1, 30]], values[[1, 30]])
 
 
+@pytest.mark.parametrize("combined", [False, True])
+def test_false_guard_writes_nothing(be, combined):
+    """``update_rows(guard=False)`` (the engine's NaN/Inf check, not waited for) writes no
+    row of the table or its slot, in the plain and the combiner-backward kernel."""
+    placement = Placement(40, 2, "div")
+    values = _table(40, 3)
+    t = [be.create_table(values, placement), be.create_table(np.full((40, 3), 0.1, np.float32), placement)]
+    fn = make_fn(be.xp, "adagrad", 0.5, {})
+    ids = be.asarray(np.array([1, 1, 30, 7]))
+    extra = {"grad_index": be.asarray(np.array([0, 1, 1, 0]))} if combined else {}
+    grads = be.asarray(np.ones((2 if combined else 4, 3), np.float32))
+    for guard in (False, True):
+        t = be.update_rows(t, ids, grads, fn, guard=be.finite_guard([np.float32(1 if guard else np.nan)]), **extra)
+        changed = not np.array_equal(be.unshard(t[0]), values)
+        assert changed == guard
+        assert changed == (not np.array_equal(be.unshard(t[1]), np.full((40, 3), 0.1, np.float32)))
+
+
+def test_engine_checks_nonfinite_gradients_without_an_early_sync(monkeypatch):
+    """On JAX the engine's NaN/Inf check is a device guard of the update: no eager
+    ``all_finite`` on a good step; on a bad one the error names the feature, nothing moved."""
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig("t", 30, 4, optimizer=me.embedding.Adagrad(0.1))],
+        features=[me.FeatureConfig("t", (6,), name="f")],
+    )
+    emb = me.TPUEmbedding(cfg, backend="jax")
+    assert emb.backend.capabilities.guarded_updates
+    calls = []
+    original = type(emb.backend).all_finite
+    monkeypatch.setattr(type(emb.backend), "all_finite", lambda self, x: calls.append(1) or original(self, x))
+    emb.enqueue([np.arange(6)])
+    acts = emb.backend.to_numpy(emb.dequeue()[0])
+    emb.apply_gradients([np.ones_like(acts)])
+    assert calls == []
+    before = emb.retrieve_parameters("t")
+    emb.enqueue([np.arange(6)])
+    emb.dequeue()
+    bad = np.ones_like(acts)
+    bad[2, 1] = np.inf
+    with pytest.raises(me.InputError, match="feature 'f'.*NaN or Inf.*Nothing was updated"):
+        emb.apply_gradients([bad])
+    after = emb.retrieve_parameters("t")
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name])
+
+
 def test_capacity_from_env(monkeypatch):
     monkeypatch.setenv("MESHEMBED_JAX_CAPACITY", "3")
     assert JaxBackend().capacity == 3

@@ -63,7 +63,7 @@ def test_compiled_steps_call_the_ffi_kernels(monkeypatch):
         text = lookup.lower(table, ids, segs, w).as_text()
         assert ("meshembed_gather_combine" in text) == ffi
         update = kernels.make_update_combined(layout, 4, 1, 16, "dense", lambda dyn, g, t: (t - g,), False)
-        text = update.lower((table,), ids, jnp.ones((8, 4), jnp.float32), segs, w, ()).as_text()
+        text = update.lower((table,), ids, jnp.ones((8, 4), jnp.float32), segs, w, jnp.asarray(True), ()).as_text()
         for target in ("meshembed_dedup_sum", "meshembed_gather_rows", "meshembed_scatter_rows"):
             assert (target in text) == ffi, target
 

@@ -113,7 +113,8 @@ def _hlo_worker() -> None:
             from meshembed_jax import fnspec
 
             spec = fnspec.split(fn)
-            texts["update"] = kernel.lower(tuple(t.data for t in tables), gids, ggrads, spec.dyn).compile().as_text()
+            guard = be._guard(tables[0].layout, None)
+            texts["update"] = kernel.lower(tuple(t.data for t in tables), gids, ggrads, guard, spec.dyn).compile().as_text()
     for name, text in texts.items():
         assert "all-gather" not in text and "all-to-all" not in text, f"{name} gathers: {text[:2000]}"
     reduces = [line for line in texts["lookup"].splitlines() if "all-reduce(" in line or "all-reduce-start(" in line]

@@ -124,6 +124,8 @@ class JaxBackend(JaxDenseMixin, Backend):
             compiles=True,
             distributed=jax.process_count() > 1,
             runs_hlo=True,
+            # with several processes each one holds its own gradients: check before updating
+            guarded_updates=jax.process_count() == 1,
         )
 
     @property
@@ -146,6 +148,13 @@ class JaxBackend(JaxDenseMixin, Backend):
             return True
         every = self._kernel("all_finite", lambda: self._jax.jit(lambda v: jnp.all(jnp.isfinite(v))))
         return bool(every(x))
+
+    def finite_guard(self, arrays: Sequence[Any]) -> Any:
+        """One compiled reduction over every array; dispatched, not waited for."""
+        jnp = self._jax.numpy
+        check = self._kernel(("finite_guard", len(arrays)), lambda: self._jax.jit(
+            lambda *xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))))
+        return check(*(self.asarray(a) for a in arrays))
 
     # -- dense arrays ------------------------------------------------------------------
     def asarray(self, x: Any, dtype: Any = None) -> Any:
@@ -491,6 +500,7 @@ class JaxBackend(JaxDenseMixin, Backend):
         *,
         grad_index: Any = None,
         grad_weights: Any = None,
+        guard: Any = None,
     ) -> list[JaxShardedTable]:
         """One compiled step: route, dedup + segment-sum, gather rows, ``fn``, scatter back.
 
@@ -499,10 +509,12 @@ class JaxBackend(JaxDenseMixin, Backend):
         per-row sum of the same compiled step, never as a ``[len(ids), D]`` array.
 
         Table and slot buffers are donated. On overflow of an explicit capacity it raises
-        ``CapacityError`` with every table unchanged.
+        ``CapacityError`` with every table unchanged; with ``guard`` (a device boolean) false
+        the step writes nothing.
         """
         tables = list(tables)
         layout, dim = self._check_tables(tables)
+        guard = self._guard(layout, guard)
         if grad_index is not None and self._jax.process_count() > 1:
             # each process passes its own part: expand its rows and route them as before
             xp = self.xp
@@ -513,7 +525,7 @@ class JaxBackend(JaxDenseMixin, Backend):
         if grad_index is None:
             gids, ggrads, _, _ = self._global_batch(layout, ids, grads)
             nb = int(gids.shape[0])
-            return self._update(tables, layout, dim, fn, nb, (gids, ggrads))
+            return self._update(tables, layout, dim, fn, nb, (gids, ggrads, guard))
         from meshembed_jax.kernels import index_dtype
 
         n = int(np.prod(ids.shape))
@@ -527,7 +539,16 @@ class JaxBackend(JaxDenseMixin, Backend):
         w = (self._replicated_1d(layout, grad_weights, nb, 0, tables[0].dtype) if weighted
              else self._no_weights(layout, tables[0].dtype))
         g = self._jax.device_put(source, layout.replicated)
-        return self._update(tables, layout, dim, fn, nb, (gids, g, segs, w), weighted)
+        return self._update(tables, layout, dim, fn, nb, (gids, g, segs, w, guard), weighted)
+
+    def _guard(self, layout: ShardLayout, guard: Any) -> Any:
+        """``guard`` replicated on the layout's mesh (a constant true one when None)."""
+        if guard is None:
+            key = (layout, "guard")
+            if key not in self._no_weight_arrays:
+                self._no_weight_arrays[key] = self._jax.device_put(np.asarray(True), layout.replicated)
+            return self._no_weight_arrays[key]
+        return self._jax.device_put(self.asarray(guard).astype(bool), layout.replicated)
 
     def _check_tables(self, tables: list[JaxShardedTable]) -> tuple[ShardLayout, int]:
         layout, dim = tables[0].layout, tables[0].shape[1]

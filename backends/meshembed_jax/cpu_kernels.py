@@ -28,7 +28,6 @@ _TARGETS = {
     "meshembed_dedup_sum": "MeshembedDedupSum",
     "meshembed_gather_rows": "MeshembedGatherRows",
     "meshembed_scatter_rows": "MeshembedScatterRows",
-    "meshembed_write_slices": "MeshembedWriteSlices",
 }
 _state: dict[str, Any] = {}
 
@@ -153,19 +152,6 @@ def scatter_rows(table: Any, idx: Any, rows: Any) -> Any:
     out = jax.ShapeDtypeStruct(table.shape, table.dtype)
     res = jax.ffi.ffi_call("meshembed_scatter_rows", out, input_output_aliases={0: 0})(table, idx, rows)
     return _vary_like(res, table, idx, rows)
-
-
-def write_slices(arrays: tuple, start: Any, pieces: tuple) -> tuple:
-    """``arrays[i]`` (flat) with ``pieces[i]`` written at ``start``, in place (result i
-    aliases ``arrays[i]``, donated by the caller's jit), all in one call."""
-    import jax
-    import jax.numpy as jnp
-
-    outs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
-    aliases = {1 + i: i for i in range(len(arrays))}
-    res = jax.ffi.ffi_call("meshembed_write_slices", outs, input_output_aliases=aliases)(
-        jnp.asarray(start), *arrays, *pieces)
-    return _vary_like(tuple(res), *arrays)
 
 
 if __name__ == "__main__":  # python -m meshembed_jax.cpu_kernels: build and report

@@ -78,48 +78,68 @@ class JaxDenseMixin:
         """``jax.jit`` of ``step`` over ``count`` variables with every target donated; returns
         the new arrays by position (see ``Backend.compile_update``).
 
-        XLA splits a step such as Adadelta into several loop fusions with full-size
-        intermediates and fresh outputs (W2: 60 ms for 16.7M floats). On a CPU device an
-        ``elementwise`` step over float32/float64 therefore runs in pieces of
-        ``PIECE_BYTES``: each piece is the step on slices (cache-sized intermediates) and
-        all its results are written into the donated buffers by one FFI call
-        (``cpu_kernels.write_slices``), so no array is copied or allocated."""
+        XLA's CPU compiler splits a step with several outputs, such as Adadelta's, into
+        loop fusions with full-size intermediates (W2, 16.7M floats: five fusions, 60 ms).
+        On a CPU device an ``elementwise`` step therefore runs as one compiled *pass per
+        output*: pass ``k`` computes only output ``k`` (XLA fuses it into one loop, written
+        in place into the donated target ``k``), and the passes run in an order where no
+        later pass reads a target an earlier one overwrote (Adadelta: parameters, then
+        ``accumulated_delta_var``, then ``accumulated_grad``; W2: 18 ms). Every pass is
+        compiled before the first one runs, so a failure changes nothing."""
         import jax
 
-        compiled: dict[tuple, Callable[..., Any]] = {}
+        compiled: dict[tuple, Any] = {}
+
+        def update_all(grads: Sequence[Any], lrs: Sequence[Any], *targets: Sequence[Any]) -> list:
+            out: list[list[Any]] = [[] for _ in targets]
+            for n in range(count):
+                for k, v in enumerate(step(grads[n], lrs[n], *(t[n] for t in targets))):
+                    out[k].append(v)
+            return out
 
         def run(grads: Sequence[Any], lrs: Sequence[Any], *targets: Sequence[Any]) -> Any:
-            pieces = self._update_in_pieces(step, grads, targets)
-            key = (len(targets), pieces)
-            fn = compiled.get(key)
-            if fn is None:
-                def update_all(grads: Sequence[Any], lrs: Sequence[Any], *targets: Sequence[Any]) -> list:
-                    out: list[list[Any]] = [[] for _ in targets]
-                    for n in range(count):
-                        own = [t[n] for t in targets]
-                        new = _step_in_pieces(step, grads[n], lrs[n], own) if pieces else step(grads[n], lrs[n], *own)
-                        for k, v in enumerate(new):
-                            out[k].append(v)
-                    return out
-
-                fn = compiled[key] = jax.jit(update_all, donate_argnums=tuple(range(2, 2 + len(targets))))
-            return fn(grads, lrs, *targets)
+            key = tuple((x.shape, x.dtype) for x in (*grads, *lrs, *(y for t in targets for y in t)))
+            plan = compiled.get(key)
+            if plan is None:
+                order = self._pass_order(step, grads, lrs, targets)
+                if order is None:
+                    plan = [(None, jax.jit(update_all, donate_argnums=tuple(range(2, 2 + len(targets)))))]
+                else:
+                    plan = [(k, jax.jit(lambda g, lr, *t, k=k: update_all(g, lr, *t)[k], donate_argnums=(2 + k,)))
+                            for k in order]
+                compiled[key] = plan = [(k, fn.lower(grads, lrs, *targets).compile()) for k, fn in plan]
+            if plan[0][0] is None:
+                return plan[0][1](grads, lrs, *targets)
+            targets = list(targets)
+            for k, fn in plan:
+                targets[k] = fn(grads, lrs, *targets)
+            return targets
 
         run.__wrapped__ = step  # type: ignore[attr-defined]
         return run
 
-    def _update_in_pieces(self, step: Callable[..., Any], grads: Sequence[Any], targets: Sequence[Sequence[Any]]) -> bool:
-        """Whether :meth:`compile_update` runs ``step`` in pieces for these arrays."""
-        from meshembed_jax import cpu_kernels
+    def _pass_order(self, step: Callable[..., Any], grads: Sequence[Any], lrs: Sequence[Any],
+                    targets: Sequence[Sequence[Any]]) -> list[int] | None:
+        """The order of :meth:`compile_update`'s passes, or None for one pass: an
+        ``elementwise`` step on CPU arrays whose outputs can be written one by one (output
+        ``k`` overwrites target ``k`` only once no remaining output reads target ``k``)."""
+        import jax
 
-        if not getattr(step, "elementwise", False):
-            return False
         arrays = [*grads, *(x for t in targets for x in t)]
-        first = arrays[0]
-        if any(x.shape != first.shape for x in arrays) or first.size < 2 * _piece(first.dtype):
-            return False
-        platform = next(iter(first.sharding.device_set)).platform
-        return cpu_kernels.usable(platform, *{x.dtype for x in arrays})
+        if not getattr(step, "elementwise", False) or len(targets) < 2:
+            return None
+        if any(d.platform != "cpu" for x in arrays for d in x.sharding.device_set):
+            return None
+        reads = _reads_of_outputs(jax.make_jaxpr(step)(grads[0], lrs[0], *(t[0] for t in targets)))
+        reads = [{i - 2 for i in r if i >= 2} for r in reads]  # the targets each output reads
+        order, left = [], list(range(len(targets)))
+        while left:
+            k = next((k for k in left if not any(k in reads[j] for j in left if j != k)), None)
+            if k is None:
+                return None
+            order.append(k)
+            left.remove(k)
+        return order
 
     def value_and_grad(self, fn: Callable[..., Any], values: Sequence[Any]) -> tuple[Any, list[Any]]:
         """Loss and gradients of ``fn(*values)`` by ``jax.value_and_grad`` over all values;
@@ -130,38 +150,13 @@ class JaxDenseMixin:
         return loss, list(grads)
 
 
-#: Bytes of one piece of an elementwise dense step (see ``JaxDenseMixin.compile_update``):
-#: measured at W2 (16.7M float32, 2-core CPU): 256 KiB pieces 33 ms, 1 MiB 23 ms, 2 MiB 21 ms,
-#: 4 MiB 33 ms, one piece (XLA alone) 60 ms.
-PIECE_BYTES = 1 << 21
-
-
-def _piece(dtype: Any) -> int:
-    return max(1, PIECE_BYTES // np.dtype(dtype).itemsize)
-
-
-def _step_in_pieces(step: Callable[..., Any], grad: Any, lr: Any, own: Sequence[Any]) -> list[Any]:
-    """``step`` on consecutive slices of the flattened arrays, each piece's results written
-    in place into the (donated) targets; traced inside ``jax.jit``."""
-    import jax.numpy as jnp
-    from jax import lax
-
-    from meshembed_jax import cpu_kernels
-
-    shape, n = own[0].shape, int(own[0].size)
-    c = _piece(own[0].dtype)
-    g = grad.reshape(-1)
-    flat = tuple(x.reshape(-1) for x in own)
-
-    def piece(start: Any, size: int, outs: tuple) -> tuple:
-        sl = [lax.dynamic_slice_in_dim(x, start, size) for x in (g, *outs)]
-        new = step(sl[0], lr, *sl[1:])
-        if len(new) != len(outs):
-            raise ValueError(f"Invalid step result. Expected {len(outs)} arrays. Received: {len(new)}")
-        return cpu_kernels.write_slices(outs, start, tuple(jnp.asarray(v).astype(o.dtype) for o, v in zip(outs, new)))
-
-    full = n // c
-    outs = lax.fori_loop(0, full, lambda i, outs: piece(i * c, c, outs), flat)
-    if n % c:
-        outs = piece(full * c, n % c, outs)
-    return [o.reshape(shape) for o in outs]
+def _reads_of_outputs(closed: Any) -> list[set[int]]:
+    """For each output of a traced function, the positions of the inputs it depends on
+    (an equation's outputs are taken to depend on all of its inputs)."""
+    jaxpr = closed.jaxpr
+    deps: dict[Any, set[int]] = {v: {i} for i, v in enumerate(jaxpr.invars)}
+    for eqn in jaxpr.eqns:
+        used = set().union(*(deps.get(v, set()) for v in eqn.invars if not hasattr(v, "val")))
+        for v in eqn.outvars:
+            deps[v] = used
+    return [set(deps.get(v, set())) if not hasattr(v, "val") else set() for v in jaxpr.outvars]

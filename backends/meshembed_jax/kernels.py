@@ -285,9 +285,11 @@ def _apply_unique(flats: list, uniq: jax.Array, g: jax.Array, dim: int, capacity
 
 
 def _update_body(layout: ShardLayout, dim: int, capacity: int, dedup: str, call: Callable[..., Any],
-                 blocks: tuple, ids: jax.Array, dyn: tuple, add_grads: Callable[[jax.Array, jax.Array], jax.Array],
+                 blocks: tuple, ids: jax.Array, guard: jax.Array, dyn: tuple,
+                 add_grads: Callable[[jax.Array, jax.Array], jax.Array],
                  grad_dtype: Any, ffi_sum: Callable[..., tuple] | None = None) -> tuple:
-    """Dedup + per-row gradient sum + the optimizer, per device.
+    """Dedup + per-row gradient sum + the optimizer, per device; nothing is written on
+    overflow or when ``guard`` (a replicated boolean) is false.
 
     The sum is ``add_grads(g, slot)`` after an XLA dedup, or, when the CPU row kernels serve
     the layout, ``ffi_sum(flat, m, capacity)`` doing both in one call."""
@@ -297,11 +299,11 @@ def _update_body(layout: ShardLayout, dim: int, capacity: int, dedup: str, call:
     ffi = (ffi_sum is not None and grad_dtype == blocks[0].dtype
            and use_cpu_kernels(layout, grad_dtype, *(b.dtype for b in blocks)))
     if ffi:
-        uniq, g, count = ffi_sum(flat, m, capacity)  # overflow: every row is m already
+        uniq, g, count = ffi_sum(flat, m, capacity)
     else:
         uniq, slot, count = _DEDUP[dedup](flat, m, capacity)
-        uniq = jnp.where(count > capacity, m, uniq)  # overflow: write nothing at all
         g = add_grads(jnp.zeros((capacity + 1, dim), grad_dtype), slot)[:capacity]
+    uniq = jnp.where(guard & (count <= capacity), uniq, m)  # row m: nothing written
     flats = [b.reshape(m, dim) for b in blocks]
     new = _apply_unique(flats, uniq, g, dim, capacity, call, dyn, ffi)
     out = tuple(f.reshape(k, r_max, dim) for f in new)
@@ -316,14 +318,14 @@ def make_update(
     dedup: str,
     call: Callable[..., Any],
 ) -> Callable:
-    """``update(datas, ids, grads, dyn) -> (datas, count)``: the fused sparse step.
+    """``update(datas, ids, grads, guard, dyn) -> (datas, count)``: the fused sparse step.
 
     ``call(dyn, g, *rows)`` is the core's optimizer function (see ``fnspec``), traced as is
     and applied to pieces of the unique rows (it is row-wise). ``count`` is the largest
     number of unique ids one device owns; ``> capacity`` means nothing was written.
     """
 
-    def per_device(blocks: tuple, ids: jax.Array, grads: jax.Array, dyn: tuple) -> tuple:
+    def per_device(blocks: tuple, ids: jax.Array, grads: jax.Array, guard: jax.Array, dyn: tuple) -> tuple:
         n = ids.shape[0]
         c = chunk_rows(n, dim * grads.dtype.itemsize)
 
@@ -337,9 +339,10 @@ def make_update(
             none = jnp.zeros((1,), jnp.int32)
             return cpu_kernels.dedup_sum(flat, grads, none, none, m, cap, combined=False, weighted=False)
 
-        return _update_body(layout, dim, capacity, dedup, call, blocks, ids, dyn, add_grads, grads.dtype, ffi_sum)
+        return _update_body(layout, dim, capacity, dedup, call, blocks, ids, guard, dyn, add_grads, grads.dtype,
+                            ffi_sum)
 
-    specs = (tuple(P(AXIS) for _ in range(n_tables)), P(), P(), P())
+    specs = (tuple(P(AXIS) for _ in range(n_tables)), P(), P(), P(), P())
     fn = shard_map(per_device, layout.mesh, in_specs=specs, out_specs=(tuple(P(AXIS) for _ in range(n_tables)), P()))
     return jax.jit(fn, donate_argnums=(0,))
 
@@ -353,13 +356,13 @@ def make_update_combined(
     call: Callable[..., Any],
     weighted: bool,
 ) -> Callable:
-    """``update(datas, ids, grads, segs, weights, dyn) -> (datas, count)``: the combiner's
+    """``update(datas, ids, grads, segs, weights, guard, dyn) -> (datas, count)``: the combiner's
     backward pass fused with the sparse step. Row ``i``'s gradient is
     ``weights[i] * grads[segs[i]]`` (``grads`` is ``[num_segments, D]``); it is formed piece
     by piece inside the per-row sum, so the ``[len(ids), D]`` row gradients never exist."""
 
     def per_device(blocks: tuple, ids: jax.Array, grads: jax.Array, segs: jax.Array, w: jax.Array,
-                   dyn: tuple) -> tuple:
+                   guard: jax.Array, dyn: tuple) -> tuple:
         n = ids.shape[0]
         c = chunk_rows(n, dim * grads.dtype.itemsize)
 
@@ -376,9 +379,10 @@ def make_update_combined(
             wt = w if weighted else jnp.zeros((1,), grads.dtype)
             return cpu_kernels.dedup_sum(flat, grads, segs, wt, m, cap, combined=True, weighted=weighted)
 
-        return _update_body(layout, dim, capacity, dedup, call, blocks, ids, dyn, add_grads, grads.dtype, ffi_sum)
+        return _update_body(layout, dim, capacity, dedup, call, blocks, ids, guard, dyn, add_grads, grads.dtype,
+                            ffi_sum)
 
-    specs = (tuple(P(AXIS) for _ in range(n_tables)), P(), P(), P(), P(), P())
+    specs = (tuple(P(AXIS) for _ in range(n_tables)), P(), P(), P(), P(), P(), P())
     fn = shard_map(per_device, layout.mesh, in_specs=specs, out_specs=(tuple(P(AXIS) for _ in range(n_tables)), P()))
     return jax.jit(fn, donate_argnums=(0,))
 

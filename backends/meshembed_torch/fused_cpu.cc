@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "row_dedup.h"
+#include "row_kernels.h"
 
 namespace {
 
@@ -38,31 +38,6 @@ struct Problem {
   const int64_t* uniq;        // unique rows, ascending
   float* sums;                // [unique, dim] gradient sums
 };
-
-// sum += a * row (a == 1: plain sum), D a compile-time width where it is a common one so
-// the loop is fully unrolled into vector registers.
-template <int D>
-inline void AddFixed(float* __restrict sum, const float* __restrict row, float a, bool scaled) {
-  if (scaled) {
-    for (int d = 0; d < D; ++d) sum[d] += a * row[d];
-  } else {
-    for (int d = 0; d < D; ++d) sum[d] += row[d];
-  }
-}
-
-inline void Add(float* __restrict sum, const float* __restrict row, float a, bool scaled, int64_t dim) {
-  switch (dim) {
-    case 16: return AddFixed<16>(sum, row, a, scaled);
-    case 32: return AddFixed<32>(sum, row, a, scaled);
-    case 64: return AddFixed<64>(sum, row, a, scaled);
-    case 128: return AddFixed<128>(sum, row, a, scaled);
-  }
-  if (scaled) {
-    for (int64_t d = 0; d < dim; ++d) sum[d] += a * row[d];
-  } else {
-    for (int64_t d = 0; d < dim; ++d) sum[d] += row[d];
-  }
-}
 
 // The optimizer on one row, with the formulas of meshembed/math written out in float32
 // in the same operation order (no fused multiply-adds: -ffp-contract=off). Scalars are
@@ -102,19 +77,13 @@ void update_row(const Problem& p, int64_t row, const float* __restrict g) {
 
 constexpr int64_t kAhead = 8;
 
-// Sums of unique rows [lo, hi): their contributions added in batch order (the order of the
-// core's reference, so the same float32 sums). Every thread scans all contributions but
-// adds only to its own rows: gradient rows are then read in batch order (a sample's row
-// stays in cache for its ids) and no two threads write one row.
+// Sums of unique rows [lo, hi), in batch order (row_kernels.h).
 void sum_range(const Problem& p, int64_t lo, int64_t hi) {
-  const int64_t dim = p.dim;
-  std::fill(p.sums + lo * dim, p.sums + hi * dim, 0.0f);
-  const bool scaled = p.weights != nullptr;
-  for (int64_t i = 0; i < p.n; ++i) {
-    const int64_t r = p.rank[i];
-    if (r < lo || r >= hi) continue;
-    const float* src = p.grads + (p.grad_index ? p.grad_index[i] : i) * dim;
-    Add(p.sums + r * dim, src, scaled ? p.weights[i] : 1.0f, scaled, dim);
+  auto src = [&](int64_t i) { return p.grads + (p.grad_index ? p.grad_index[i] : i) * p.dim; };
+  if (p.weights) {
+    meshembed::SumInBatchOrder<true>(p.rank, p.n, lo, hi, p.dim, p.sums, src, [&](int64_t i) { return p.weights[i]; });
+  } else {
+    meshembed::SumInBatchOrder<false>(p.rank, p.n, lo, hi, p.dim, p.sums, src, [](int64_t) { return 1.0f; });
   }
 }
 
@@ -145,30 +114,24 @@ extern "C" int64_t meshembed_fused_update(int algorithm, const int64_t* rows, in
                                           const double* hp, int threads) {
   // Unique rows ascending (so the updates walk the table in address order) and the rank of
   // each contribution's row among them: the bitmap dedup the JAX kernels use too.
-  thread_local std::vector<int64_t> uniq, count;
+  thread_local std::vector<int64_t> uniq;
   thread_local std::vector<int32_t> rank;
   thread_local std::vector<float> sums;
   uniq.resize(n);
   rank.resize(n);
   const int64_t unique = meshembed::DedupBitmap(rows, n, num_rows, n, uniq.data(), rank.data());
-  count.assign(unique + 1, 0);  // count[u + 1]: contributions of unique row u
   for (int64_t i = 0; i < n; ++i) {
     if (rank[i] < 0) return -1;
     if (grad_index && (grad_index[i] < 0 || grad_index[i] >= grad_rows)) return -2;
-    ++count[rank[i] + 1];
   }
-  for (int64_t u = 0; u < unique; ++u) count[u + 1] += count[u];
   sums.resize(unique * dim);
 
   Problem p{algorithm, grads, dim, table, slot0, slot1, float(hp[0]), float(hp[1]), float(hp[2]), float(1.0 - hp[1]),
             n, rank.data(), grad_index, weights, uniq.data(), sums.data()};
-  // Sums: the unique rows split into ranges of about equal contribution counts (in a Zipf
-  // batch a few hot rows hold half of them); updates: ranges of equal row counts.
+  // Sums: the unique rows split into ranges of about equal contribution counts;
+  // updates: ranges of equal row counts.
   const int t_count = int(std::max<int64_t>(1, std::min<int64_t>(threads, unique / 256)));
-  std::vector<int64_t> cut(t_count + 1, unique);
-  cut[0] = 0;
-  for (int t = 1; t < t_count; ++t)
-    cut[t] = std::lower_bound(count.begin(), count.end() - 1, n * t / t_count) - count.begin();
+  const std::vector<int64_t> cut = meshembed::BalancedCuts(rank.data(), n, unique, t_count);
 #pragma omp parallel num_threads(t_count)
   {
 #pragma omp for schedule(static, 1)

@@ -25,7 +25,7 @@ from typing import Sequence
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-w")
 
 
-#: Headers every kernel may include (``#include "row_dedup.h"``): on the include path of
+#: Headers every kernel may include (``#include "row_kernels.h"``): on the include path of
 #: every build, and part of every library's cache key.
 INCLUDE_DIR = Path(__file__).with_name("cpp")
 

@@ -30,6 +30,9 @@ class Capabilities:
     compiles: bool = False
     distributed: bool = False
     runs_hlo: bool = False
+    #: ``update_rows`` takes ``guard`` (from ``finite_guard``) and writes nothing where it
+    #: is false, without waiting for it: the engine's NaN/Inf check then costs no sync.
+    guarded_updates: bool = False
 
 
 class ShardedTable(abc.ABC):
@@ -131,6 +134,12 @@ class Backend(abc.ABC):
             return True
         return bool(xp.all(xp.isfinite(x)))
 
+    def finite_guard(self, arrays: Sequence[Array]) -> Array:
+        """A boolean scalar: whether every element of every array is finite, for
+        ``update_rows(guard=...)``. Backends with ``guarded_updates`` compute it on their
+        devices without waiting for it; the default answers at once."""
+        return self.xp.asarray(all(self.all_finite(a) for a in arrays))
+
     def gather_combine(
         self, table: ShardedTable, ids: Array, segment_ids: Array, num_segments: int, weights: Array | None = None
     ) -> Array:
@@ -153,6 +162,7 @@ class Backend(abc.ABC):
         *,
         grad_index: Array | None = None,
         grad_weights: Array | None = None,
+        guard: Array | None = None,
     ) -> list[ShardedTable]:
         """Apply ``fn(grad_rows, *table_rows) -> new table_rows`` once per unique id.
 
@@ -162,7 +172,11 @@ class Backend(abc.ABC):
 
         With ``grad_index`` the gradient of ``ids[i]`` is ``grad_weights[i] * grads[grad_index[i]]``
         (the combiner's backward pass), so a backend can sum it without building one row per id.
+
+        With ``guard`` (a boolean scalar from ``finite_guard``) false, nothing is written.
         """
+        if guard is not None and not bool(guard):
+            return list(tables)
         if grad_index is not None:
             grads = self.xp.take(grads, grad_index, axis=0)
             if grad_weights is not None:

@@ -349,7 +349,8 @@ class TPUEmbedding:
             out.append(float(arr))
         return out
 
-    def _check_gradients(self, gradients: Any, allow_nonfinite: bool) -> list[Any]:
+    def _check_gradients(self, gradients: Any, check_now: bool) -> list[Any]:
+        """The gradients as ``[ids, D]`` backend arrays; with ``check_now``, NaN/Inf raise."""
         xp = self.backend.xp
         grads = self._by_feature(gradients, "gradients")
         out = []
@@ -371,14 +372,18 @@ class TPUEmbedding:
                     f"{shape} (input_shape + [dimension]). Received: shape={tuple(g.shape)}"
                 )
             g = self.backend.asarray(g, dtype="float32")
-            if not allow_nonfinite and not self.backend.all_finite(g):
-                raise InputError(
-                    f"Invalid gradient for feature {f.name!r} (table {t.name!r}): it contains NaN "
-                    "or Inf. Nothing was updated. Fix: check the loss, clip the gradients, or pass "
-                    "`allow_nonfinite=True` to apply them anyway."
-                )
+            if check_now and not self.backend.all_finite(g):
+                raise self._nonfinite_error(f)
             out.append(xp.reshape(g, (int(np.prod(f.output_shape)), t.dimension)))
         return out
+
+    def _nonfinite_error(self, feature: Any) -> InputError:
+        t = self.layout.tables[feature.table]
+        return InputError(
+            f"Invalid gradient for feature {feature.name!r} (table {t.name!r}): it contains NaN "
+            "or Inf. Nothing was updated. Fix: check the loss, clip the gradients, or pass "
+            "`allow_nonfinite=True` to apply them anyway."
+        )
 
     def apply_gradients(
         self,
@@ -391,8 +396,13 @@ class TPUEmbedding:
         shape of its activation), and ``learning_rates[k]`` for dynamic tag k."""
         p = self._check_can_apply()
         allow = self.allow_nonfinite if allow_nonfinite is None else bool(allow_nonfinite)
-        grads = self._check_gradients(gradients, allow)
+        # A backend with guarded updates checks NaN/Inf on its devices while the updates
+        # run (each writes nothing unless the guard holds); the others check first.
+        deferred = not allow and self.backend.capabilities.guarded_updates
+        grads = self._check_gradients(gradients, check_now=not allow and not deferred)
         lrs = self._check_learning_rates(learning_rates)
+        guard = self.backend.finite_guard(grads) if deferred and grads else None
+        guarded = {} if guard is None else {"guard": guard}
         xp = self.backend.xp
         # Build every table's update first: an unusable optimizer or learning rate raises
         # before any table is touched (update_rows may donate buffers).
@@ -421,7 +431,8 @@ class TPUEmbedding:
                     weights = xp.concat([d.scale for d, _ in parts], axis=0)
                 source = parts[0][1] if one else xp.concat([g for _, g in parts], axis=0)
                 new_state[t.index] = list(self.backend.update_rows(
-                    self._state[t.index], ids, source, fns[t.index], grad_index=index, grad_weights=weights))
+                    self._state[t.index], ids, source, fns[t.index], grad_index=index, grad_weights=weights,
+                    **guarded))
                 continue
             host_ids = np.concatenate([d.host_ids for d, _ in parts]) if parts else np.zeros(0, np.int64)
             rows = [combiners.backward(self.backend, g, xp.reshape(d.scale, (-1, 1)), d.slots, d.unit_scale)
@@ -430,7 +441,10 @@ class TPUEmbedding:
             if row_grads is None:
                 row_grads = self.backend.asarray(np.zeros((0, t.dimension), np.float32))
             new_state[t.index] = apply_table(self.backend, self._state[t.index], t, host_ids, row_grads, lrs,
-                                           fns[t.index])
+                                             fns[t.index], guard=guard)
+        if guard is not None and not bool(guard):  # every update wrote nothing
+            bad = next(f for f, g in zip(self.layout.features, grads) if not self.backend.all_finite(g))
+            raise self._nonfinite_error(bad)
         self._state.update(new_state)
         self._pending = None
         self.step += 1

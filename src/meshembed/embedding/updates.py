@@ -183,11 +183,14 @@ def apply_table(
     row_grads: Any,
     learning_rates: Sequence[float],
     fn: Callable[..., tuple] | None = None,
+    guard: Any = None,
 ) -> list[Any]:
     """Run the optimizer on ``table``'s rows; returns the new ``[params, *slots]``.
 
-    ``fn`` is ``make_update_fn``'s result when the caller built (and so validated) it first."""
+    ``fn`` is ``make_update_fn``'s result when the caller built (and so validated) it first;
+    ``guard`` goes to every ``update_rows`` (false: nothing is written)."""
     xp = backend.xp
+    guarded = {} if guard is None else {"guard": guard}
     if fn is None:
         fn = make_update_fn(xp, table, learning_rates, getattr(backend, "name", ""))
     if is_non_lazy(table):
@@ -197,14 +200,14 @@ def apply_table(
             device=array_api_compat.device(row_grads),
         )
         ids = backend.asarray(np.concatenate([host_ids, every]), dtype="int64")
-        return list(backend.update_rows(state, ids, xp.concat([row_grads, zeros], axis=0), fn))
+        return list(backend.update_rows(state, ids, xp.concat([row_grads, zeros], axis=0), fn, **guarded))
     if host_ids.size == 0:
         return state
     if uses_accumulation(table):
-        return list(backend.update_rows(state, backend.asarray(host_ids, dtype="int64"), row_grads, fn))
+        return list(backend.update_rows(state, backend.asarray(host_ids, dtype="int64"), row_grads, fn, **guarded))
     rounds = occurrence_rounds(host_ids)
     for r in range(int(rounds.max()) + 1):
         pick = np.flatnonzero(rounds == r)
         sel = xp.take(row_grads, backend.asarray(pick, dtype="int64"), axis=0)
-        state = list(backend.update_rows(state, backend.asarray(host_ids[pick], dtype="int64"), sel, fn))
+        state = list(backend.update_rows(state, backend.asarray(host_ids[pick], dtype="int64"), sel, fn, **guarded))
     return state
