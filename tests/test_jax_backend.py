@@ -280,6 +280,30 @@ def test_false_guard_writes_nothing(be, combined):
         assert changed == (not np.array_equal(be.unshard(t[1]), np.full((40, 3), 0.1, np.float32)))
 
 
+def test_update_runs_only_the_pieces_holding_unique_rows(ref, monkeypatch):
+    """The unique rows are packed at the front of the capacity: the update's loop stops after
+    the pieces that hold them (here 4 of 8, the last one partly) and still equals NumPy; with a false guard it
+    writes nothing, however many pieces."""
+    from meshembed_jax import kernels
+
+    monkeypatch.setattr(kernels, "CHUNK_BYTES", 64)  # 256 rows per piece
+    be = JaxBackend(capacity=2048)
+    placement = Placement(3000, 2, "mod")
+    rng = np.random.default_rng(5)
+    values = rng.standard_normal((3000, 4)).astype(np.float32)
+    ids = rng.integers(0, 3000, 900)
+    grads = rng.standard_normal((900, 4)).astype(np.float32)
+    for guard in (False, True):
+        t = [be.create_table(values, placement), be.create_table(np.full((3000, 4), 0.1, np.float32), placement)]
+        r = [ref.create_table(values, placement), ref.create_table(np.full((3000, 4), 0.1, np.float32), placement)]
+        t = be.update_rows(t, be.asarray(ids), be.asarray(grads), make_fn(be.xp, "adagrad", 0.5, {}),
+                           guard=be.finite_guard([np.float32(1 if guard else np.nan)]))
+        if guard:
+            r = ref.update_rows(r, ids, grads, make_fn(ref.xp, "adagrad", 0.5, {}))
+        for got, want in zip(t, r):
+            _close(be.unshard(got), ref.unshard(want), "float32")
+
+
 def test_engine_checks_nonfinite_gradients_without_an_early_sync(monkeypatch):
     """On JAX the engine's NaN/Inf check is a device guard of the update: no eager
     ``all_finite`` on a good step; on a bad one the error names the feature, nothing moved."""

@@ -253,9 +253,11 @@ def make_gather_combine(layout: ShardLayout, dim: int, n: int, num_segments: int
 
 
 def _apply_unique(flats: list, uniq: jax.Array, g: jax.Array, dim: int, capacity: int,
-                  call: Callable[..., Any], dyn: tuple, ffi: bool) -> list:
+                  call: Callable[..., Any], dyn: tuple, ffi: bool, used: jax.Array) -> list:
     """Gather the unique rows of every table piece by piece, run the optimizer, scatter back
-    in place (the loop carries the donated tables; ``ffi``: the CPU row kernels move rows)."""
+    in place (the loop carries the donated tables; ``ffi``: the CPU row kernels move rows).
+    Only the pieces holding the first ``used`` slots run (the unique rows are packed at the
+    front; the capacity's headroom costs nothing)."""
     n_tables = len(flats)
     target = max(256, CHUNK_BYTES // (dim * flats[0].dtype.itemsize))
     pieces = -(-capacity // target)
@@ -281,7 +283,10 @@ def _apply_unique(flats: list, uniq: jax.Array, g: jax.Array, dim: int, capacity
             for f, r in zip(tabs, new)
         )
 
-    return list(_pieces(padded, c, body, tuple(flats)))
+    if pieces == 1:
+        return list(body(jnp.int32(0), tuple(flats)))
+    trips = (used + (c - 1)) // c
+    return list(lax.fori_loop(0, trips, lambda j, tabs: body(j * c, tabs), _varying(tuple(flats))))
 
 
 def _update_body(layout: ShardLayout, dim: int, capacity: int, dedup: str, call: Callable[..., Any],
@@ -303,9 +308,10 @@ def _update_body(layout: ShardLayout, dim: int, capacity: int, dedup: str, call:
     else:
         uniq, slot, count = _DEDUP[dedup](flat, m, capacity)
         g = add_grads(jnp.zeros((capacity + 1, dim), grad_dtype), slot)[:capacity]
-    uniq = jnp.where(guard & (count <= capacity), uniq, m)  # row m: nothing written
+    ok = guard & (count <= capacity)
+    uniq = jnp.where(ok, uniq, m)  # row m: nothing written
     flats = [b.reshape(m, dim) for b in blocks]
-    new = _apply_unique(flats, uniq, g, dim, capacity, call, dyn, ffi)
+    new = _apply_unique(flats, uniq, g, dim, capacity, call, dyn, ffi, jnp.where(ok, count, 0))
     out = tuple(f.reshape(k, r_max, dim) for f in new)
     return out, lax.pmax(count, AXIS)
 
