@@ -113,6 +113,13 @@ class JaxBackend(JaxDenseMixin, Backend):
 
     @property
     def capabilities(self) -> Capabilities:
+        x64 = bool(self._jax.config.jax_enable_x64)  # devices and processes are fixed by now
+        cached = self.__dict__.get("_caps")
+        if cached is None or cached.float64 != x64:
+            cached = self._caps = self._capabilities()
+        return cached
+
+    def _capabilities(self) -> Capabilities:
         jax = self._jax
         platform = jax.devices()[0].platform
         return Capabilities(
@@ -150,10 +157,13 @@ class JaxBackend(JaxDenseMixin, Backend):
         return bool(every(x))
 
     def finite_guard(self, arrays: Sequence[Any]) -> Any:
-        """One compiled reduction over every array; dispatched, not waited for."""
+        """One compiled reduction over every array; dispatched, not waited for.
+
+        ``sum(x * 0)`` is 0 when every element is finite and NaN otherwise (it cannot
+        overflow): exact, and ~3x faster on CPU than XLA's ``all(isfinite(x))``."""
         jnp = self._jax.numpy
         check = self._kernel(("finite_guard", len(arrays)), lambda: self._jax.jit(
-            lambda *xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))))
+            lambda *xs: jnp.isfinite(sum(jnp.sum(x * 0) for x in xs))))
         return check(*(self.asarray(a) for a in arrays))
 
     # -- dense arrays ------------------------------------------------------------------
@@ -548,7 +558,10 @@ class JaxBackend(JaxDenseMixin, Backend):
             if key not in self._no_weight_arrays:
                 self._no_weight_arrays[key] = self._jax.device_put(np.asarray(True), layout.replicated)
             return self._no_weight_arrays[key]
-        return self._jax.device_put(self.asarray(guard).astype(bool), layout.replicated)
+        guard = self.asarray(guard)
+        if layout.n_dev == 1 and guard.devices() == set(layout.mesh.devices.flat):
+            return guard  # already where the kernel runs
+        return self._jax.device_put(guard, layout.replicated)
 
     def _check_tables(self, tables: list[JaxShardedTable]) -> tuple[ShardLayout, int]:
         layout, dim = tables[0].layout, tables[0].shape[1]

@@ -113,8 +113,6 @@ struct Groups {
   }
 };
 
-using meshembed::AddRow;  // row_kernels.h
-
 // Table rows are random reads and writes (mostly cache misses): loops prefetch every line
 // of the row kAhead positions on (W1's forward on 2 threads: 1.2 ms at 8, 0.5 ms at 32).
 constexpr int64_t kAhead = 32;
@@ -123,53 +121,72 @@ constexpr int64_t kAhead = 32;
 template <class T>
 inline void Prefetch(const T* base, int64_t r, int64_t m, int64_t d, bool write) {
   if (r < 0 || r >= m) return;
-  const char* p = reinterpret_cast<const char*>(base + r * d);
-  for (int64_t b = 0; b < int64_t(sizeof(T)) * d; b += 64) {
-    if (write) __builtin_prefetch(p + b, 1);
-    else __builtin_prefetch(p + b, 0);
-  }
+  meshembed::PrefetchBytes(base + r * d, int64_t(sizeof(T)) * d, write);
 }
 
 // Row s of dst (for s in [lo, hi)) = sum over the group's positions p of scale(p) * src(p),
-// in batch order; each destination row is written once, by one task.
-template <bool Scaled, class T, class Src, class Scale>
-void SumGroups(const Groups& gr, int64_t lo, int64_t hi, int64_t d, T* dst, const Src& src, const Scale& scale) {
+// in batch order, summed in a local row (in registers for the common widths D; D == 0:
+// width d at run time); each destination row is written once, by one task.
+template <int D, bool Scaled, class T, class Src, class Scale>
+void SumGroupsWidth(const Groups& gr, int64_t lo, int64_t hi, int64_t d, T* dst, const Src& src, const Scale& scale) {
+  constexpr int64_t kMax = D > 0 ? D : 1;
+  T fixed[kMax];
+  thread_local std::vector<T> dynamic;
+  if (D == 0) dynamic.resize(d);
+  T* __restrict acc = D > 0 ? fixed : dynamic.data();
+  const int64_t w = D > 0 ? D : d, row_bytes = int64_t(sizeof(T)) * w;
   const int64_t end = gr.start[hi];
-  const int64_t row_bytes = int64_t(sizeof(T)) * d;
   for (int64_t s = lo; s < hi; ++s) {
-    T* out = dst + s * d;
-    std::memset(out, 0, row_bytes);
+    for (int64_t j = 0; j < w; ++j) acc[j] = T(0);
     for (int64_t p = gr.start[s], e = gr.start[s + 1]; p < e; ++p) {
-      if (p + kAhead < end) {
-        const char* ahead = reinterpret_cast<const char*>(src(gr.order[p + kAhead]));
-        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
-      }
+      if (p + kAhead < end) meshembed::PrefetchBytes(src(gr.order[p + kAhead]), row_bytes, false);
       const int32_t k = gr.order[p];
-      AddRow<Scaled, T>(out, src(k), Scaled ? scale(k) : T(1), d);
+      const T* __restrict row = src(k);
+      const T a = Scaled ? scale(k) : T(1);
+      for (int64_t j = 0; j < w; ++j) acc[j] += Scaled ? a * row[j] : row[j];
     }
+    for (int64_t j = 0; j < w; ++j) dst[s * w + j] = acc[j];
   }
 }
 
+template <bool Scaled, class T, class Src, class Scale>
+void SumGroups(const Groups& gr, int64_t lo, int64_t hi, int64_t d, T* dst, const Src& src, const Scale& scale) {
+  meshembed::WithWidth(d, [&](auto width) { SumGroupsWidth<width.value, Scaled>(gr, lo, hi, d, dst, src, scale); });
+}
+
 // SumGroups for sorted destinations: positions of [lo, hi) are one run of `seg`, found by
-// binary search. Each segment is summed in a local row and stored once (half the time of
-// adding into the output). keep(p): whether position p has a source row; row(p): its
-// table row (prefetched kAhead on).
-template <bool Scaled, class T, class Keep, class Row, class Src, class Scale>
-void SumSorted(const int32_t* seg, int64_t n, int64_t lo, int64_t hi, int64_t d, int64_t m, T* dst,
-               const T* table, const Keep& keep, const Row& row, const Src& src, const Scale& scale) {
-  thread_local std::vector<T> acc_store;
-  acc_store.resize(d);
-  T* acc = acc_store.data();
+// binary search. Each segment is summed in a local row and stored once; with the width D
+// known at compile time that row lives in vector registers (W1's forward, one thread:
+// 1.0 ms, against 1.65 ms with the row in memory and 2.2 ms adding into the output).
+// keep(p): whether position p has a source row src(p). D == 0: width d at run time.
+template <int D, bool Scaled, class T, class Keep, class Src, class Scale>
+void SumSortedWidth(const int32_t* seg, int64_t n, int64_t lo, int64_t hi, int64_t d, T* dst, const Keep& keep,
+                    const Src& src, const Scale& scale) {
+  constexpr int64_t kMax = D > 0 ? D : 1;
+  T fixed[kMax];
+  thread_local std::vector<T> dynamic;
+  if (D == 0) dynamic.resize(d);
+  T* __restrict acc = D > 0 ? fixed : dynamic.data();
+  const int64_t w = D > 0 ? D : d, row_bytes = int64_t(sizeof(T)) * w;
   int64_t p = std::lower_bound(seg, seg + n, int32_t(lo)) - seg;
   const int64_t e = std::lower_bound(seg + p, seg + n, int32_t(hi)) - seg;
   for (int64_t s = lo; s < hi; ++s) {
-    std::fill(acc, acc + d, T(0));
+    for (int64_t j = 0; j < w; ++j) acc[j] = T(0);
     for (; p < e && seg[p] == s; ++p) {
-      if (p + kAhead < e && keep(p + kAhead)) Prefetch(table, row(p + kAhead), m, d, false);
-      if (keep(p)) AddRow<Scaled, T>(acc, src(p), Scaled ? scale(p) : T(1), d);
+      if (p + kAhead < e && keep(p + kAhead)) meshembed::PrefetchBytes(src(p + kAhead), row_bytes, false);
+      if (!keep(p)) continue;
+      const T* __restrict row = src(p);
+      const T a = Scaled ? scale(p) : T(1);
+      for (int64_t j = 0; j < w; ++j) acc[j] += Scaled ? a * row[j] : row[j];
     }
-    std::copy(acc, acc + d, dst + s * d);
+    for (int64_t j = 0; j < w; ++j) dst[s * w + j] = acc[j];
   }
+}
+
+template <bool Scaled, class T, class Keep, class Src, class Scale>
+void SumSorted(const int32_t* seg, int64_t n, int64_t lo, int64_t hi, int64_t d, T* dst, const Keep& keep,
+               const Src& src, const Scale& scale) {
+  meshembed::WithWidth(d, [&](auto width) { SumSortedWidth<width.value, Scaled>(seg, n, lo, hi, d, dst, keep, src, scale); });
 }
 
 // out[s] = sum over i with segs[i] == s of w[i] * table[ids[i]]  (ids[i] >= m: no row).
@@ -188,13 +205,12 @@ ffi::Error GatherCombineImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::An
     const T* wt = static_cast<const T*>(w.untyped_data());
     T* o = static_cast<T*>(out->untyped_data());
     auto keep = [&](int64_t k) { return id[k] >= 0 && id[k] < m; };
-    auto row = [&](int64_t k) { return int64_t(id[k]); };
     auto src = [&](int64_t k) { return tab + int64_t(id[k]) * d; };
     auto scale = [&](int64_t k) { return wt[k]; };
     if (std::is_sorted(sg, sg + n)) {  // the engine's sample-major batches: no grouping pass
       ParallelRanges(pool, s_all, kRowsPerTask, [&](int64_t lo, int64_t hi) {
-        if (weighted) SumSorted<true, T>(sg, n, lo, hi, d, m, o, tab, keep, row, src, scale);
-        else SumSorted<false, T>(sg, n, lo, hi, d, m, o, tab, keep, row, src, scale);
+        if (weighted) SumSorted<true, T>(sg, n, lo, hi, d, o, keep, src, scale);
+        else SumSorted<false, T>(sg, n, lo, hi, d, o, keep, src, scale);
       });
       return;
     }

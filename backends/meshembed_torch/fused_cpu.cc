@@ -96,7 +96,7 @@ void update_range(const Problem& p, int64_t lo, int64_t hi) {
       const int64_t ahead = p.uniq[u + kAhead] * dim;
       for (float* base : {p.table, p.slot0, p.slot1})
         if (base)
-          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<char*>(base + ahead) + b, 1);
+          meshembed::PrefetchBytes(base + ahead, row_bytes, true);
     }
     update_row(p, p.uniq[u], p.sums + u * dim);
   }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace meshembed {
@@ -46,23 +47,38 @@ int64_t DedupBitmap(const I* id, int64_t n, int64_t m, int64_t cap, I* uniq, int
   return total;
 }
 
-// out += a * row (Scaled) or out += row over d columns; common widths get a fixed-size loop
-// (unrolled into vector registers, no aliasing checks).
-template <bool Scaled, class T, int64_t D>
-inline void AddRowFixed(T* __restrict out, const T* __restrict row, T a) {
-  for (int64_t j = 0; j < D; ++j) out[j] += Scaled ? a * row[j] : row[j];
+// Prefetch the `bytes` at p, a cache line at a time (write: for writing). The empty asm
+// keeps the loop: GCC otherwise deletes a loop whose only statements are prefetches, which
+// it treats as side-effect free (it did, silently, in every kernel here before).
+inline void PrefetchBytes(const void* p, int64_t bytes, bool write) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) {
+    if (write) __builtin_prefetch(c + b, 1);
+    else __builtin_prefetch(c + b, 0);
+    asm volatile("" : : "r"(c + b));
+  }
 }
 
+// f(std::integral_constant<int, D>) with D = d for the common row widths (so loops over a
+// row unroll into vector registers) and D = 0 (width known at run time) otherwise.
+template <class F>
+inline void WithWidth(int64_t d, F&& f) {
+  switch (d) {
+    case 16: return f(std::integral_constant<int, 16>{});
+    case 32: return f(std::integral_constant<int, 32>{});
+    case 64: return f(std::integral_constant<int, 64>{});
+    case 128: return f(std::integral_constant<int, 128>{});
+    default: return f(std::integral_constant<int, 0>{});
+  }
+}
+
+// out += a * row (Scaled) or out += row over d columns.
 template <bool Scaled, class T>
 inline void AddRow(T* __restrict out, const T* __restrict row, T a, int64_t d) {
-  switch (d) {
-    case 16: return AddRowFixed<Scaled, T, 16>(out, row, a);
-    case 32: return AddRowFixed<Scaled, T, 32>(out, row, a);
-    case 64: return AddRowFixed<Scaled, T, 64>(out, row, a);
-    case 128: return AddRowFixed<Scaled, T, 128>(out, row, a);
-    default:
-      for (int64_t j = 0; j < d; ++j) out[j] += Scaled ? a * row[j] : row[j];
-  }
+  WithWidth(d, [&](auto width) {
+    const int64_t w = width.value > 0 ? width.value : d;
+    for (int64_t j = 0; j < w; ++j) out[j] += Scaled ? a * row[j] : row[j];
+  });
 }
 
 // Sums of unique rows [lo, hi): sums[r] = sum of scale(i) * src(i) over the contributions i
