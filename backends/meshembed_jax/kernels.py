@@ -283,8 +283,8 @@ def _apply_unique(flats: list, uniq: jax.Array, g: jax.Array, dim: int, capacity
             for f, r in zip(tabs, new)
         )
 
-    if pieces == 1:
-        return list(body(jnp.int32(0), tuple(flats)))
+    # always a loop, even for one piece: inline, XLA copies the whole donated table twice
+    # around the in-place scatter (W1 table, capacity 1024: 97 ms a step instead of 1.4 ms)
     trips = (used + (c - 1)) // c
     return list(lax.fori_loop(0, trips, lambda j, tabs: body(j * c, tabs), _varying(tuple(flats))))
 
