@@ -252,21 +252,24 @@ def make_gather_combine(layout: ShardLayout, dim: int, n: int, num_segments: int
     return jax.jit(fn)
 
 
-def _apply_unique(flats: list, uniq: jax.Array, g: jax.Array, dim: int, capacity: int,
-                  call: Callable[..., Any], dyn: tuple, ffi: bool, used: jax.Array) -> list:
-    """Gather the unique rows of every table piece by piece, run the optimizer, scatter back
-    in place (the loop carries the donated tables; ``ffi``: the CPU row kernels move rows).
-    Only the pieces holding the first ``used`` slots run (the unique rows are packed at the
-    front; the capacity's headroom costs nothing)."""
-    n_tables = len(flats)
-    target = max(256, CHUNK_BYTES // (dim * flats[0].dtype.itemsize))
+def _pieces_of(capacity: int, dim: int, itemsize: int) -> tuple[int, int]:
+    """(rows per piece, rows of all pieces) for the update's loop over the unique rows:
+    pieces of about ``CHUNK_BYTES`` per array, even (the total exceeds ``capacity`` by less
+    than one row per piece)."""
+    target = max(256, CHUNK_BYTES // (dim * itemsize))
     pieces = -(-capacity // target)
-    c = -(-capacity // pieces)  # even pieces: at most ``pieces - 1`` padding rows
-    padded = pieces * c
-    m = flats[0].shape[0]
-    if padded > capacity:
-        uniq = jnp.concatenate([uniq, jnp.full((padded - capacity,), m, uniq.dtype)])
-        g = jnp.concatenate([g, jnp.zeros((padded - capacity, dim), g.dtype)])
+    c = -(-capacity // pieces)
+    return c, pieces * c
+
+
+def _apply_unique(flats: list, uniq: jax.Array, g: jax.Array, c: int,
+                  call: Callable[..., Any], dyn: tuple, ffi: bool, used: jax.Array) -> list:
+    """Gather the unique rows of every table piece by piece (``c`` rows each; ``uniq`` and
+    ``g`` hold whole pieces), run the optimizer, scatter back in place (the loop carries the
+    donated tables; ``ffi``: the CPU row kernels move rows). Only the pieces holding the
+    first ``used`` slots run (the unique rows are packed at the front; the capacity's
+    headroom costs nothing)."""
+    n_tables = len(flats)
 
     def body(start: jax.Array, tabs: tuple) -> tuple:
         idx = _slice(uniq, start, c)
@@ -297,21 +300,23 @@ def _update_body(layout: ShardLayout, dim: int, capacity: int, dedup: str, call:
     overflow or when ``guard`` (a replicated boolean) is false.
 
     The sum is ``add_grads(g, slot)`` after an XLA dedup, or, when the CPU row kernels serve
-    the layout, ``ffi_sum(flat, m, capacity)`` doing both in one call."""
+    the layout, ``ffi_sum(flat, m, rows)`` doing both in one call."""
     m = layout.rows_per_device
     k, r_max = layout.shards_per_device, layout.max_rows
     flat = local_rows(layout, ids)
     ffi = (ffi_sum is not None and grad_dtype == blocks[0].dtype
            and use_cpu_kernels(layout, grad_dtype, *(b.dtype for b in blocks)))
-    if ffi:
-        uniq, g, count = ffi_sum(flat, m, capacity)
+    c, padded = _pieces_of(capacity, dim, blocks[0].dtype.itemsize)
+    if ffi:  # made with whole pieces (no copy to pad them); rows past the capacity are masked
+        uniq, g, count = ffi_sum(flat, m, padded)
     else:
         uniq, slot, count = _DEDUP[dedup](flat, m, capacity)
-        g = add_grads(jnp.zeros((capacity + 1, dim), grad_dtype), slot)[:capacity]
+        uniq = jnp.concatenate([uniq, jnp.full((padded - capacity,), m, uniq.dtype)]) if padded > capacity else uniq
+        g = add_grads(jnp.zeros((padded + 1, dim), grad_dtype), slot)[:padded]  # slot capacity: not owned
     ok = guard & (count <= capacity)
     uniq = jnp.where(ok, uniq, m)  # row m: nothing written
     flats = [b.reshape(m, dim) for b in blocks]
-    new = _apply_unique(flats, uniq, g, dim, capacity, call, dyn, ffi, jnp.where(ok, count, 0))
+    new = _apply_unique(flats, uniq, g, c, call, dyn, ffi, jnp.where(ok, count, 0))
     out = tuple(f.reshape(k, r_max, dim) for f in new)
     return out, lax.pmax(count, AXIS)
 
