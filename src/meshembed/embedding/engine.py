@@ -30,14 +30,35 @@ from meshembed.sharding.placement import Placement
 
 @dataclass
 class _DeviceFeature:
+    """One feature's enqueued batch. The backend arrays are made on first use: a sum
+    combiner without weights never reads ``scale``, so it never crosses to the device."""
+
+    backend: Any
     host_ids: np.ndarray
-    ids: Any
-    slots: Any
-    scale: Any  # [n] float32: the combiner factor w_k / N_s of every id
+    host_slots: np.ndarray
+    host_scale: np.ndarray  # [n] float32: the combiner factor w_k / N_s of every id
     num_slots: int
     # Every factor is exactly 1 (sum combiner, unit weights): the weighting is skipped, which
     # changes no bit (x * 1 == x) and saves a pass over the ids on every backend.
     unit_scale: bool = False
+    _arrays: dict = field(default_factory=dict)
+
+    def _array(self, name: str, host: np.ndarray, dtype: str) -> Any:
+        if name not in self._arrays:
+            self._arrays[name] = self.backend.asarray(host, dtype=dtype)
+        return self._arrays[name]
+
+    @property
+    def ids(self) -> Any:
+        return self._array("ids", self.host_ids, "int64")
+
+    @property
+    def slots(self) -> Any:
+        return self._array("slots", self.host_slots, "int64")
+
+    @property
+    def scale(self) -> Any:
+        return self._array("scale", self.host_scale, "float32")
 
 
 @dataclass
@@ -264,10 +285,10 @@ class TPUEmbedding:
                 unit = combiners.is_unit(scale)
             device.append(
                 _DeviceFeature(
+                    self.backend,
                     host_ids=b.ids,
-                    ids=self.backend.asarray(b.ids, dtype="int64"),
-                    slots=self.backend.asarray(b.slots, dtype="int64"),
-                    scale=self.backend.asarray(scale.reshape(-1), dtype="float32"),
+                    host_slots=b.slots,
+                    host_scale=scale.reshape(-1),
                     num_slots=b.num_slots,
                     unit_scale=unit,
                 )
@@ -301,7 +322,8 @@ class TPUEmbedding:
             else:  # fused gather + combine where the backend has one
                 weights = None if d.unit_scale else d.scale
                 act = self.backend.gather_combine(table, d.ids, d.slots, d.num_slots, weights)
-            outs.append(xp.reshape(act, f.output_shape + (t.dimension,)))
+            shape = f.output_shape + (t.dimension,)
+            outs.append(act if tuple(act.shape) == shape else xp.reshape(act, shape))
         p.dequeued = True
         return outs
 
