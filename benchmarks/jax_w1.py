@@ -11,7 +11,8 @@ Rows (``impl``):
   sum forward, combiner backward, ``jnp.unique(size=capacity)`` + segment sum, the optax
   transform (``optax.sgd/adagrad/adadelta``) applied to the gathered rows, scatter back.
 
-Run: ``python -m benchmarks.jax_w1 [--tiny] [--repeats N] [--only engine,update_rows,optax]``.
+Run: ``python -m benchmarks.jax_w1 [--tiny] [--repeats N] [--only engine,update_rows,optax]``;
+``--against-fbgemm R`` times the engine and fbgemm's CPU TBE in R interleaved rounds instead.
 A common runner imports :func:`run`.
 """
 
@@ -204,13 +205,35 @@ def w1(sizes: dict, repeats: int = 7, impls: tuple[str, ...] = IMPLS,
     return rows
 
 
+def against_fbgemm(sizes: dict, optimizer: str, repeats: int = 7, rounds: int = 6) -> dict[str, tuple]:
+    """The engine step and fbgemm's CPU TBE step (``benchmarks.torch_w1``) timed in
+    interleaved rounds in one process: a noisy neighbour slows both alike, so their ratio
+    is steadier than two separate runs'. Returns ``{name: (median, min, max) ms}``."""
+    from benchmarks import torch_w1
+
+    engine = _engine_step(_Data(sizes), optimizer)
+    steps = {"meshembed[jax] engine": lambda: _sync(engine()),
+             "fbgemm TBE CPU": torch_w1._make_step("fbgemm", torch_w1._Data(sizes), optimizer)}
+    return torch_w1._timed_rounds(steps, repeats, rounds, warmup=3)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CI sizes")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--only", default=",".join(IMPLS), help=f"comma list of {IMPLS}")
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    ap.add_argument("--against-fbgemm", type=int, default=0, metavar="ROUNDS",
+                    help="instead: the engine and fbgemm's TBE in ROUNDS interleaved rounds (sgd, adagrad)")
     args = ap.parse_args(argv)
+    if args.against_fbgemm:
+        for optimizer in [o for o in args.optimizers.split(",") if o != "adadelta"]:
+            timed = against_fbgemm(TINY_W1 if args.tiny else W1, optimizer, args.repeats, args.against_fbgemm)
+            for name, (med, lo, hi) in timed.items():
+                print(f"{optimizer:9s} {name:24s} {med:8.2f} ms ({lo:.2f}-{hi:.2f})")
+            ratio = timed["fbgemm TBE CPU"][0] / timed["meshembed[jax] engine"][0]
+            print(f"{optimizer:9s} fbgemm / meshembed[jax] = {ratio:.2f}x", flush=True)
+        return
     rows = w1(TINY_W1 if args.tiny else W1, args.repeats, tuple(args.only.split(",")),
               tuple(args.optimizers.split(",")), verbose=True)
     gbs = bandwidth_gbs()

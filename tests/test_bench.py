@@ -23,3 +23,17 @@ def test_bench_tiny_numpy(tmp_path):
     assert all(r["median_ms"] > 0 and r["min_ms"] <= r["median_ms"] <= r["max_ms"] for r in report["rows"])
     assert "| W1 | adadelta | meshembed[numpy] |" in proc.stdout
     assert png.stat().st_size > 1000
+
+
+def test_jax_against_fbgemm_tiny():
+    """The interleaved JAX-engine-vs-fbgemm timing runs on CI sizes and times both steps."""
+    import pytest
+
+    pytest.importorskip("jax")
+    pytest.importorskip("fbgemm_gpu", reason="fbgemm-gpu-cpu is not installed")
+    from benchmarks.common import TINY_W1
+    from benchmarks.jax_w1 import against_fbgemm
+
+    timed = against_fbgemm(TINY_W1, "sgd", repeats=2, rounds=1)
+    assert set(timed) == {"meshembed[jax] engine", "fbgemm TBE CPU"}
+    assert all(0 < lo <= med <= hi for med, lo, hi in timed.values())
