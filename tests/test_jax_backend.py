@@ -328,6 +328,23 @@ def test_update_kernel_copies_no_table(monkeypatch, ffi, capacity):
     assert not copies, copies
 
 
+def test_table_creation_leaves_shardings_intact(monkeypatch):
+    """Creating tables (filled on the devices window by window, then collapsed to huge
+    pages) must not touch the sharding's cached device set, which other tables of the same
+    layout share: the huge-page hint once emptied it with ``devices().pop()``."""
+    from meshembed_jax import backend as jax_backend
+
+    monkeypatch.setattr(jax_backend, "BLOCKWISE_MIN_BYTES", 0)
+    be = JaxBackend()
+    placement = Placement(40, 1, "mod")
+    first = be.create_table(_table(40, 4), placement)
+    devices = set(first.data.sharding.device_set)
+    assert devices
+    be.create_table_from_blocks((40, 4), [_table(40, 4)], placement)
+    later = be.create_table(_table(40, 4), placement)
+    assert set(first.data.sharding.device_set) == set(later.data.sharding.device_set) == devices
+
+
 def test_engine_checks_nonfinite_gradients_without_an_early_sync(monkeypatch):
     """On JAX the engine's NaN/Inf check is a device guard of the update: no eager
     ``all_finite`` on a good step; on a bad one the error names the feature, nothing moved."""

@@ -164,7 +164,7 @@ def collapse_to_huge_pages(array: Any) -> None:
         return
     try:
         shards = [s.data for s in array.addressable_shards]
-        if any(s.devices().pop().platform != "cpu" for s in shards):
+        if any(d.platform != "cpu" for s in shards for d in s.devices()):  # (a cached set: never pop it)
             return
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
