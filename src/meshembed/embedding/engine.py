@@ -465,8 +465,8 @@ class TPUEmbedding:
             new_state[t.index] = apply_table(self.backend, self._state[t.index], t, host_ids, row_grads, lrs,
                                              fns[t.index], guard=guard)
         if guard is not None and not bool(guard):  # every update wrote nothing
-            bad = next(f for f, g in zip(self.layout.features, grads) if not self.backend.all_finite(g))
-            raise self._nonfinite_error(bad)
+            bad = [f for f, g in zip(self.layout.features, grads) if not self.backend.all_finite(g)]
+            raise self._nonfinite_error(bad[0] if bad else self.layout.features[0])
         self._state.update(new_state)
         self._pending = None
         self.step += 1
