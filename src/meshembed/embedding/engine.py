@@ -442,15 +442,17 @@ class TPUEmbedding:
                 one = len(parts) == 1
                 ids = parts[0][0].ids if one else self.backend.asarray(
                     np.concatenate([d.host_ids for d, _ in parts]), dtype="int64")
+                # several features of one table: their ids, slots and weights (ragged, a new
+                # length every step) are joined on the host, so no backend compiles per length
                 offsets = np.cumsum([0] + [d.num_slots for d, _ in parts[:-1]])
-                index = parts[0][0].slots if one else \
-                    xp.concat([d.slots + int(o) for (d, _), o in zip(parts, offsets)], axis=0)
+                index = parts[0][0].slots if one else self.backend.asarray(
+                    np.concatenate([d.host_slots + o for (d, _), o in zip(parts, offsets)]), dtype="int64")
                 if all(d.unit_scale for d, _ in parts):
                     weights = None  # the sum combiner without weights: nothing to multiply
                 elif one:
                     weights = parts[0][0].scale
                 else:
-                    weights = xp.concat([d.scale for d, _ in parts], axis=0)
+                    weights = self.backend.asarray(np.concatenate([d.host_scale for d, _ in parts]), dtype="float32")
                 source = parts[0][1] if one else xp.concat([g for _, g in parts], axis=0)
                 new_state[t.index] = list(self.backend.update_rows(
                     self._state[t.index], ids, source, fns[t.index], grad_index=index, grad_weights=weights,
