@@ -125,27 +125,19 @@ inline void Prefetch(const T* base, int64_t r, int64_t m, int64_t d, bool write)
 }
 
 // Row s of dst (for s in [lo, hi)) = sum over the group's positions p of scale(p) * src(p),
-// in batch order, summed in a local row (in registers for the common widths D; D == 0:
-// width d at run time); each destination row is written once, by one task.
+// in batch order, summed in a LocalRow; each destination row is written once, by one task.
 template <int D, bool Scaled, class T, class Src, class Scale>
 void SumGroupsWidth(const Groups& gr, int64_t lo, int64_t hi, int64_t d, T* dst, const Src& src, const Scale& scale) {
-  constexpr int64_t kMax = D > 0 ? D : 1;
-  T fixed[kMax];
-  thread_local std::vector<T> dynamic;
-  if (D == 0) dynamic.resize(d);
-  T* __restrict acc = D > 0 ? fixed : dynamic.data();
-  const int64_t w = D > 0 ? D : d, row_bytes = int64_t(sizeof(T)) * w;
-  const int64_t end = gr.start[hi];
+  meshembed::LocalRow<D, T> sum(d);
+  const int64_t end = gr.start[hi], row_bytes = int64_t(sizeof(T)) * d;
   for (int64_t s = lo; s < hi; ++s) {
-    for (int64_t j = 0; j < w; ++j) acc[j] = T(0);
+    sum.Zero();
     for (int64_t p = gr.start[s], e = gr.start[s + 1]; p < e; ++p) {
       if (p + kAhead < end) meshembed::PrefetchBytes(src(gr.order[p + kAhead]), row_bytes, false);
       const int32_t k = gr.order[p];
-      const T* __restrict row = src(k);
-      const T a = Scaled ? scale(k) : T(1);
-      for (int64_t j = 0; j < w; ++j) acc[j] += Scaled ? a * row[j] : row[j];
+      sum.template Add<Scaled>(src(k), Scaled ? scale(k) : T(1));
     }
-    for (int64_t j = 0; j < w; ++j) dst[s * w + j] = acc[j];
+    sum.Store(dst + s * d);
   }
 }
 
@@ -155,31 +147,22 @@ void SumGroups(const Groups& gr, int64_t lo, int64_t hi, int64_t d, T* dst, cons
 }
 
 // SumGroups for sorted destinations: positions of [lo, hi) are one run of `seg`, found by
-// binary search. Each segment is summed in a local row and stored once; with the width D
-// known at compile time that row lives in vector registers (W1's forward, one thread:
-// 1.0 ms, against 1.65 ms with the row in memory and 2.2 ms adding into the output).
-// keep(p): whether position p has a source row src(p). D == 0: width d at run time.
+// binary search; each segment is summed in a LocalRow and stored once. keep(p): whether
+// position p has a source row src(p).
 template <int D, bool Scaled, class T, class Keep, class Src, class Scale>
 void SumSortedWidth(const int32_t* seg, int64_t n, int64_t lo, int64_t hi, int64_t d, T* dst, const Keep& keep,
                     const Src& src, const Scale& scale) {
-  constexpr int64_t kMax = D > 0 ? D : 1;
-  T fixed[kMax];
-  thread_local std::vector<T> dynamic;
-  if (D == 0) dynamic.resize(d);
-  T* __restrict acc = D > 0 ? fixed : dynamic.data();
-  const int64_t w = D > 0 ? D : d, row_bytes = int64_t(sizeof(T)) * w;
+  meshembed::LocalRow<D, T> sum(d);
+  const int64_t row_bytes = int64_t(sizeof(T)) * d;
   int64_t p = std::lower_bound(seg, seg + n, int32_t(lo)) - seg;
   const int64_t e = std::lower_bound(seg + p, seg + n, int32_t(hi)) - seg;
   for (int64_t s = lo; s < hi; ++s) {
-    for (int64_t j = 0; j < w; ++j) acc[j] = T(0);
+    sum.Zero();
     for (; p < e && seg[p] == s; ++p) {
       if (p + kAhead < e && keep(p + kAhead)) meshembed::PrefetchBytes(src(p + kAhead), row_bytes, false);
-      if (!keep(p)) continue;
-      const T* __restrict row = src(p);
-      const T a = Scaled ? scale(p) : T(1);
-      for (int64_t j = 0; j < w; ++j) acc[j] += Scaled ? a * row[j] : row[j];
+      if (keep(p)) sum.template Add<Scaled>(src(p), Scaled ? scale(p) : T(1));
     }
-    for (int64_t j = 0; j < w; ++j) dst[s * w + j] = acc[j];
+    sum.Store(dst + s * d);
   }
 }
 
