@@ -373,6 +373,25 @@ def test_engine_checks_nonfinite_gradients_without_an_early_sync(monkeypatch):
         np.testing.assert_array_equal(after[name], before[name])
 
 
+def test_capacity_error_in_a_later_table_changes_no_table():
+    """A fixed capacity that table "b" exceeds is refused before table "a" (stepped first)
+    is written: the error names "b" and both tables keep their values."""
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig("a", 100, 4, optimizer=me.embedding.SGD(0.5)),
+                me.TableConfig("b", 100, 4, optimizer=me.embedding.SGD(0.5))],
+        features=[me.FeatureConfig("a", (8,), name="fa"), me.FeatureConfig("b", (8,), name="fb")],
+    )
+    emb = me.TPUEmbedding(cfg, backend=JaxBackend(capacity=8))
+    before = {t: emb.retrieve_parameters(t)["parameters"] for t in "ab"}
+    emb.enqueue([np.arange(8), me.RaggedIds(np.arange(0, 17, 2), np.arange(16))])  # b: 16 unique ids
+    emb.dequeue()
+    with pytest.raises(CapacityError, match=r"Table 'b'.*owns 16 unique ids.*capacity is 8.*Nothing was updated"):
+        emb.apply_gradients([np.ones((8, 4), np.float32)] * 2)
+    for t in "ab":
+        np.testing.assert_array_equal(emb.retrieve_parameters(t)["parameters"], before[t])
+    assert emb._pending is not None  # the batch is still pending (a larger capacity could take it)
+
+
 def test_capacity_from_env(monkeypatch):
     monkeypatch.setenv("MESHEMBED_JAX_CAPACITY", "3")
     assert JaxBackend().capacity == 3

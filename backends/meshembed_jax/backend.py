@@ -501,6 +501,22 @@ class JaxBackend(JaxDenseMixin, Backend):
             return learned
         return min(nb, bucket(layout.rows_per_device), max(min(nb, 1024), bucket(nb // 4)))
 
+    def check_update(self, tables: Sequence[JaxShardedTable], ids: np.ndarray) -> None:
+        """With a fixed capacity, count the unique ids each device would own (on the host,
+        only when there are more ids than the capacity) and raise ``CapacityError`` before
+        the engine writes any table. Automatic capacity grows instead; several processes
+        each see only their own ids, so their kernels still check (and refuse) per table."""
+        if self.capacity is None or len(ids) <= self.capacity or self._jax.process_count() > 1:
+            return
+        layout = tables[0].layout
+        ids = np.asarray(ids).reshape(-1)
+        placement = layout.placement
+        ids = ids[(ids >= 0) & (ids < placement.vocabulary_size)]
+        device = placement.owner(ids) // layout.shards_per_device
+        worst = max((np.unique(ids[device == k]).size for k in np.unique(device)), default=0)
+        if worst > self.capacity:
+            raise self._capacity_error(tables[0], worst, self.capacity)
+
     def update_rows(
         self,
         tables: Sequence[JaxShardedTable],
@@ -563,6 +579,14 @@ class JaxBackend(JaxDenseMixin, Backend):
             return guard  # already where the kernel runs
         return self._jax.device_put(guard, layout.replicated)
 
+    def _capacity_error(self, table: JaxShardedTable, worst: int, capacity: int) -> CapacityError:
+        return CapacityError(
+            f"Batch too large for table {table!r}: one device owns {worst} unique ids this step "
+            f"but the jax backend's capacity is {capacity}. Nothing was updated. Fix: raise the "
+            f"capacity (JaxBackend(capacity=...), MESHEMBED_JAX_CAPACITY or backend.capacity) to "
+            f"at least {worst}, or leave it unset for automatic sizing, or split the batch."
+        )
+
     def _check_tables(self, tables: list[JaxShardedTable]) -> tuple[ShardLayout, int]:
         layout, dim = tables[0].layout, tables[0].shape[1]
         for t in tables[1:]:
@@ -609,13 +633,7 @@ class JaxBackend(JaxDenseMixin, Backend):
         worst = int(count.addressable_data(0))  # replicated scalar; syncs the step
         if worst > capacity:
             if self.capacity is not None:
-                raise CapacityError(
-                    f"Batch too large for table {tables[0]!r}: one device owns {worst} unique ids "
-                    f"this step but the jax backend's capacity is {capacity}. Nothing was "
-                    f"updated. Fix: raise the capacity (JaxBackend(capacity=...), "
-                    f"MESHEMBED_JAX_CAPACITY or backend.capacity) to at least {worst}, or leave "
-                    "it unset for automatic sizing, or split the batch."
-                )
+                raise self._capacity_error(tables[0], worst, capacity)
             self._auto_capacity[(layout, nb)] = bucket(worst + worst // 4)
             return self._update(tables, layout, dim, fn, nb, args, weighted)
         return tables

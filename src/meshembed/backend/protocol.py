@@ -153,6 +153,11 @@ class Backend(abc.ABC):
             rows = rows * self.xp.reshape(weights, (-1, 1))
         return self.segment_sum_to(rows, segment_ids, num_segments)
 
+    def check_update(self, tables: Sequence[ShardedTable], ids: np.ndarray) -> None:
+        """Raise, before any table of a step is written, the error ``update_rows`` would raise
+        for these (host) ids — e.g. a fixed capacity they exceed — so that a step with several
+        tables changes all of them or none. Default: nothing to check."""
+
     def update_rows(
         self,
         tables: Sequence[ShardedTable],

@@ -24,7 +24,7 @@ from meshembed.embedding import combiners, inputs
 from meshembed.embedding.initializers import Constant, default_initializer, initial_blocks, table_rng
 from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec, build_layout
 from meshembed.embedding.updates import apply_table, is_non_lazy, make_update_fn, uses_accumulation
-from meshembed.errors import ConfigError, InputError, StateError
+from meshembed.errors import CapacityError, ConfigError, InputError, StateError
 from meshembed.sharding.placement import Placement
 
 
@@ -432,6 +432,15 @@ class TPUEmbedding:
         per_table: dict[int, list[tuple[_DeviceFeature, Any]]] = {t.index: [] for t in self.layout.tables}
         for f, d, g in zip(self.layout.features, p.features, grads):
             per_table[f.table].append((d, g))
+        for t in self.layout.tables:  # e.g. a fixed capacity: refuse before any table is written
+            ids = [d.host_ids for d, _ in per_table[t.index]]
+            if is_non_lazy(t):
+                ids.append(np.arange(t.vocabulary_size, dtype=np.int64))
+            if ids:
+                try:
+                    self.backend.check_update(self._state[t.index], np.concatenate(ids))
+                except CapacityError as exc:
+                    raise CapacityError(f"Table {t.name!r}: {exc}") from None
         new_state = {}
         for t in self.layout.tables:
             parts = per_table[t.index]
