@@ -81,7 +81,7 @@ def test_two_processes_match_numpy(tmp_path):
     for rank, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result["checks"] >= 12, result
+        assert result["checks"] >= 15, result
 
 
 # --------------------------------------------------------------------------- workers
@@ -216,6 +216,38 @@ def _process_worker(rank: int, port: int, out_dir: str) -> None:
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=2e-6, atol=1e-5)
         checks += 1
+    # a fixed capacity that table "b" exceeds only with both processes' ids (6 unique ids of
+    # device 0 here, 12 in all): refused on every process before table "a" is written
+    sgd = me.embedding.SGD(learning_rate=0.5)
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig(name=t, vocabulary_size=64, dimension=4, optimizer=sgd, combiner="sum") for t in "ab"],
+        features=[me.FeatureConfig(table="a", input_shape=(4,), name="fa"),
+                  me.FeatureConfig(table="b", input_shape=(6,), name="fb")],
+        sharding_strategy="mod",
+    )
+    e = me.TPUEmbedding(cfg, backend="jax", num_shards=4)
+    before = {t: e.retrieve_parameters(t)["parameters"] for t in "ab"}
+    ids_a = np.array([1, 2, 3, 5]) + 5 * rank
+    ids_b = np.arange(6) * 4 + 24 * rank  # all owned by device 0 (MOD 4)
+    be.capacity = 8
+    try:
+        e.enqueue([ids_a, ids_b])
+        e.dequeue()
+        try:
+            e.apply_gradients([np.ones((4, 4), np.float32), np.ones((6, 4), np.float32)])
+            raise AssertionError("a capacity exceeded across processes was not refused")
+        except me.errors.CapacityError as exc:
+            assert "'b'" in str(exc) and "12 unique ids" in str(exc), str(exc)
+        for t in "ab":
+            np.testing.assert_array_equal(e.retrieve_parameters(t)["parameters"], before[t])
+            checks += 1
+        be.capacity = 12  # enough: the same step goes through
+        e.apply_gradients([np.ones((4, 4), np.float32), np.ones((6, 4), np.float32)])
+        got = e.retrieve_parameters("b")["parameters"]
+        np.testing.assert_array_equal(got[np.arange(12) * 4], before["b"][np.arange(12) * 4] - 0.5)
+        checks += 1
+    finally:
+        be.capacity = None
     pathlib.Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"checks": checks}))
     jax.distributed.shutdown()
 

@@ -343,26 +343,34 @@ class JaxBackend(JaxDenseMixin, Backend):
         return (*out, n, 0)
 
     def _global_batch_multiprocess(self, layout: ShardLayout, idt: np.dtype, ids: Any, *rows: Any) -> tuple:
-        from jax.experimental import multihost_utils
-
         local = [np.asarray(self.to_numpy(ids)).reshape(-1).astype(idt)]
         n = local[0].shape[0]
         local += [np.asarray(self.to_numpy(r)).reshape(n, -1) for r in rows]
-        sizes = np.asarray(multihost_utils.process_allgather(np.array([n], np.int64))).reshape(-1)
-        top = int(sizes.max())
-        offset = int(sizes[: self._jax.process_index()].sum())
-        total = int(sizes.sum())
-        nb = bucket(total)
+        joined, offset = self._join_processes(local)
+        nb = bucket(joined[0].shape[0])
         out = []
-        for i, part in enumerate(local):
-            fill = -1 if i == 0 else 0
-            padded = np.full((top,) + part.shape[1:], fill, part.dtype)
-            padded[:n] = part
-            every = np.asarray(multihost_utils.process_allgather(padded))  # [P, top, ...]
-            full = np.full((nb,) + part.shape[1:], fill, part.dtype)
-            full[:total] = np.concatenate([every[p, : sizes[p]] for p in range(len(sizes))])
+        for i, part in enumerate(joined):
+            full = np.full((nb,) + part.shape[1:], -1 if i == 0 else 0, part.dtype)
+            full[: part.shape[0]] = part
             out.append(self._put(full, layout.replicated))
         return (*out, n, offset)
+
+    def _join_processes(self, parts: list[np.ndarray]) -> tuple[list[np.ndarray], int]:
+        """Every process's ``parts`` (host arrays of one leading length per process) joined
+        in process order, and where this process's rows start. A collective: every process
+        must call it with the same number of parts."""
+        from jax.experimental import multihost_utils
+
+        n = parts[0].shape[0]
+        sizes = np.asarray(multihost_utils.process_allgather(np.array([n], np.int64))).reshape(-1)
+        top = int(sizes.max())
+        joined = []
+        for part in parts:
+            padded = np.zeros((top,) + part.shape[1:], part.dtype)
+            padded[:n] = part
+            every = np.asarray(multihost_utils.process_allgather(padded))  # [P, top, ...]
+            joined.append(np.concatenate([every[p, : sizes[p]] for p in range(len(sizes))]))
+        return joined, int(sizes[: self._jax.process_index()].sum())
 
     def _local_result(self, x: Any, n: int, offset: int) -> Any:
         """This process's rows of a replicated kernel result."""
@@ -502,14 +510,18 @@ class JaxBackend(JaxDenseMixin, Backend):
         return min(nb, bucket(layout.rows_per_device), max(min(nb, 1024), bucket(nb // 4)))
 
     def check_update(self, tables: Sequence[JaxShardedTable], ids: np.ndarray) -> None:
-        """With a fixed capacity, count the unique ids each device would own (on the host,
-        only when there are more ids than the capacity) and raise ``CapacityError`` before
-        the engine writes any table. Automatic capacity grows instead; several processes
-        each see only their own ids, so their kernels still check (and refuse) per table."""
-        if self.capacity is None or len(ids) <= self.capacity or self._jax.process_count() > 1:
+        """With a fixed capacity, count the unique ids each device would own (on the host)
+        and raise ``CapacityError`` before the engine writes any table; automatic capacity
+        grows instead. With several processes the ids of all of them are counted (an
+        all-gather: every process checks the same tables in the same order)."""
+        if self.capacity is None:
+            return
+        ids = np.asarray(ids).reshape(-1)
+        if self._jax.process_count() > 1:
+            ids = self._join_processes([ids])[0][0]
+        if len(ids) <= self.capacity:
             return
         layout = tables[0].layout
-        ids = np.asarray(ids).reshape(-1)
         placement = layout.placement
         ids = ids[(ids >= 0) & (ids < placement.vocabulary_size)]
         device = placement.owner(ids) // layout.shards_per_device
