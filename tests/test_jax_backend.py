@@ -410,6 +410,27 @@ def test_automatic_capacity_grows_without_error(ref):
     np.testing.assert_array_equal(be.unshard(t[0]), ref.unshard(r[0]))
 
 
+def test_automatic_capacity_check_waits_until_a_table_is_read(ref):
+    """With automatic capacity update_rows returns without waiting for the step (the host can
+    prepare the next one); an overflowing step (its kernel wrote nothing) is redone with a
+    larger capacity before anything reads the tables, also when another update follows."""
+    be = JaxBackend()
+    placement = Placement(5000, 1, "mod")
+    values = _table(5000, 2)
+    t, r = [be.create_table(values, placement)], [ref.create_table(values, placement)]
+    fn = make_fn(be.xp, "stochastic_gradient_descent", 0.5, {})
+    fr = make_fn(ref.xp, "stochastic_gradient_descent", 0.5, {})
+    for step, ids in enumerate((np.arange(4096), np.arange(4096) % 7)):  # overflows the first guess, then fits
+        g = np.ones((4096, 2), np.float32)
+        t = be.update_rows(t, be.asarray(ids), be.asarray(g), fn)
+        assert t[0].pending is not None  # not checked yet
+        # the first step's overflow is seen (and the step redone) when the second reads the table
+        assert bool(be._auto_capacity) == (step == 1)
+        r = ref.update_rows(r, ids, g, fr)
+    np.testing.assert_array_equal(be.unshard(t[0]), ref.unshard(r[0]))
+    assert t[0].pending is None and max(be._auto_capacity.values()) >= 4096
+
+
 def test_no_recompilation_across_steps_and_batch_sizes(be):
     placement = Placement(1000, 2, "mod")
     zeros = np.zeros((1000, 8), np.float32)

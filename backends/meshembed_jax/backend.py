@@ -548,7 +548,9 @@ class JaxBackend(JaxDenseMixin, Backend):
 
         Table and slot buffers are donated. On overflow of an explicit capacity it raises
         ``CapacityError`` with every table unchanged; with ``guard`` (a device boolean) false
-        the step writes nothing.
+        the step writes nothing. With automatic capacity (one process) it returns without
+        waiting for the step; an overflow is found and the step redone with a larger
+        capacity before the tables are next read.
         """
         tables = list(tables)
         layout, dim = self._check_tables(tables)
@@ -609,7 +611,7 @@ class JaxBackend(JaxDenseMixin, Backend):
                 )
         return layout, dim
 
-    def _update(self, tables, layout, dim, fn, nb, args, weighted=None) -> list[JaxShardedTable]:
+    def _update(self, tables, layout, dim, fn, nb, args, weighted=None, defer=True) -> list[JaxShardedTable]:
         """Run the (plain or combined) update kernel; ``args`` are its batch arguments."""
         from meshembed_jax import kernels
 
@@ -642,10 +644,22 @@ class JaxBackend(JaxDenseMixin, Backend):
             return self._update(tables, layout, dim, fn, nb, args, weighted)
         for t, d in zip(tables, new):
             t.data = d
-        worst = int(count.addressable_data(0))  # replicated scalar; syncs the step
-        if worst > capacity:
-            if self.capacity is not None:
-                raise self._capacity_error(tables[0], worst, capacity)
-            self._auto_capacity[(layout, nb)] = bucket(worst + worst // 4)
-            return self._update(tables, layout, dim, fn, nb, args, weighted)
+
+        def check() -> None:
+            for t in tables:
+                t.pending = None
+            worst = int(count.addressable_data(0))  # replicated scalar: waits for the step
+            if worst > capacity:  # the kernel wrote nothing: grow the capacity and redo it
+                if self.capacity is not None:
+                    raise self._capacity_error(tables[0], worst, capacity)
+                self._auto_capacity[(layout, nb)] = bucket(worst + worst // 4)
+                self._update(tables, layout, dim, fn, nb, args, weighted, defer=False)
+
+        if defer and self.capacity is None and jax.process_count() == 1:
+            # Automatic capacity (growing is the only outcome of an overflow): check when
+            # a table is next read, so the host prepares the next step while this one runs.
+            for t in tables:
+                t.pending = check
+        else:
+            check()
         return tables
