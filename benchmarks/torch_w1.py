@@ -203,12 +203,16 @@ def _timed_rounds(steps: dict[str, Callable[[], Any]], repeats: int, rounds: int
     for impl, step in steps.items():
         for _ in range(warmup + (2 if "compile" in impl else 0)):
             step()
+        getattr(step, "finish", lambda: None)()
     times: dict[str, list[float]] = {impl: [] for impl in steps}
     for _ in range(rounds):
         for impl, step in steps.items():
-            for _ in range(repeats):
+            finish = getattr(step, "finish", None)  # see common.timeit
+            for i in range(repeats):
                 t0 = time.perf_counter()
                 step()
+                if finish and i == repeats - 1:
+                    finish()
                 times[impl].append((time.perf_counter() - t0) * 1e3)
     return {impl: (statistics.median(t), min(t), max(t)) for impl, t in times.items()}
 
