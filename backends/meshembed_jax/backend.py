@@ -645,17 +645,19 @@ class JaxBackend(JaxDenseMixin, Backend):
         for t, d in zip(tables, new):
             t.data = d
 
+        fixed = self.capacity is not None
+
         def check() -> None:
             for t in tables:
                 t.pending = None
             worst = int(count.addressable_data(0))  # replicated scalar: waits for the step
             if worst > capacity:  # the kernel wrote nothing: grow the capacity and redo it
-                if self.capacity is not None:
+                if fixed:
                     raise self._capacity_error(tables[0], worst, capacity)
                 self._auto_capacity[(layout, nb)] = bucket(worst + worst // 4)
                 self._update(tables, layout, dim, fn, nb, args, weighted, defer=False)
 
-        if defer and self.capacity is None and jax.process_count() == 1:
+        if defer and not fixed and jax.process_count() == 1:
             # Automatic capacity (growing is the only outcome of an overflow): check when
             # a table is next read, so the host prepares the next step while this one runs.
             for t in tables:
