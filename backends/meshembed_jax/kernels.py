@@ -37,14 +37,26 @@ from meshembed_jax.layout import AXIS, ShardLayout
 try:  # jax >= 0.6 exports shard_map at the top level
     from jax import shard_map as _shard_map
 
-    def shard_map(f: Callable, mesh: Any, in_specs: Any, out_specs: Any) -> Callable:
-        return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    def shard_map(f: Callable, mesh: Any, in_specs: Any, out_specs: Any, check: bool = True) -> Callable:
+        return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
 
 except ImportError:  # pragma: no cover - older jax
     from jax.experimental.shard_map import shard_map as _shard_map_exp
 
-    def shard_map(f: Callable, mesh: Any, in_specs: Any, out_specs: Any) -> Callable:
+    def shard_map(f: Callable, mesh: Any, in_specs: Any, out_specs: Any, check: bool = True) -> Callable:
         return _shard_map_exp(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def device_map(layout: ShardLayout, f: Callable, in_specs: Any, out_specs: Any) -> Callable:
+    """``shard_map`` of ``f`` over the layout's mesh. On a one-device mesh a per-device
+    result is already the whole result: :func:`across_devices` adds no collective there, so
+    the replication check is off (XLA keeps a one-device all-reduce: a copy of the output)."""
+    return shard_map(f, layout.mesh, in_specs, out_specs, check=layout.n_dev > 1)
+
+
+def across_devices(layout: ShardLayout, x: jax.Array, op: Callable = lax.psum) -> jax.Array:
+    """``op`` (psum, pmax) of the per-device values over the mesh axis; ``x`` on one device."""
+    return x if layout.n_dev == 1 else op(x, AXIS)
 
 
 DEDUP_STRATEGIES = ("dense", "sort")
@@ -140,9 +152,9 @@ def make_lookup(layout: ShardLayout, dim: int) -> Callable:
     def per_device(block: jax.Array, ids: jax.Array) -> jax.Array:
         flat = local_rows(layout, ids)
         rows = block.reshape(m, dim).at[flat].get(mode="fill", fill_value=0)
-        return lax.psum(rows, AXIS)  # free on a one-device mesh
+        return across_devices(layout, rows)
 
-    fn = shard_map(per_device, layout.mesh, in_specs=(P(AXIS), P()), out_specs=P())
+    fn = device_map(layout, per_device, in_specs=(P(AXIS), P()), out_specs=P())
     return jax.jit(fn)
 
 
@@ -236,7 +248,7 @@ def make_gather_combine(layout: ShardLayout, dim: int, n: int, num_segments: int
         flat = local_rows(layout, ids)
         table = block.reshape(m, dim)
         if use_cpu_kernels(layout, table.dtype):
-            return lax.psum(cpu_kernels.gather_combine(table, flat, segs, w, num_segments, weighted), AXIS)
+            return across_devices(layout, cpu_kernels.gather_combine(table, flat, segs, w, num_segments, weighted))
         c = chunk_rows(n, dim * table.dtype.itemsize)
 
         def body(start: jax.Array, acc: jax.Array) -> jax.Array:
@@ -246,9 +258,9 @@ def make_gather_combine(layout: ShardLayout, dim: int, n: int, num_segments: int
             return acc.at[_slice(segs, start, c)].add(rows, mode="drop")
 
         out = _pieces(n, c, body, jnp.zeros((num_segments, dim), table.dtype))
-        return lax.psum(out, AXIS)  # free on a one-device mesh
+        return across_devices(layout, out)
 
-    fn = shard_map(per_device, layout.mesh, in_specs=(P(AXIS), P(), P(), P()), out_specs=P())
+    fn = device_map(layout, per_device, in_specs=(P(AXIS), P(), P(), P()), out_specs=P())
     return jax.jit(fn)
 
 
@@ -318,7 +330,7 @@ def _update_body(layout: ShardLayout, dim: int, capacity: int, dedup: str, call:
     flats = [b.reshape(m, dim) for b in blocks]
     new = _apply_unique(flats, uniq, g, c, call, dyn, ffi, jnp.where(ok, count, 0))
     out = tuple(f.reshape(k, r_max, dim) for f in new)
-    return out, lax.pmax(count, AXIS)
+    return out, across_devices(layout, count, lax.pmax)
 
 
 def make_update(
@@ -354,7 +366,7 @@ def make_update(
                             ffi_sum)
 
     specs = (tuple(P(AXIS) for _ in range(n_tables)), P(), P(), P(), P())
-    fn = shard_map(per_device, layout.mesh, in_specs=specs, out_specs=(tuple(P(AXIS) for _ in range(n_tables)), P()))
+    fn = device_map(layout, per_device, in_specs=specs, out_specs=(tuple(P(AXIS) for _ in range(n_tables)), P()))
     return jax.jit(fn, donate_argnums=(0,))
 
 
@@ -394,7 +406,7 @@ def make_update_combined(
                             ffi_sum)
 
     specs = (tuple(P(AXIS) for _ in range(n_tables)), P(), P(), P(), P(), P(), P())
-    fn = shard_map(per_device, layout.mesh, in_specs=specs, out_specs=(tuple(P(AXIS) for _ in range(n_tables)), P()))
+    fn = device_map(layout, per_device, in_specs=specs, out_specs=(tuple(P(AXIS) for _ in range(n_tables)), P()))
     return jax.jit(fn, donate_argnums=(0,))
 
 
