@@ -123,13 +123,14 @@ class JaxShardedTable(ShardedTable):
     def shape(self) -> tuple[int, int]:
         return (self.placement.vocabulary_size, self._dim)
 
+    # dtype and sharding never change with an update: no need to wait for a pending check
     @property
     def dtype(self) -> Any:
-        return np.dtype(self.data.dtype)
+        return np.dtype(self._data.dtype)
 
     @property
     def sharding(self) -> Any:
-        return self.data.sharding
+        return self._data.sharding
 
     def __repr__(self) -> str:
         p = self.placement
