@@ -437,6 +437,33 @@ def test_automatic_capacity_grows_without_error(ref):
     np.testing.assert_array_equal(be.unshard(t[0]), ref.unshard(r[0]))
 
 
+@pytest.mark.parametrize("ffi", ["1", "0"])
+def test_overflow_on_one_device_writes_on_no_device(monkeypatch, ref, ffi):
+    """Device 0 owns more unique ids than the automatic first capacity, the others a few:
+    no device may write before the step is redone with a larger capacity (a device that
+    wrote was stepped twice), and a fixed capacity leaves every device's rows unchanged.
+    Meaningful on several devices (test_backend_suite_on_eight_devices runs it on 8)."""
+    import jax
+
+    monkeypatch.setenv("MESHEMBED_JAX_CPU_KERNELS", ffi)
+    shards = len(jax.devices())
+    placement = Placement(20000, shards, "mod")
+    values = _table(20000, 2)
+    ids = np.concatenate([np.arange(1500) * shards, np.arange(1, shards)])  # 1500 on device 0
+    g = np.ones((ids.size, 2), np.float32)
+    fn = make_fn(JaxBackend().xp, "stochastic_gradient_descent", 0.5, {})
+    be = JaxBackend()
+    t = be.update_rows([be.create_table(values, placement)], be.asarray(ids), be.asarray(g), fn)
+    r = ref.update_rows([ref.create_table(values, placement)], ids, g,
+                        make_fn(ref.xp, "stochastic_gradient_descent", 0.5, {}))
+    np.testing.assert_array_equal(be.unshard(t[0]), ref.unshard(r[0]))
+    fixed = JaxBackend(capacity=1024)
+    t = [fixed.create_table(values, placement)]
+    with pytest.raises(CapacityError, match="owns 1500 unique ids"):
+        fixed.update_rows(t, fixed.asarray(ids), fixed.asarray(g), fn)
+    np.testing.assert_array_equal(fixed.unshard(t[0]), values)
+
+
 def test_automatic_capacity_check_waits_until_a_table_is_read(ref):
     """With automatic capacity update_rows returns without waiting for the step (the host can
     prepare the next one); an overflowing step (its kernel wrote nothing) is redone with a

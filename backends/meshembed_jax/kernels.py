@@ -13,9 +13,10 @@ Every kernel is ``jax.jit(shard_map(per_device, ...))`` over the table's one-axi
   core's optimizer function once per unique row and scatter the rows back, in one
   compiled step whose table and slot buffers are donated (no copy of a table per step).
 
-If a device owns more unique ids than ``capacity``, nothing is written (every row index is
-set to the sentinel) and the per-device counts come back so the caller can raise
-``CapacityError`` with the tables unchanged — never a silent truncation.
+If any device owns more unique ids than ``capacity``, no device writes anything (every row
+index is set to the sentinel; the decision uses the ``pmax`` of the per-device counts) and
+that count comes back so the caller can raise ``CapacityError`` or retry with a larger
+capacity, with the tables unchanged — never a silent truncation.
 
 On CPU devices the row movement inside these kernels (gather + combine, dedup + gradient
 sums, row gather and in-place scatter) is done by the FFI kernels of ``cpu_kernels``; the
@@ -325,12 +326,15 @@ def _update_body(layout: ShardLayout, dim: int, capacity: int, dedup: str, call:
         uniq, slot, count = _DEDUP[dedup](flat, m, capacity)
         uniq = jnp.concatenate([uniq, jnp.full((padded - capacity,), m, uniq.dtype)]) if padded > capacity else uniq
         g = add_grads(jnp.zeros((padded + 1, dim), grad_dtype), slot)[:padded]  # slot capacity: not owned
-    ok = guard & (count <= capacity)
+    # one decision for all devices: if any device overflows, no device writes (the caller
+    # redoes or refuses the whole step; a device that wrote would be stepped twice)
+    worst = across_devices(layout, count, lax.pmax)
+    ok = guard & (worst <= capacity)
     uniq = jnp.where(ok, uniq, m)  # row m: nothing written
     flats = [b.reshape(m, dim) for b in blocks]
     new = _apply_unique(flats, uniq, g, c, call, dyn, ffi, jnp.where(ok, count, 0))
     out = tuple(f.reshape(k, r_max, dim) for f in new)
-    return out, across_devices(layout, count, lax.pmax)
+    return out, worst
 
 
 def make_update(
