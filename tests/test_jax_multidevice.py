@@ -125,6 +125,21 @@ def _hlo_worker() -> None:
 
     if cpu_kernels.usable("cpu", np.float32):  # the FFI row kernels run on every device
         assert "meshembed_dedup_sum" in texts["update"] and "meshembed_scatter_rows" in texts["update"]
+        # the registered fused update: one in-place call per device, no collective, no copy
+        from meshembed.embedding.updates import make_update_fn
+
+        cfg = me.EmbeddingConfig(tables=[me.TableConfig("t", 1000, 16, optimizer=me.embedding.Adagrad(0.1))],
+                                 features=[me.FeatureConfig("t", (4,), name="f")])
+        spec = me.TPUEmbedding(cfg, backend="numpy").layout.tables[0]
+        be.update_rows(tables, ids, grads, make_update_fn(be.xp, spec, []))
+        key = next(k for k in be._kernels if k[0] == "fused_update")
+        hp = next(iter(be._hp_arrays.values()))
+        guard = be._guard(tables[0].layout, None)
+        text = be._kernels[key].lower(tuple(t.data for t in tables), gids, ggrads, be._no_weights(tables[0].layout, np.int32),
+                                      be._no_weights(tables[0].layout, np.float32), guard, hp).compile().as_text()
+        assert "meshembed_fused_update" in text
+        assert not any(op in text for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute")), text[:3000]
+        assert not [line for line in text.splitlines() if " copy(" in line and "f32[" in line.split("=")[1].split("copy(")[0]]
     print("HLO OK")
 
 

@@ -47,6 +47,10 @@ BLOCKWISE_MIN_BYTES = 32 << 20
 WINDOW_BYTES = 8 << 20
 
 
+#: Registered fused updates run in this process (tests check the path was taken).
+fused_calls = [0]
+
+
 def bucket(n: int) -> int:
     """Round ``n`` up to one of at most 8 sizes per power of two (min 8): shapes repeat
     across steps with varying batch sizes while padding wastes at most 12.5%."""
@@ -97,6 +101,7 @@ class JaxBackend(JaxDenseMixin, Backend):
         self._static_only: set[Any] = set()
         self._prepared: collections.OrderedDict[Any, tuple[Any, Any]] = collections.OrderedDict()
         self._no_weight_arrays: dict[tuple, Any] = {}
+        self._hp_arrays: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
     # -- discovery ---------------------------------------------------------------------
     @classmethod
@@ -546,6 +551,10 @@ class JaxBackend(JaxDenseMixin, Backend):
         grads[grad_index[i]]`` (the combiner's backward pass), formed in pieces inside the
         per-row sum of the same compiled step, never as a ``[len(ids), D]`` array.
 
+        A registered fused update (``updates.REGISTERED_FUSED``: plain SGD, Adagrad, Adadelta
+        on float32 CPU tables with automatic capacity) runs as one C++ pass per device instead
+        of the core function; ``MESHEMBED_JAX_FUSED=0`` turns it off.
+
         Table and slot buffers are donated. On overflow of an explicit capacity it raises
         ``CapacityError`` with every table unchanged; with ``guard`` (a device boolean) false
         the step writes nothing. With automatic capacity (one process) it returns without
@@ -611,10 +620,49 @@ class JaxBackend(JaxDenseMixin, Backend):
                 )
         return layout, dim
 
+    def _fused_update(self, tables: list[JaxShardedTable], layout: ShardLayout, dim: int, fn: Callable,
+                      args: tuple, weighted: bool | None) -> bool:
+        """Run the registered fused update where it computes ``fn`` (float32 tables on CPU
+        devices with the FFI kernels, automatic capacity); False where the core function must
+        run. One in-place pass per device with buffers sized by the batch: no capacity to
+        check, nothing for the host to wait for. ``MESHEMBED_JAX_FUSED=0`` turns it off."""
+        from meshembed.embedding.updates import fused_kernel
+        from meshembed_jax import cpu_kernels, kernels
+
+        if self.capacity is not None or not cpu_kernels.fused_enabled():
+            return False  # a fixed capacity is a promise the capacity-bounded kernels keep
+        if any(t.dtype != np.float32 for t in tables) or args[1].dtype != np.float32:
+            return False
+        found = fused_kernel(fn, len(tables))
+        if found is None or not kernels.use_cpu_kernels(layout, np.float32):
+            return False
+        code, (lr, rho, eps) = found
+        combined = weighted is not None
+        if combined:
+            ids, grads, segs, w, guard = args
+        else:
+            (ids, grads, guard), segs, w = args, self._no_weights(layout, np.int32), self._no_weights(layout, np.float32)
+        values = (lr, rho, eps, 1.0 - rho)  # 1 - rho rounded once, as the core's Python floats
+        key = (layout, values)
+        hp = self._hp_arrays.get(key)
+        if hp is None:
+            hp = self._hp_arrays[key] = self._jax.device_put(np.asarray(values, np.float32), layout.replicated)
+            while len(self._hp_arrays) > 8:
+                self._hp_arrays.popitem(last=False)
+        weighted = bool(weighted)
+        step = self._kernel(("fused_update", layout, dim, len(tables), code, combined, weighted),
+                            lambda: kernels.make_fused_update(layout, dim, len(tables), code, combined, weighted))
+        for t, d in zip(tables, step(tuple(t.data for t in tables), ids, grads, segs, w, guard, hp)):
+            t.data = d
+        fused_calls[0] += 1
+        return True
+
     def _update(self, tables, layout, dim, fn, nb, args, weighted=None, defer=True) -> list[JaxShardedTable]:
         """Run the (plain or combined) update kernel; ``args`` are its batch arguments."""
         from meshembed_jax import kernels
 
+        if self._fused_update(tables, layout, dim, fn, args, weighted):
+            return tables
         jax = self._jax
         capacity = self._capacity_for(layout, nb)
         dedup = self._dedup_for(layout, nb)

@@ -2,7 +2,9 @@
 //
 // XLA's CPU gathers and scatters walk rows element by element on one thread; these do the
 // same data movement row by row on XLA's own intra-op thread pool. They move and sum rows
-// only: every optimizer formula stays in the core's function, compiled by XLA.
+// only: the optimizer formula stays in the core's function, compiled by XLA — except in
+// the registered fused update (FusedUpdateImpl), whose formulas are the C++ ones the torch
+// backend's fused kernel shares (row_kernels.h), compared with the core's by the tests.
 // Semantics match the pure-XLA kernels in kernels.py (rows >= m are "not owned": read as
 // zeros, never written; sums run in batch order, so results are deterministic).
 //
@@ -302,6 +304,112 @@ ffi::Error DedupSumImpl(ffi::ThreadPool pool, ffi::AnyBuffer ids, ffi::AnyBuffer
   });
 }
 
+// Ranges of the destinations [0, n_dest) of `gr` holding about equal work (contributions
+// plus a few per destination for its own row): in a Zipf batch a few hot rows hold half of
+// the contributions, so ranges of equal row counts would leave one thread with most of it.
+inline std::vector<int64_t> WorkCuts(const Groups& gr, int64_t n_dest, int64_t parts) {
+  constexpr int64_t kRowCost = 4;
+  const int64_t total = gr.start[n_dest] + kRowCost * n_dest;
+  std::vector<int64_t> cut(parts + 1, n_dest);
+  cut[0] = 0;
+  for (int64_t t = 1; t < parts; ++t) {  // first s whose work before it reaches total * t / parts
+    int64_t lo = cut[t - 1], hi = n_dest;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (gr.start[mid] + kRowCost * mid < total * t / parts) lo = mid + 1;
+      else hi = mid;
+    }
+    cut[t] = lo;
+  }
+  return cut;
+}
+
+// The registered fused update (meshembed/embedding/fused_updates.py) of a float32 table and
+// its slots, in place: dedup of the owned rows, then for each unique row its gradient summed
+// in batch order (in registers) and the formula applied at once (meshembed::RowUpdate, the
+// torch backend's fused kernel uses the same). Contribution k adds w[k] * grads[segs[k]]
+// (combined) or grads[k] (plain); ids outside [0, m) and segments outside the gradient rows
+// add nothing. hp: lr, rho, epsilon, 1 - rho (float32).
+// Unique rows ascend but lie far apart in the table; each prefetch covers the table row and
+// its slots (up to 3 rows), so fewer rows ahead than kAhead (the torch kernel's distance).
+constexpr int64_t kTableAhead = 8;
+
+template <int D, bool Scaled, class I, class Src, class Scale>
+void FusedRows(const meshembed::RowUpdate& upd, const Groups& gr, const I* uniq, int64_t lo, int64_t hi,
+               const Src& src, const Scale& scale) {
+  meshembed::LocalRow<D, float> sum(upd.dim);
+  const int64_t end = gr.start[hi], row_bytes = int64_t(sizeof(float)) * upd.dim;
+  for (int64_t s = lo; s < hi; ++s) {
+    if (s + kTableAhead < hi) upd.Prefetch(int64_t(uniq[s + kTableAhead]));
+    sum.Zero();
+    for (int64_t p = gr.start[s], e = gr.start[s + 1]; p < e; ++p) {
+      if (p + kAhead < end) meshembed::PrefetchBytes(src(gr.order[p + kAhead]), row_bytes, false);
+      const int32_t k = gr.order[p];
+      sum.template Add<Scaled>(src(k), Scaled ? scale(k) : 1.0f);
+    }
+    upd.Apply(int64_t(uniq[s]), sum.Data());
+  }
+}
+
+ffi::Error FusedUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::AnyBuffer ids,
+                           ffi::AnyBuffer grads, ffi::AnyBuffer segs, ffi::AnyBuffer w, ffi::RemainingArgs tables,
+                           ffi::RemainingRets outs, int64_t algorithm, bool combined, bool weighted) {
+  const size_t n_tables = tables.size();
+  if (n_tables < 1 || n_tables > 3 || outs.size() != n_tables)
+    return ffi::Error::InvalidArgument("meshembed fused update: expected 1-3 tables and as many results");
+  if (grads.element_type() != ffi::DataType::F32 || hp.element_type() != ffi::DataType::F32 ||
+      hp.element_count() != 4)
+    return Unsupported("fused update operand");
+  if (combined && segs.element_type() != ffi::DataType::S32) return Unsupported("segment dtype");
+  if (weighted && w.element_type() != ffi::DataType::F32) return Unsupported("weight dtype");
+  float* data[3] = {nullptr, nullptr, nullptr};
+  int64_t m = 0, d = 0;
+  for (size_t t = 0; t < n_tables; ++t) {
+    auto in = tables.get<ffi::AnyBuffer>(t);
+    auto out = outs.get<ffi::AnyBuffer>(t);
+    if (!in.has_value() || !out.has_value()) return ffi::Error::InvalidArgument("meshembed fused update: bad table");
+    if (in->element_type() != ffi::DataType::F32) return Unsupported("table dtype");
+    if (t == 0) m = Rows(*in), d = Dim(*in);
+    if (Rows(*in) != m || Dim(*in) != d || (*out)->element_count() != in->element_count())
+      return ffi::Error::InvalidArgument("meshembed fused update: a table and its slots differ in shape");
+    data[t] = static_cast<float*>((*out)->untyped_data());
+    if (data[t] != in->untyped_data()) std::memcpy(data[t], in->untyped_data(), sizeof(float) * m * d);
+  }
+  const float* h = static_cast<const float*>(hp.untyped_data());
+  const meshembed::RowUpdate upd(int(algorithm), d, data[0], data[1], data[2], h[0], h[1], h[2], h[3]);
+  const int64_t s_all = Rows(grads);
+  return Dispatch(grads.element_type(), ids.element_type(), [&](auto, auto i) {
+    using I = decltype(i);
+    const int64_t n = ids.element_count();
+    const I* id = static_cast<const I*>(ids.untyped_data());
+    const float* gr = static_cast<const float*>(grads.untyped_data());
+    const int32_t* sg = static_cast<const int32_t*>(segs.untyped_data());
+    const float* wt = static_cast<const float*>(w.untyped_data());
+    thread_local std::vector<I> uniq_store;
+    thread_local std::vector<int32_t> slot_store;
+    uniq_store.resize(n);
+    slot_store.resize(n);
+    I* u = uniq_store.data();
+    int32_t* so = slot_store.data();
+    const int64_t count = m <= kBitmapMaxRows ? DedupBitmap(id, n, m, n, u, so) : DedupHash(id, n, m, n, u, so);
+    auto in_range = [&](int64_t k) { return combined ? (sg[k] >= 0 && sg[k] < s_all) : true; };
+    thread_local Groups per_thread;
+    Groups& groups = per_thread;  // the tasks below run on other threads: share this one
+    groups.Build(n, count, [&](int64_t k) { return in_range(k) ? int64_t(so[k]) : int64_t(-1); });
+    auto src = [&](int64_t k) { return gr + (combined ? int64_t(sg[k]) : k) * d; };
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(64, count / 256));
+    const std::vector<int64_t> cut = WorkCuts(groups, count, parts);
+    ParallelFor(pool, parts, [&](int64_t t) {
+      const int64_t lo = cut[t], hi = cut[t + 1];
+      if (lo >= hi) return;
+      meshembed::WithWidth(d, [&](auto width) {
+        if (weighted) FusedRows<width.value, true>(upd, groups, u, lo, hi, src, [&](int64_t k) { return wt[k]; });
+        else FusedRows<width.value, false>(upd, groups, u, lo, hi, src, [](int64_t) { return 1.0f; });
+      });
+    });
+  });
+}
+
 // rows[j] = table[idx[j]], zeros where idx[j] is outside [0, m).
 ffi::Error GatherRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyBuffer idx,
                           ffi::Result<ffi::AnyBuffer> rows) {
@@ -373,6 +481,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedDedupSum, DedupSumImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedFusedUpdate, FusedUpdateImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("algorithm")
+                                  .Attr<bool>("combined")
+                                  .Attr<bool>("weighted"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedGatherRows, GatherRowsImpl,
                               ffi::Ffi::Bind()

@@ -28,6 +28,7 @@ _TARGETS = {
     "meshembed_dedup_sum": "MeshembedDedupSum",
     "meshembed_gather_rows": "MeshembedGatherRows",
     "meshembed_scatter_rows": "MeshembedScatterRows",
+    "meshembed_fused_update": "MeshembedFusedUpdate",
 }
 _state: dict[str, Any] = {}
 
@@ -35,6 +36,11 @@ _state: dict[str, Any] = {}
 def enabled() -> bool:
     """Whether the FFI kernels are wanted (``MESHEMBED_JAX_CPU_KERNELS``, default on)."""
     return os.environ.get("MESHEMBED_JAX_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def fused_enabled() -> bool:
+    """Whether the registered fused updates are wanted (``MESHEMBED_JAX_FUSED``, default on)."""
+    return os.environ.get("MESHEMBED_JAX_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _key() -> str:
@@ -152,6 +158,20 @@ def scatter_rows(table: Any, idx: Any, rows: Any) -> Any:
     out = jax.ShapeDtypeStruct(table.shape, table.dtype)
     res = jax.ffi.ffi_call("meshembed_scatter_rows", out, input_output_aliases={0: 0})(table, idx, rows)
     return _vary_like(res, table, idx, rows)
+
+
+def fused_update(tables: list, ids: Any, grads: Any, segs: Any, w: Any, hp: Any, algorithm: int,
+                 combined: bool, weighted: bool) -> list:
+    """A registered fused update of float32 ``tables`` (the table, then its slots), in place
+    (the results alias the donated tables); ``hp`` = float32 ``[lr, rho, epsilon, 1 - rho]``."""
+    import jax
+
+    outs = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tables]
+    aliases = {5 + k: k for k in range(len(tables))}
+    res = jax.ffi.ffi_call("meshembed_fused_update", outs, input_output_aliases=aliases)(
+        hp, ids, grads, segs, w, *tables, algorithm=int(algorithm), combined=combined, weighted=weighted
+    )
+    return list(_vary_like(list(res), *tables, ids, grads))
 
 
 if __name__ == "__main__":  # python -m meshembed_jax.cpu_kernels: build and report

@@ -414,6 +414,34 @@ def make_update_combined(
     return jax.jit(fn, donate_argnums=(0,))
 
 
+def make_fused_update(layout: ShardLayout, dim: int, n_tables: int, algorithm: int, combined: bool,
+                      weighted: bool) -> Callable:
+    """``update(datas, ids, grads, segs, w, guard, hp) -> datas``: a registered fused update on
+    CPU devices (``cpu_kernels.fused_update``: dedup, per-row sums and the C++ formula in one
+    in-place pass per device; see ``meshembed.embedding.updates.REGISTERED_FUSED``). Its
+    buffers are sized by the batch, so no capacity can overflow; the call is skipped when
+    ``guard`` is false. ``combined``: row ``i``'s gradient is ``w[i] * grads[segs[i]]``."""
+    m = layout.rows_per_device
+    k, r_max = layout.shards_per_device, layout.max_rows
+
+    def per_device(blocks: tuple, ids: jax.Array, grads: jax.Array, segs: jax.Array, w: jax.Array,
+                   guard: jax.Array, hp: jax.Array) -> tuple:
+        flat = local_rows(layout, ids)
+
+        def body(_: jax.Array, tabs: tuple) -> tuple:
+            return tuple(cpu_kernels.fused_update(list(tabs), flat, grads, segs, w, hp, algorithm, combined, weighted))
+
+        # a loop of one trip (none when the guard is false): inline, XLA copies the donated
+        # tables around the in-place call, as with the scatter in _apply_unique
+        flats = tuple(b.reshape(m, dim) for b in blocks)
+        new = lax.fori_loop(0, guard.astype(jnp.int32), body, _varying(flats))
+        return tuple(f.reshape(k, r_max, dim) for f in new)
+
+    specs = (tuple(P(AXIS) for _ in range(n_tables)), P(), P(), P(), P(), P(), P())
+    fn = device_map(layout, per_device, in_specs=specs, out_specs=tuple(P(AXIS) for _ in range(n_tables)))
+    return jax.jit(fn, donate_argnums=(0,))
+
+
 def _as_rows(new: Any, n_tables: int) -> list[Any]:
     """The optimizer function returns one array per table (tuple/list/NamedTuple, or a
     bare array for a single table)."""

@@ -21,16 +21,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from meshembed import native
+from meshembed.embedding.updates import REGISTERED_FUSED, fused_kernel
 from meshembed.errors import InputError
 
 _SOURCE = Path(__file__).with_name("fused_cpu.cc")
 
-#: Algorithm (proto name) -> (kernel code, slots, hyper-parameters it reads besides lr).
-REGISTERED: dict[str, tuple[int, int, tuple[str, ...]]] = {
-    "stochastic_gradient_descent": (0, 0, ()),
-    "adagrad": (1, 1, ()),
-    "adadelta": (2, 2, ("rho", "epsilon")),
-}
+REGISTERED = REGISTERED_FUSED  # the algorithms the kernel covers (shared with the JAX backend)
 _state: dict[str, Any] = {}
 calls = [0]  # fused updates run in this process (tests check the path was taken)
 
@@ -67,11 +63,8 @@ def kernel_for(fn: Any, datas: Sequence[Any], grads: Any, n: int, grad_index: An
     any shape error)."""
     import torch
 
-    spec = getattr(fn, "update_spec", None)
-    if spec is None or not spec.plain or spec.algorithm not in REGISTERED or not enabled():
-        return None
-    code, n_slots, reads = REGISTERED[spec.algorithm]
-    if len(datas) != 1 + n_slots or set(spec.hyperparameters) - set(reads):
+    kernel = fused_kernel(fn, len(datas)) if enabled() else None
+    if kernel is None:
         return None
     if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in (*datas, grads)):
         return None
@@ -84,8 +77,7 @@ def kernel_for(fn: Any, datas: Sequence[Any], grads: Any, n: int, grad_index: An
         return None
     if _library() is None:
         return None
-    hp = spec.hyperparameters
-    return code, (float(spec.lr), float(hp.get("rho", 0.0)), float(hp.get("epsilon", 0.0)))
+    return kernel
 
 
 def update(kernel: tuple[int, tuple[float, float, float]], rows: Any, grads: Any, grad_index: Any,

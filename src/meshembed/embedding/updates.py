@@ -109,6 +109,32 @@ class UpdateSpec(NamedTuple):
     plain: bool
 
 
+#: The registered fused updates: algorithm (proto name) -> (kernel code, slots, hyper-parameters
+#: it reads besides lr). Their formulas are also written in C++ (``meshembed::RowUpdate`` in
+#: ``meshembed/cpp/row_kernels.h``), run by the torch and JAX backends' fused CPU kernels in one
+#: pass with the dedup and the per-row sums. An optimisation, not the definition: the tests
+#: compare every one with the core function and the NumPy reference.
+REGISTERED_FUSED: dict[str, tuple[int, int, tuple[str, ...]]] = {
+    "stochastic_gradient_descent": (0, 0, ()),
+    "adagrad": (1, 1, ()),
+    "adadelta": (2, 2, ("rho", "epsilon")),
+}
+
+
+def fused_kernel(fn: Any, n_tables: int) -> tuple[int, tuple[float, float, float]] | None:
+    """``(kernel code, (lr, rho, epsilon))`` when a registered fused update computes ``fn`` (a
+    plain update of a registered algorithm over a table and its ``n_tables - 1`` slots), else
+    None: the core function must run."""
+    spec = getattr(fn, "update_spec", None)
+    if spec is None or not spec.plain or spec.algorithm not in REGISTERED_FUSED:
+        return None
+    code, n_slots, reads = REGISTERED_FUSED[spec.algorithm]
+    if n_tables != 1 + n_slots or set(spec.hyperparameters) - set(reads):
+        return None
+    hp = spec.hyperparameters
+    return code, (float(spec.lr), float(hp.get("rho", 0.0)), float(hp.get("epsilon", 0.0)))
+
+
 def make_update_fn(
     xp: Any, table: TableSpec, learning_rates: Sequence[float], backend_name: str = ""
 ) -> Callable[..., tuple]:
