@@ -276,13 +276,17 @@ def test_gradients_that_are_variables_arrays(bk):
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
 
 
-def test_jax_dense_steps_donate_run_one_pass_per_output_and_match_numpy():
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_jax_dense_steps_donate_run_one_pass_per_output_and_match_numpy(monkeypatch, fused):
     """JAX: the staged step is jitted with every target donated (the old buffers are gone,
-    the variables hold the new arrays); Adadelta's elementwise step on CPU runs as one
-    compiled pass per output, parameters first, then accumulated_delta_var, then
-    accumulated_grad (each pass reads only targets not yet written), each one loop fusion
-    with no copy; and every number matches the NumPy backend."""
+    the variables hold the new arrays), with the registered fused kernel (on) or the core
+    step compiled by XLA (off; tests/test_jax_fused.py compares the two). Compiled by XLA,
+    Adadelta's elementwise step on CPU runs as one compiled pass per output, parameters
+    first, then accumulated_delta_var, then accumulated_grad (each pass reads only targets
+    not yet written), each one loop fusion with no copy; and every number matches the NumPy
+    backend."""
     jax = pytest.importorskip("jax")
+    monkeypatch.setenv("MESHEMBED_JAX_FUSED", fused)
 
     rng = np.random.default_rng(7)
     shapes = [(3100,), (40, 7)]
@@ -306,10 +310,13 @@ def test_jax_dense_steps_donate_run_one_pass_per_output_and_match_numpy():
     x = jax.numpy.ones(3100, jax.numpy.float32)
     lr = jax.numpy.asarray(0.1, jax.numpy.float32)
     assert be._pass_order(step, [x], [lr], [[x], [x], [x]]) == [0, 2, 1]
+    monkeypatch.setenv("MESHEMBED_JAX_FUSED", "0")
     run = be.compile_update(step, 1)
     targets = [[jax.numpy.ones(3100, jax.numpy.float32) * k] for k in (1, 2, 3)]
     run([x], [lr], *targets)
-    for hlo in (c.as_text() for _, c in _compiled_passes(run)):
+    passes = _compiled_passes(run)
+    assert [k for k, _ in passes] == [0, 2, 1]
+    for hlo in (c.as_text() for _, c in passes):
         assert hlo.count("fusion(") == 1 and " copy(" not in hlo
     # a step whose every output reads every target cannot be split: one pass
     def swap(g, lr, a, b):
@@ -322,7 +329,9 @@ def test_jax_dense_steps_donate_run_one_pass_per_output_and_match_numpy():
 def _compiled_passes(run):
     """The compiled passes :meth:`JaxDenseMixin.compile_update` cached (its closure)."""
     cache = next(c.cell_contents for c in run.__closure__ if isinstance(c.cell_contents, dict))
-    (plan,) = cache.values()
+    ((fused, pieces),) = cache.values()
+    assert not fused
+    ((_, _, plan),) = pieces
     return plan
 
 

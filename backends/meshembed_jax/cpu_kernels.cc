@@ -410,6 +410,55 @@ ffi::Error FusedUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::AnyBuff
   });
 }
 
+// The registered fused update of the dense optimizer's float32 tensors, in place: the same
+// formulas (RowUpdate) over each flat tensor, in one pass that reads every input once and
+// writes every output once (XLA's CPU compiler splits a step with several outputs into
+// several loops). `count` tensors per call: args = hp [count, 4] (lr, rho, epsilon, 1 - rho
+// of each), the count gradients, then the targets by position (the variables, then each
+// slot: target k of tensor n is argument 1 + count + k * count + n, result k * count + n).
+ffi::Error DenseUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::RemainingArgs args,
+                           ffi::RemainingRets outs, int64_t algorithm, int64_t count) {
+  if (count < 1 || hp.element_type() != ffi::DataType::F32 || hp.element_count() != 4 * count)
+    return Unsupported("dense update hyper-parameters");
+  const int64_t k_targets = int64_t(outs.size()) / count;
+  if (k_targets < 1 || k_targets > 3 || k_targets * count != int64_t(outs.size()) ||
+      int64_t(args.size()) != count * (1 + k_targets))
+    return ffi::Error::InvalidArgument("meshembed dense update: expected count gradients and 1-3 targets each");
+  std::vector<const float*> grads(count);
+  std::vector<float*> data(count * 3, nullptr);
+  std::vector<int64_t> size(count);
+  for (int64_t n = 0; n < count; ++n) {
+    auto g = args.get<ffi::AnyBuffer>(n);
+    if (!g.has_value() || g->element_type() != ffi::DataType::F32) return Unsupported("gradient dtype");
+    grads[n] = static_cast<const float*>(g->untyped_data());
+    size[n] = g->element_count();
+    for (int64_t k = 0; k < k_targets; ++k) {
+      auto in = args.get<ffi::AnyBuffer>(count + k * count + n);
+      auto out = outs.get<ffi::AnyBuffer>(k * count + n);
+      if (!in.has_value() || !out.has_value() || in->element_type() != ffi::DataType::F32 ||
+          in->element_count() != size[n] || (*out)->element_count() != size[n])
+        return ffi::Error::InvalidArgument("meshembed dense update: a target differs from its gradient");
+      float* o = static_cast<float*>((*out)->untyped_data());
+      if (o != in->untyped_data()) std::memcpy(o, in->untyped_data(), sizeof(float) * size[n]);
+      data[n * 3 + k] = o;
+    }
+  }
+  // Tasks of at most kDenseTask elements, so both threads get work with one tensor or many.
+  constexpr int64_t kDenseTask = int64_t(1) << 18;
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (tensor, start)
+  for (int64_t n = 0; n < count; ++n)
+    for (int64_t lo = 0; lo < size[n]; lo += kDenseTask) tasks.emplace_back(n, lo);
+  const float* h = static_cast<const float*>(hp.untyped_data());
+  ParallelFor(pool, int64_t(tasks.size()), [&](int64_t t) {
+    const auto [n, lo] = tasks[t];
+    const int64_t len = std::min(kDenseTask, size[n] - lo);
+    auto at = [&](int64_t k) { return data[n * 3 + k] ? data[n * 3 + k] + lo : nullptr; };
+    const float* p = h + 4 * n;
+    meshembed::RowUpdate(int(algorithm), len, at(0), at(1), at(2), p[0], p[1], p[2], p[3]).Apply(0, grads[n] + lo);
+  });
+  return ffi::Error::Success();
+}
+
 // rows[j] = table[idx[j]], zeros where idx[j] is outside [0, m).
 ffi::Error GatherRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyBuffer idx,
                           ffi::Result<ffi::AnyBuffer> rows) {
@@ -495,6 +544,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedFusedUpdate, FusedUpdateImpl,
                                   .Attr<int64_t>("algorithm")
                                   .Attr<bool>("combined")
                                   .Attr<bool>("weighted"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedDenseUpdate, DenseUpdateImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("algorithm")
+                                  .Attr<int64_t>("count"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedGatherRows, GatherRowsImpl,
                               ffi::Ffi::Bind()

@@ -29,6 +29,7 @@ _TARGETS = {
     "meshembed_gather_rows": "MeshembedGatherRows",
     "meshembed_scatter_rows": "MeshembedScatterRows",
     "meshembed_fused_update": "MeshembedFusedUpdate",
+    "meshembed_dense_update": "MeshembedDenseUpdate",
 }
 _state: dict[str, Any] = {}
 
@@ -172,6 +173,22 @@ def fused_update(tables: list, ids: Any, grads: Any, segs: Any, w: Any, hp: Any,
         hp, ids, grads, segs, w, *tables, algorithm=int(algorithm), combined=combined, weighted=weighted
     )
     return list(_vary_like(list(res), *tables, ids, grads))
+
+
+def dense_update(hp: Any, grads: list, targets: list, algorithm: int) -> list:
+    """The registered fused update of dense float32 tensors in place: ``hp`` = ``[count, 4]``
+    (lr, rho, epsilon, 1 - rho of each), ``targets[k][n]`` = target k (the variable, then its
+    slots) of tensor n; returns the new targets in the same layout (aliasing the donated ones)."""
+    import jax
+
+    count, k_targets = len(grads), len(targets)
+    flat = [t for per_k in targets for t in per_k]
+    outs = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in flat]
+    aliases = {1 + count + i: i for i in range(len(flat))}
+    res = jax.ffi.ffi_call("meshembed_dense_update", outs, input_output_aliases=aliases)(
+        hp, *grads, *flat, algorithm=int(algorithm), count=count
+    )
+    return [list(res[k * count:(k + 1) * count]) for k in range(k_targets)]
 
 
 if __name__ == "__main__":  # python -m meshembed_jax.cpu_kernels: build and report

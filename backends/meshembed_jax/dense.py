@@ -14,6 +14,9 @@ import numpy as np
 
 from meshembed.errors import ConfigError
 
+#: Registered fused dense updates run in this process (tests check the path was taken).
+fused_dense_calls = [0]
+
 
 class JaxDenseMixin:
     """``make_mesh`` / ``place`` / ``sharding_of`` / ``value_and_grad`` for JAX."""
@@ -74,49 +77,115 @@ class JaxDenseMixin:
 
         return isinstance(value, jax.Array) and len(value.sharding.device_set) == 1
 
+    def in_place_group(self, step: Callable[..., Any]) -> int:
+        """64 where the registered fused update may run (one FFI call, compiled in no time:
+        W2 with 64 tensors 12.7 ms in one call, 17-20 ms in groups of 8); else the default,
+        which keeps XLA's compile time down (:meth:`compile_update` splits larger groups)."""
+        from meshembed.embedding.updates import REGISTERED_FUSED
+        from meshembed_jax import cpu_kernels
+
+        if getattr(step, "registered", (None,))[0] in REGISTERED_FUSED and cpu_kernels.fused_enabled():
+            return 64
+        return super().in_place_group(step)  # type: ignore[misc]
+
     def compile_update(self, step: Callable[..., Any], count: int) -> Callable[..., Any]:
         """``jax.jit`` of ``step`` over ``count`` variables with every target donated; returns
         the new arrays by position (see ``Backend.compile_update``).
 
-        XLA's CPU compiler splits a step with several outputs, such as Adadelta's, into
-        loop fusions with full-size intermediates (W2, 16.7M floats: five fusions, 60 ms).
-        On a CPU device an ``elementwise`` step therefore runs as one compiled *pass per
-        output*: pass ``k`` computes only output ``k`` (XLA fuses it into one loop, written
-        in place into the donated target ``k``), and the passes run in an order where no
-        later pass reads a target an earlier one overwrote (Adadelta: parameters, then
-        ``accumulated_delta_var``, then ``accumulated_grad``; W2: 18 ms). Every pass is
-        compiled before the first one runs, so a failure changes nothing."""
+        Where a registered fused update computes ``step`` (float32 CPU arrays; see
+        :meth:`_fused_dense`) it is one FFI call. Otherwise XLA compiles the core's step, and
+        its CPU compiler splits a step with several outputs, such as Adadelta's, into loop
+        fusions with full-size intermediates (W2, 16.7M floats: five fusions, 60 ms). On a CPU
+        device an ``elementwise`` step therefore runs as one compiled *pass per output*: pass
+        ``k`` computes only output ``k`` (XLA fuses it into one loop, written in place into
+        the donated target ``k``), and the passes run in an order where no later pass reads a
+        target an earlier one overwrote (Adadelta: parameters, then ``accumulated_delta_var``,
+        then ``accumulated_grad``; W2: 18 ms). XLA plans take at most the default
+        :meth:`in_place_group` variables each. Every plan is compiled before the first one
+        runs, so a failure changes nothing."""
         import jax
 
+        from meshembed.backend.protocol import Backend
+
         compiled: dict[tuple, Any] = {}
+        xla_group = Backend.in_place_group(self, step)  # type: ignore[arg-type]
 
         def update_all(grads: Sequence[Any], lrs: Sequence[Any], *targets: Sequence[Any]) -> list:
             out: list[list[Any]] = [[] for _ in targets]
-            for n in range(count):
+            for n in range(len(grads)):
                 for k, v in enumerate(step(grads[n], lrs[n], *(t[n] for t in targets))):
                     out[k].append(v)
             return out
 
-        def run(grads: Sequence[Any], lrs: Sequence[Any], *targets: Sequence[Any]) -> Any:
-            key = tuple((x.shape, x.dtype) for x in (*grads, *lrs, *(y for t in targets for y in t)))
-            plan = compiled.get(key)
-            if plan is None:
-                order = self._pass_order(step, grads, lrs, targets)
-                if order is None:
-                    plan = [(None, jax.jit(update_all, donate_argnums=tuple(range(2, 2 + len(targets)))))]
-                else:
-                    plan = [(k, jax.jit(lambda g, lr, *t, k=k: update_all(g, lr, *t)[k], donate_argnums=(2 + k,)))
-                            for k in order]
-                compiled[key] = plan = [(k, fn.lower(grads, lrs, *targets).compile()) for k, fn in plan]
+        def xla_plan(grads: Sequence[Any], lrs: Sequence[Any], targets: Sequence[Sequence[Any]]) -> list:
+            order = self._pass_order(step, grads, lrs, targets)
+            if order is None:
+                plan = [(None, jax.jit(update_all, donate_argnums=tuple(range(2, 2 + len(targets)))))]
+            else:
+                plan = [(k, jax.jit(lambda g, lr, *t, k=k: update_all(g, lr, *t)[k], donate_argnums=(2 + k,)))
+                        for k in order]
+            return [(k, fn.lower(grads, lrs, *targets).compile()) for k, fn in plan]
+
+        def run_plan(plan: list, grads: Sequence[Any], lrs: Sequence[Any], targets: list) -> list:
             if plan[0][0] is None:
                 return plan[0][1](grads, lrs, *targets)
-            targets = list(targets)
             for k, fn in plan:
                 targets[k] = fn(grads, lrs, *targets)
             return targets
 
+        def run(grads: Sequence[Any], lrs: Sequence[Any], *targets: Sequence[Any]) -> Any:
+            key = tuple((x.shape, x.dtype) for x in (*grads, *lrs, *(y for t in targets for y in t)))
+            if key not in compiled:
+                fused = self._fused_dense(step, grads, lrs, targets)
+                if fused is not None:
+                    compiled[key] = (True, [(0, len(grads), [(None, fused)])])
+                else:
+                    pieces = [(lo, min(lo + xla_group, len(grads))) for lo in range(0, len(grads), xla_group)]
+                    compiled[key] = (False, [(lo, hi, xla_plan(grads[lo:hi], lrs[lo:hi], [t[lo:hi] for t in targets]))
+                                             for lo, hi in pieces])
+            is_fused, plans = compiled[key]
+            fused_dense_calls[0] += is_fused
+            out: list[list[Any]] = [[] for _ in targets]
+            for lo, hi, plan in plans:
+                for k, new in enumerate(run_plan(plan, grads[lo:hi], lrs[lo:hi], [list(t[lo:hi]) for t in targets])):
+                    out[k].extend(new)
+            return out
+
         run.__wrapped__ = step  # type: ignore[attr-defined]
         return run
+
+    def _fused_dense(self, step: Callable[..., Any], grads: Sequence[Any], lrs: Sequence[Any],
+                     targets: Sequence[Sequence[Any]]) -> Callable[..., Any] | None:
+        """The registered fused update of ``step`` (``step.registered``; see
+        ``meshembed.embedding.updates.REGISTERED_FUSED``), compiled for these arrays, where it
+        computes ``step``: float32 arrays on CPU devices, the FFI kernels built,
+        ``MESHEMBED_JAX_FUSED`` on. One pass over each tensor that reads every input once and
+        writes every output once, in place; None where the core function must run."""
+        import jax
+        import jax.numpy as jnp
+
+        from meshembed.embedding.updates import REGISTERED_FUSED
+        from meshembed_jax import cpu_kernels
+
+        name, hp = getattr(step, "registered", (None, {}))
+        if name not in REGISTERED_FUSED or not cpu_kernels.fused_enabled():
+            return None
+        code, n_slots, reads = REGISTERED_FUSED[name]
+        arrays = [*grads, *(x for t in targets for x in t)]
+        if len(targets) != 1 + n_slots or set(hp) - set(reads) or any(x.dtype != np.float32 for x in arrays):
+            return None
+        if any(d.platform != "cpu" for x in arrays for d in x.sharding.device_set) or not cpu_kernels.usable("cpu"):
+            return None
+        rho = float(hp.get("rho", 0.0))
+        # float32 as the core's Python floats become; 1 - rho rounded once from double
+        consts = np.asarray([rho, float(hp.get("epsilon", 0.0)), 1.0 - rho], np.float32)
+
+        def update(grads: Sequence[Any], lrs: Sequence[Any], *targets: Sequence[Any]) -> list:
+            table = jnp.stack([jnp.concatenate([jnp.asarray(lr).astype(jnp.float32).reshape(1), consts]) for lr in lrs])
+            return cpu_kernels.dense_update(table, list(grads), [list(t) for t in targets], code)
+
+        fn = jax.jit(update, donate_argnums=tuple(range(2, 2 + len(targets))))
+        return fn.lower(grads, lrs, *targets).compile()
 
     def _pass_order(self, step: Callable[..., Any], grads: Sequence[Any], lrs: Sequence[Any],
                     targets: Sequence[Sequence[Any]]) -> list[int] | None:

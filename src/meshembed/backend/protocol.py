@@ -214,6 +214,12 @@ class Backend(abc.ABC):
         """Whether :meth:`compile_update` may overwrite (or donate) ``value``'s storage."""
         return self.sharding_of(value) is None
 
+    def in_place_group(self, step: Callable[..., Any]) -> int:
+        """How many variables' staged updates of ``step`` one :meth:`compile_update` call may
+        take: more amortise a call's dispatch, fewer keep a compiler's time down (XLA: 12 s
+        cold for 8 Adadelta variables, 15 s for 16)."""
+        return 8
+
     def compile_update(self, step: Callable[..., Any], count: int) -> Callable[..., Any]:
         """The dense optimizer's step for ``count`` variables at once, over their storage.
 

@@ -95,6 +95,9 @@ class Adadelta(Optimizer):
             return new, slots.accumulators, slots.updates
 
         step.elementwise = True  # each output element needs only the same element of each input
+        # a registered fused update computes this step (updates.REGISTERED_FUSED): a backend
+        # may run it instead, as the tests compare both with the core function
+        step.registered = ("adadelta", {"rho": rho, "epsilon": epsilon})
         return step
 
     def get_config(self) -> dict[str, Any]:

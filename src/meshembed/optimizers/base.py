@@ -296,10 +296,11 @@ class Optimizer:
         return fn
 
     def _run_in_place(self, updates: Sequence["_InPlace"]) -> None:
-        """Run staged in-place updates, up to ``IN_PLACE_GROUP`` consecutive ones of the same
-        step in one compiled call: a compiled call costs ~0.1 ms of dispatch and guards, so 64
-        variables of 2¹⁸ floats took 16 ms one by one and 9.6 ms in groups of 8 (16: 8.8 ms,
-        but a cold compile grows with the group: 12 s for 8, 15 s for 16)."""
+        """Run staged in-place updates, up to ``backend.in_place_group(step)`` consecutive ones
+        of the same step in one compiled call: a compiled call costs ~0.1 ms of dispatch and
+        guards, so 64 variables of 2¹⁸ floats took 16 ms one by one and 9.6 ms in groups of 8
+        (16: 8.8 ms, but a cold XLA compile grows with the group: 12 s for 8, 15 s for 16;
+        JAX's fused kernel compiles in no time and takes 64)."""
         # A gradient may be another (or the same) variable's own array: copy it before any
         # update overwrites or donates that array, so every step reads the values it was given.
         written = {id(t) for u in updates for t in u.targets}
@@ -308,8 +309,9 @@ class Optimizer:
         i = 0
         while i < len(updates):
             first = updates[i]
+            limit = first.backend.in_place_group(first.make(first.backend.xp))
             j = i + 1
-            while j < len(updates) and j - i < IN_PLACE_GROUP and updates[j].same_kernel(first):
+            while j < len(updates) and j - i < limit and updates[j].same_kernel(first):
                 j += 1
             group = updates[i:j]
             kernel = self._compiled(first.backend, first.make, in_place=len(group))
@@ -633,11 +635,6 @@ class Optimizer:
             return cls(**config, gradients_clip_option=clip, ema_option=ema, mesh=mesh)
         except TypeError as exc:
             raise ConfigError(f"Invalid `config` for {cls.__name__}: {exc}. Received keys: {sorted(config)}") from None
-
-
-#: Staged in-place updates of the same step run this many to a compiled call (see
-#: ``Optimizer._run_in_place``).
-IN_PLACE_GROUP = 8
 
 
 class _InPlace(NamedTuple):
