@@ -157,6 +157,31 @@ def test_raw_kernels_bounds_and_index_dtypes(index_dtype):
     np.testing.assert_array_equal(np.asarray(uniq), [5, 5])
 
 
+@needs_compiler
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf, -np.inf])
+def test_all_finite_kernel_is_the_guard(dtype, bad):
+    """The NaN/Inf guard's FFI kernel (``finite_guard`` on a CPU device): false as soon as
+    one element of one array is NaN or ±Inf, wherever it sits (several arrays; one large
+    enough for several parallel ranges); the largest finite values and subnormals pass."""
+    from meshembed_jax.backend import JaxBackend
+
+    assert cpu_kernels.load()
+    big = np.full(1_000_003, np.finfo(dtype).max, dtype)
+    big[::7] = np.finfo(dtype).smallest_subnormal
+    small = np.arange(5, dtype=dtype)
+    for where in (0, 999_999) if bad is not None else (None,):
+        arrays = [small.copy(), big.copy()]
+        if bad is not None:
+            arrays[1][where] = bad
+        got = jax.jit(lambda *xs: cpu_kernels.all_finite(list(xs)))(*arrays)
+        assert bool(got) is (bad is None), (bad, where)
+        be = JaxBackend()
+        hlo = jax.jit(lambda *xs: cpu_kernels.all_finite(list(xs))).lower(*arrays).as_text()
+        assert "meshembed_all_finite" in hlo
+        assert bool(be.finite_guard(arrays)) is (bad is None)
+
+
 def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path):
     """No compiler: one RuntimeWarning naming the fix, then the pure-XLA kernels."""
     saved = dict(cpu_kernels._state)

@@ -162,14 +162,23 @@ class JaxBackend(JaxDenseMixin, Backend):
         return bool(every(x))
 
     def finite_guard(self, arrays: Sequence[Any]) -> Any:
-        """One compiled reduction over every array; dispatched, not waited for.
+        """One compiled check over every array; dispatched, not waited for.
 
-        ``sum(x * 0)`` is 0 when every element is finite and NaN otherwise (it cannot
-        overflow): exact, and ~3x faster on CPU than XLA's ``all(isfinite(x))``."""
+        On one CPU device (float32/float64) an FFI kernel tests the exponent bits on XLA's
+        thread pool (W1's gradient: 0.05-0.14 ms against XLA's 0.25 ms); elsewhere ``sum(x * 0)``, 0 when every element is finite and NaN
+        otherwise (it cannot overflow): exact, and ~3x faster than XLA's ``all(isfinite(x))``."""
+        from meshembed_jax import cpu_kernels
+
         jnp = self._jax.numpy
-        check = self._kernel(("finite_guard", len(arrays)), lambda: self._jax.jit(
-            lambda *xs: jnp.isfinite(sum(jnp.sum(x * 0) for x in xs))))
-        return check(*(self.asarray(a) for a in arrays))
+        arrays = [self.asarray(a) for a in arrays]
+        if (arrays and all(len(a.sharding.device_set) == 1 for a in arrays)
+                and cpu_kernels.usable(next(iter(arrays[0].devices())).platform, *(a.dtype for a in arrays))):
+            check = self._kernel(("finite_guard_ffi", len(arrays)), lambda: self._jax.jit(
+                lambda *xs: cpu_kernels.all_finite(list(xs))))
+        else:
+            check = self._kernel(("finite_guard", len(arrays)), lambda: self._jax.jit(
+                lambda *xs: jnp.isfinite(sum(jnp.sum(x * 0) for x in xs))))
+        return check(*arrays)
 
     # -- dense arrays ------------------------------------------------------------------
     def asarray(self, x: Any, dtype: Any = None) -> Any:

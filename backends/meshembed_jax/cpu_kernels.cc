@@ -459,6 +459,38 @@ ffi::Error DenseUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::Remaini
   return ffi::Error::Success();
 }
 
+// out = whether every element of every array is finite: the engine's NaN/Inf guard. A
+// float is not finite when its exponent bits are all ones, an integer test that vectorises
+// (XLA's reduction for the same check ran on one thread: ~0.27 ms on W1's gradient).
+template <class T, class U>
+bool AllFiniteRange(const T* x, int64_t lo, int64_t hi, U exponent) {
+  U bad = 0;
+  for (int64_t i = lo; i < hi; ++i) {
+    U bits;
+    std::memcpy(&bits, x + i, sizeof(T));
+    bad |= U((bits & exponent) == exponent);
+  }
+  return bad == 0;
+}
+
+ffi::Error AllFiniteImpl(ffi::ThreadPool pool, ffi::RemainingArgs arrays, ffi::Result<ffi::AnyBuffer> out) {
+  if (out->element_type() != ffi::DataType::PRED) return Unsupported("guard dtype");
+  std::atomic<bool> finite{true};
+  for (size_t a = 0; a < arrays.size(); ++a) {
+    auto x = arrays.get<ffi::AnyBuffer>(a);
+    if (!x.has_value() || !IsFloat(x->element_type())) return Unsupported("guard operand dtype");
+    const bool f64 = x->element_type() == ffi::DataType::F64;
+    const void* data = x->untyped_data();
+    ParallelRanges(pool, x->element_count(), int64_t(1) << 18, [&](int64_t lo, int64_t hi) {
+      const bool ok = f64 ? AllFiniteRange(static_cast<const double*>(data), lo, hi, uint64_t(0x7ff0000000000000ull))
+                          : AllFiniteRange(static_cast<const float*>(data), lo, hi, uint32_t(0x7f800000u));
+      if (!ok) finite.store(false, std::memory_order_relaxed);
+    });
+  }
+  *static_cast<bool*>(out->untyped_data()) = finite.load();
+  return ffi::Error::Success();
+}
+
 // rows[j] = table[idx[j]], zeros where idx[j] is outside [0, m).
 ffi::Error GatherRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyBuffer idx,
                           ffi::Result<ffi::AnyBuffer> rows) {
@@ -553,6 +585,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedDenseUpdate, DenseUpdateImpl,
                                   .RemainingRets()
                                   .Attr<int64_t>("algorithm")
                                   .Attr<int64_t>("count"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedAllFinite, AllFiniteImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedGatherRows, GatherRowsImpl,
                               ffi::Ffi::Bind()

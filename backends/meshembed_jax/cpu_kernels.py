@@ -30,6 +30,7 @@ _TARGETS = {
     "meshembed_scatter_rows": "MeshembedScatterRows",
     "meshembed_fused_update": "MeshembedFusedUpdate",
     "meshembed_dense_update": "MeshembedDenseUpdate",
+    "meshembed_all_finite": "MeshembedAllFinite",
 }
 _state: dict[str, Any] = {}
 
@@ -173,6 +174,14 @@ def fused_update(tables: list, ids: Any, grads: Any, segs: Any, w: Any, hp: Any,
         hp, ids, grads, segs, w, *tables, algorithm=int(algorithm), combined=combined, weighted=weighted
     )
     return list(_vary_like(list(res), *tables, ids, grads))
+
+
+def all_finite(arrays: list) -> Any:
+    """A boolean scalar: whether every element of every (float32/float64) array is finite."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.ffi.ffi_call("meshembed_all_finite", jax.ShapeDtypeStruct((), jnp.bool_))(*arrays)
 
 
 def dense_update(hp: Any, grads: list, targets: list, algorithm: int) -> list:
