@@ -165,8 +165,9 @@ class JaxBackend(JaxDenseMixin, Backend):
         """One compiled check over every array; dispatched, not waited for.
 
         On one CPU device (float32/float64) an FFI kernel tests the exponent bits on XLA's
-        thread pool (W1's gradient: 0.05-0.14 ms against XLA's 0.25 ms); elsewhere ``sum(x * 0)``, 0 when every element is finite and NaN
-        otherwise (it cannot overflow): exact, and ~3x faster than XLA's ``all(isfinite(x))``."""
+        thread pool (W1's gradient: 0.05-0.14 ms against 0.25 ms for XLA); elsewhere
+        ``sum(x * 0)``, 0 when every element is finite and NaN otherwise (it cannot
+        overflow): exact, and ~3x faster than XLA's ``all(isfinite(x))``."""
         from meshembed_jax import cpu_kernels
 
         jnp = self._jax.numpy

@@ -164,15 +164,13 @@ class JaxDenseMixin:
         import jax
         import jax.numpy as jnp
 
-        from meshembed.embedding.updates import REGISTERED_FUSED
+        from meshembed.embedding.updates import registered_code
         from meshembed_jax import cpu_kernels
 
         name, hp = getattr(step, "registered", (None, {}))
-        if name not in REGISTERED_FUSED or not cpu_kernels.fused_enabled():
-            return None
-        code, n_slots, reads = REGISTERED_FUSED[name]
+        code = registered_code(name, hp, len(targets)) if cpu_kernels.fused_enabled() else None
         arrays = [*grads, *(x for t in targets for x in t)]
-        if len(targets) != 1 + n_slots or set(hp) - set(reads) or any(x.dtype != np.float32 for x in arrays):
+        if code is None or any(x.dtype != np.float32 for x in arrays):
             return None
         if any(d.platform != "cpu" for x in arrays for d in x.sharding.device_set) or not cpu_kernels.usable("cpu"):
             return None

@@ -121,15 +121,23 @@ REGISTERED_FUSED: dict[str, tuple[int, int, tuple[str, ...]]] = {
 }
 
 
+def registered_code(algorithm: str, hyperparameters: dict, n_tables: int) -> int | None:
+    """The code of the registered fused kernel computing ``algorithm`` with these
+    hyper-parameters over a table (or dense variable) and its ``n_tables - 1`` slots, or None."""
+    entry = REGISTERED_FUSED.get(algorithm)
+    if entry is None:
+        return None
+    code, n_slots, reads = entry
+    return code if n_tables == 1 + n_slots and not set(hyperparameters) - set(reads) else None
+
+
 def fused_kernel(fn: Any, n_tables: int) -> tuple[int, tuple[float, float, float]] | None:
     """``(kernel code, (lr, rho, epsilon))`` when a registered fused update computes ``fn`` (a
     plain update of a registered algorithm over a table and its ``n_tables - 1`` slots), else
     None: the core function must run."""
     spec = getattr(fn, "update_spec", None)
-    if spec is None or not spec.plain or spec.algorithm not in REGISTERED_FUSED:
-        return None
-    code, n_slots, reads = REGISTERED_FUSED[spec.algorithm]
-    if n_tables != 1 + n_slots or set(spec.hyperparameters) - set(reads):
+    code = None if spec is None or not spec.plain else registered_code(spec.algorithm, spec.hyperparameters, n_tables)
+    if code is None:
         return None
     hp = spec.hyperparameters
     return code, (float(spec.lr), float(hp.get("rho", 0.0)), float(hp.get("epsilon", 0.0)))
