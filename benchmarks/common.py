@@ -38,7 +38,14 @@ def zipf_ids(n: int, vocab: int, a: float, seed: int = 0) -> np.ndarray:
     return out[:n]
 
 
-def timeit(step: Callable[[], object], *, warmup: int = 2, repeats: int = 7,
+#: Untimed steps before the timed ones. The first steps of an implementation carry one-off
+#: costs (allocator warm-up, first-touch page faults, thread pools waking): measured per step
+#: on W1, the JAX engine took 7-9 ms for its first ~5 steps and 4-5 ms after, torch's engine
+#: 2-4 steps, fbgemm none; with 2 warm-ups, 3 of the 7 timed steps were still warming up.
+WARMUP = 8
+
+
+def timeit(step: Callable[[], object], *, warmup: int = WARMUP, repeats: int = 7,
            sync: Callable[[object], None] | None = None) -> tuple[float, float, float]:
     """(median, min, max) milliseconds of ``step()``; ``sync`` waits for async results.
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import TINY_W1, W1, Row, bandwidth_gbs, inputs_ready, table, timeit, w1_bytes, zipf_ids
+from benchmarks.common import TINY_W1, W1, WARMUP, Row, bandwidth_gbs, inputs_ready, table, timeit, w1_bytes, zipf_ids
 
 OPTIMIZERS = ("sgd", "adagrad", "adadelta")
 IMPLS = ("engine", "update_rows", "optax")
@@ -175,7 +175,7 @@ _MAKERS = {"engine": _engine_step, "update_rows": _update_rows_step, "optax": _o
 
 
 def w1(sizes: dict, repeats: int = 7, impls: tuple[str, ...] = IMPLS,
-       optimizers: tuple[str, ...] = OPTIMIZERS, warmup: int = 2, verbose: bool = False) -> list[Row]:
+       optimizers: tuple[str, ...] = OPTIMIZERS, warmup: int = WARMUP, verbose: bool = False) -> list[Row]:
     """One Row per (implementation, optimizer); a failure becomes a NaN row with a note."""
     d = _Data(sizes)
     inputs_ready()

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import Row, timeit, w2_bytes, w2_main
+from benchmarks.common import WARMUP, Row, timeit, w2_bytes, w2_main
 
 LR, RHO, EPS = 1.0, 0.95, 1e-6
 IMPLS = ("core", "optax")
@@ -91,7 +91,7 @@ def _sync(x: Any) -> None:
     jax.block_until_ready(x)
 
 
-def w2(sizes: dict, repeats: int = 7, impls: tuple[str, ...] = IMPLS, warmup: int = 2,
+def w2(sizes: dict, repeats: int = 7, impls: tuple[str, ...] = IMPLS, warmup: int = WARMUP,
        verbose: bool = False) -> list[Row]:
     params = sizes["params"]
     rows = []

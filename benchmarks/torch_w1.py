@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import TINY_W1, W1, Row, bandwidth_gbs, inputs_ready, table, w1_bytes, zipf_ids
+from benchmarks.common import TINY_W1, W1, WARMUP, Row, bandwidth_gbs, inputs_ready, table, w1_bytes, zipf_ids
 
 OPTIMIZERS = ("sgd", "adagrad", "adadelta")
 IMPLS = ("engine", "fast", "fast+compile", "update_rows", "embeddingbag", "fbgemm")
@@ -224,7 +224,7 @@ def speedup(rows: list[Row], optimizer: str, impl: str = "engine") -> float:
 
 
 def w1(sizes: dict, repeats: int = 7, impls: tuple[str, ...] = IMPLS,
-       optimizers: tuple[str, ...] = OPTIMIZERS, warmup: int = 2, verbose: bool = False,
+       optimizers: tuple[str, ...] = OPTIMIZERS, warmup: int = WARMUP, verbose: bool = False,
        rounds: int = 3) -> list[Row]:
     """One Row per (implementation, optimizer); unsupported pairs get NaN times and a note."""
     d = _Data(sizes)

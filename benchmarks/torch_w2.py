@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import Row, timeit, w2_bytes, w2_main
+from benchmarks.common import WARMUP, Row, timeit, w2_bytes, w2_main
 
 LR, RHO, EPS = 1.0, 0.95, 1e-6
 IMPLS = ("optimizer", "eager", "compile", "torch-foreach", "torch-loop")
@@ -90,7 +90,7 @@ def _make_step(impl: str, params: int, count: int) -> Callable[[], Any]:
 
 
 def w2(sizes: dict, repeats: int = 7, impls: tuple[str, ...] = IMPLS, counts: tuple[int, ...] = (1, 64),
-       warmup: int = 2, verbose: bool = False) -> list[Row]:
+       warmup: int = WARMUP, verbose: bool = False) -> list[Row]:
     params = sizes["params"]
     rows = []
     for count in counts:
