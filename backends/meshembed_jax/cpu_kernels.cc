@@ -324,16 +324,12 @@ inline std::vector<int64_t> WorkCuts(const Groups& gr, int64_t n_dest, int64_t p
   return cut;
 }
 
-// The registered fused update (meshembed/embedding/fused_updates.py) of a float32 table and
-// its slots, in place: dedup of the owned rows, then for each unique row its gradient summed
-// in batch order (in registers) and the formula applied at once (meshembed::RowUpdate, the
-// torch backend's fused kernel uses the same). Contribution k adds w[k] * grads[segs[k]]
-// (combined) or grads[k] (plain); ids outside [0, m) and segments outside the gradient rows
-// add nothing. hp: lr, rho, epsilon, 1 - rho (float32).
 // Unique rows ascend but lie far apart in the table; each prefetch covers the table row and
 // its slots (up to 3 rows), so fewer rows ahead than kAhead (the torch kernel's distance).
 constexpr int64_t kTableAhead = 8;
 
+// Unique rows [lo, hi) of the fused update: each row's contributions summed in batch order
+// in a LocalRow, then the formula applied to the table row and its slots at once.
 template <int D, bool Scaled, class I, class Src, class Scale>
 void FusedRows(const meshembed::RowUpdate& upd, const Groups& gr, const I* uniq, int64_t lo, int64_t hi,
                const Src& src, const Scale& scale) {
@@ -351,6 +347,12 @@ void FusedRows(const meshembed::RowUpdate& upd, const Groups& gr, const I* uniq,
   }
 }
 
+// The registered fused update (meshembed.embedding.updates.REGISTERED_FUSED) of a float32
+// table and its slots, in place: dedup of the owned rows, then for each unique row its
+// gradient summed in batch order and the formula applied at once (meshembed::RowUpdate, which
+// the torch backend's fused kernel uses too). Contribution k adds w[k] * grads[segs[k]]
+// (combined) or grads[k] (plain); ids outside [0, m) and segments outside the gradient rows
+// add nothing. hp: lr, rho, epsilon, 1 - rho (float32).
 ffi::Error FusedUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::AnyBuffer ids,
                            ffi::AnyBuffer grads, ffi::AnyBuffer segs, ffi::AnyBuffer w, ffi::RemainingArgs tables,
                            ffi::RemainingRets outs, int64_t algorithm, bool combined, bool weighted) {

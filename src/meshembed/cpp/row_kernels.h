@@ -144,7 +144,7 @@ inline std::vector<int64_t> BalancedCuts(const int32_t* slot_of, int64_t n, int6
   return cut;
 }
 
-// The registered fused updates (meshembed/embedding/fused_updates.py): the optimizer on one
+// The registered fused updates (meshembed.embedding.updates.REGISTERED_FUSED): the optimizer on one
 // float32 row with the formulas of meshembed/math written out in the same operation order
 // (built with -ffp-contract=off: no fused multiply-adds), so a backend's fused kernel gives
 // the core function's numbers to the last bit. An optimisation, not the definition: the
