@@ -231,3 +231,20 @@ def test_dense_fused_update_writes_in_place():
     new = be.compile_update(step, 2)(grads, lrs, *arrays)
     jax.block_until_ready(new)
     assert all(a.is_deleted() for t in arrays for a in t)  # donated
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (3, 8)], ids=["wrong-width", "wrong-rows"])
+def test_mismatched_gradients_raise_before_anything_is_written(shape):
+    """Called directly with gradients that do not match the ids or the table, ``update_rows``
+    leaves the fused kernel (it would read past the gradients) to the core path, which
+    raises at trace time, before the donated tables are touched."""
+    emb = _engine("jax", me.embedding.Adagrad(learning_rate=0.1), vocab=100, batch=4)
+    be = emb.backend
+    fn = make_update_fn(be.xp, emb.layout.tables[0], [])
+    before = [np.asarray(be.unshard(t)).copy() for t in emb._state[0]]
+    calls = jax_backend.fused_calls[0]
+    with pytest.raises(TypeError):
+        be.update_rows(emb._state[0], be.asarray(np.array([1, 2, 2, 3])), be.asarray(np.ones(shape, np.float32)), fn)
+    assert jax_backend.fused_calls[0] == calls
+    for t, b in zip(emb._state[0], before):
+        np.testing.assert_array_equal(np.asarray(be.unshard(t)), b)

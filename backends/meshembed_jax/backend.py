@@ -641,8 +641,11 @@ class JaxBackend(JaxDenseMixin, Backend):
 
         if self.capacity is not None or not cpu_kernels.fused_enabled():
             return False  # a fixed capacity is a promise the capacity-bounded kernels keep
-        if any(t.dtype != np.float32 for t in tables) or args[1].dtype != np.float32:
+        grads = args[1]
+        if any(t.dtype != np.float32 for t in tables) or grads.dtype != np.float32 or grads.ndim != 2:
             return False
+        if grads.shape[1] != dim or (weighted is None and grads.shape[0] != args[0].shape[0]):
+            return False  # the core path reports the shape error before anything is written
         found = fused_kernel(fn, len(tables))
         if found is None or not kernels.use_cpu_kernels(layout, np.float32):
             return False

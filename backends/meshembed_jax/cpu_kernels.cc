@@ -377,9 +377,11 @@ ffi::Error FusedUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::AnyBuff
     data[t] = static_cast<float*>((*out)->untyped_data());
     if (data[t] != in->untyped_data()) std::memcpy(data[t], in->untyped_data(), sizeof(float) * m * d);
   }
+  const int64_t s_all = Rows(grads);
+  if (Dim(grads) != d || (!combined && s_all < ids.element_count()))
+    return ffi::Error::InvalidArgument("meshembed fused update: gradient rows do not match the ids and the table");
   const float* h = static_cast<const float*>(hp.untyped_data());
   const meshembed::RowUpdate upd(int(algorithm), d, data[0], data[1], data[2], h[0], h[1], h[2], h[3]);
-  const int64_t s_all = Rows(grads);
   return Dispatch(grads.element_type(), ids.element_type(), [&](auto, auto i) {
     using I = decltype(i);
     const int64_t n = ids.element_count();
