@@ -17,16 +17,10 @@ import meshembed as me  # noqa: E402
 from meshembed.embedding.updates import REGISTERED_FUSED, make_update_fn  # noqa: E402
 from meshembed_jax import backend as jax_backend  # noqa: E402
 from meshembed_jax import cpu_kernels  # noqa: E402
+from tests.fused_cases import OPTIMIZERS, train  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.usable("cpu", np.float32),
                                 reason="the JAX CPU kernels could not be built here (no C++ compiler)")
-
-OPTIMIZERS = {
-    "stochastic_gradient_descent": lambda: me.embedding.SGD(learning_rate=0.05),
-    "adagrad": lambda: me.embedding.Adagrad(learning_rate=0.05),
-    "adadelta": lambda: me.embedding.Adadelta(learning_rate=1.0, rho=0.9, epsilon=1e-6),
-}
-
 
 def test_every_registered_kernel_is_tested():
     assert set(REGISTERED_FUSED) == set(OPTIMIZERS)
@@ -42,31 +36,17 @@ def _engine(backend: str, optimizer, combiner: str = "sum", shards: int = 1, dim
     return me.TPUEmbedding(cfg, backend=backend, num_shards=shards, seed=3)
 
 
-def _train(backend: str, algorithm: str, combiner: str, shards: int, dim: int, strategy: str, steps: int = 3) -> dict:
-    rng = np.random.default_rng(5)
-    batch = 64
-    emb = _engine(backend, OPTIMIZERS[algorithm](), combiner, shards, dim, strategy, batch=batch)
-    for _ in range(steps):
-        lengths = rng.integers(0, 9, size=batch)
-        ids = (rng.zipf(1.3, size=int(lengths.sum())) - 1) % 1000  # hot ids repeat
-        splits = np.concatenate([[0], np.cumsum(lengths)])
-        emb.enqueue([me.RaggedIds(splits, ids)])
-        emb.dequeue()
-        emb.apply_gradients([emb.backend.asarray(rng.standard_normal((batch, dim)).astype(np.float32))])
-    return {name: np.asarray(v) for name, v in emb.retrieve_parameters("t").items()}
-
-
 @pytest.mark.parametrize("algorithm", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("combiner", ["sum", "mean"])
 @pytest.mark.parametrize("shards,dim,strategy", [(1, 64, "mod"), (3, 7, "mod"), (2, 16, "div")])
 def test_fused_kernel_equals_the_core_function(monkeypatch, algorithm, combiner, shards, dim, strategy):
     before = jax_backend.fused_calls[0]
-    fused = _train("jax", algorithm, combiner, shards, dim, strategy)
+    fused = train("jax", algorithm, combiner, shards, dim, strategy)
     assert jax_backend.fused_calls[0] == before + 3, "the fused kernel did not run"
     monkeypatch.setenv("MESHEMBED_JAX_FUSED", "0")
-    core = _train("jax", algorithm, combiner, shards, dim, strategy)
+    core = train("jax", algorithm, combiner, shards, dim, strategy)
     assert jax_backend.fused_calls[0] == before + 3
-    reference = _train("numpy", algorithm, combiner, shards, dim, strategy)
+    reference = train("numpy", algorithm, combiner, shards, dim, strategy)
     for name in reference:
         # Same float32 operations in the same order (batch-order sums, no fused multiply-add)
         # as the NumPy reference: equal to the last bit. XLA's compilation of the core

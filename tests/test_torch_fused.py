@@ -12,37 +12,11 @@ torch = pytest.importorskip("torch", reason="the torch backend needs torch: pip 
 
 import meshembed as me  # noqa: E402
 from meshembed_torch import fused_cpu  # noqa: E402
-
-OPTIMIZERS = {
-    "stochastic_gradient_descent": lambda: me.embedding.SGD(learning_rate=0.05),
-    "adagrad": lambda: me.embedding.Adagrad(learning_rate=0.05),
-    "adadelta": lambda: me.embedding.Adadelta(learning_rate=1.0, rho=0.9, epsilon=1e-6),
-}
+from tests.fused_cases import OPTIMIZERS, train  # noqa: E402
 
 
 def test_every_registered_kernel_is_tested():
     assert set(fused_cpu.REGISTERED) == set(OPTIMIZERS)
-
-
-def _train(backend: str, algorithm: str, combiner: str, shards: int, dim: int, steps: int = 3,
-           strategy: str = "mod") -> dict:
-    rng = np.random.default_rng(5)
-    vocab, batch = 1000, 64
-    cfg = me.EmbeddingConfig(
-        tables=[me.TableConfig("t", vocab, dim, optimizer=OPTIMIZERS[algorithm](), combiner=combiner)],
-        features=[me.FeatureConfig("t", (batch,), name="f")],
-        sharding_strategy=strategy,
-    )
-    emb = me.TPUEmbedding(cfg, backend=backend, num_shards=shards, seed=3)
-    for _ in range(steps):
-        lengths = rng.integers(0, 9, size=batch)
-        ids = (rng.zipf(1.3, size=int(lengths.sum())) - 1) % vocab  # hot ids repeat
-        splits = np.concatenate([[0], np.cumsum(lengths)])
-        emb.enqueue([me.RaggedIds(splits, ids)])
-        acts = emb.dequeue()
-        emb.apply_gradients([emb.backend.asarray(rng.standard_normal((batch, dim)).astype(np.float32))])
-        del acts
-    return {name: np.asarray(v) for name, v in emb.retrieve_parameters("t").items()}
 
 
 @pytest.mark.parametrize("algorithm", sorted(OPTIMIZERS))
@@ -50,12 +24,12 @@ def _train(backend: str, algorithm: str, combiner: str, shards: int, dim: int, s
 @pytest.mark.parametrize("shards,dim,strategy", [(1, 64, "mod"), (3, 7, "mod"), (2, 16, "div")])
 def test_fused_kernel_equals_the_core_function(monkeypatch, algorithm, combiner, shards, dim, strategy):
     before = fused_cpu.calls[0]
-    fused = _train("torch", algorithm, combiner, shards, dim, strategy=strategy)
+    fused = train("torch", algorithm, combiner, shards, dim, strategy=strategy)
     assert fused_cpu.calls[0] == before + 3, "the fused kernel did not run"
     monkeypatch.setenv("MESHEMBED_TORCH_FUSED", "0")
-    core = _train("torch", algorithm, combiner, shards, dim, strategy=strategy)
+    core = train("torch", algorithm, combiner, shards, dim, strategy=strategy)
     assert fused_cpu.calls[0] == before + 3
-    reference = _train("numpy", algorithm, combiner, shards, dim, strategy=strategy)
+    reference = train("numpy", algorithm, combiner, shards, dim, strategy=strategy)
     for name in reference:
         # Same float32 operations in the same order (batch-order sums, no fused multiply-add)
         # as the NumPy reference: equal to the last bit.
@@ -82,8 +56,8 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("MESHEMBED_CACHE", str(tmp_path))
     monkeypatch.setattr(fused_cpu, "_state", {})
     with pytest.warns(RuntimeWarning, match="fused CPU updates are unavailable"):
-        fused = _train("torch", "adagrad", "sum", 1, 8, steps=2)
-    reference = _train("numpy", "adagrad", "sum", 1, 8, steps=2)
+        fused = train("torch", "adagrad", "sum", 1, 8, steps=2)
+    reference = train("numpy", "adagrad", "sum", 1, 8, steps=2)
     np.testing.assert_allclose(fused["parameters"], reference["parameters"], rtol=2e-6, atol=1e-7)
 
 
