@@ -44,6 +44,10 @@ _LAZY = {
     "math": "meshembed.math",
     "config": "meshembed.config",
     "sharding": "meshembed.sharding",
+    # front ends, one per framework idiom (the JAX and torch ones live in their backend packages)
+    "tpu": "meshembed.tpu",
+    "jax": "meshembed_jax.api",
+    "torch": "meshembed_torch.api",
 }
 
 __all__ = [
