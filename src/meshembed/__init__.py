@@ -14,6 +14,7 @@ from meshembed.backend import available_backends, get_backend, set_backend, use_
 from meshembed.errors import (
     BackendUnavailableError,
     CapacityError,
+    CheckpointError,
     ConfigError,
     InputError,
     MeshembedError,
@@ -51,7 +52,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "BackendUnavailableError", "CapacityError", "ConfigError", "InputError", "MeshembedError",
+    "BackendUnavailableError", "CapacityError", "CheckpointError", "ConfigError", "InputError", "MeshembedError",
     "StateError", "available_backends", "get_backend", "set_backend", "use_backend", *_LAZY,
 ]
 

@@ -28,3 +28,11 @@ class StateError(MeshembedError, RuntimeError):
 
 class CapacityError(InputError):
     """A batch has more unique ids than a static-shape backend was compiled for."""
+
+
+class CheckpointError(MeshembedError, ValueError):
+    """A checkpoint path cannot be written, or a checkpoint fails verification on restore.
+
+    Raised before anything at the path (on save) or in the engine (on restore) is touched.
+    """
+
