@@ -1,0 +1,428 @@
+"""``EmbeddingCollection``: the TPU embedding engine as an ``nn.Module``, optimizer in backward.
+
+The forward is one ``torch.library`` custom op (``meshembed::ec_forward``): inside it the
+engine's host work (validation, flattening, combiner factors, in NumPy) and its lookup run
+eagerly, and its fake kernel gives the activations' static shapes, so ``torch.compile`` never
+traces meshembed's code. Its backward is a second custom op (``meshembed::ec_backward``) that
+hands the activation gradients to the engine's ``apply_gradients`` (SendTPUEmbeddingGradients)
+— the fbgemm TBE "optimizer in backward" shape — or, with ``fused_optimizer=False``, keeps them
+for ``apply_gradients()``. Both ops go through the same ``TPUEmbedding`` object as
+``TPUEmbedding(backend="torch")``, so the numbers are the engine's, bit for bit.
+
+Autograd reaches the ops through ``anchor``, a zero-element leaf tensor requiring grad (not a
+parameter: the dense optimizer never sees it). Each training forward returns a ``token``
+tensor saved for backward; the batch it names lives as long as that token (the autograd
+graph), so a forward without backward leaks nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from meshembed.embedding.engine import TPUEmbedding
+from meshembed.embedding.inputs import RaggedIds, SparseIds
+from meshembed.errors import ConfigError, InputError, StateError
+
+__all__ = ["EmbeddingCollection"]
+
+_MODULES: "weakref.WeakValueDictionary[int, EmbeddingCollection]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+_TOKENS = itertools.count(1)
+
+
+def _module(handle: int) -> "EmbeddingCollection":
+    try:
+        return _MODULES[handle]
+    except KeyError:
+        raise StateError(f"meshembed EmbeddingCollection #{handle} no longer exists.") from None
+
+
+# -- the custom ops -------------------------------------------------------------------------
+# spec: one entry per feature joined by ";": kind (d dense, o offsets, l lengths, s COO with
+# its dense shape after ":"), then "w" when a weights tensor follows; then "|T" (training) or
+# "|I" (inference). The tensors come flat in the same order.
+
+@torch.library.custom_op("meshembed::ec_forward", mutates_args=())
+def _ec_forward(handle: int, spec: str, anchor: torch.Tensor, tensors: list[torch.Tensor],
+                lrs: torch.Tensor | None) -> list[torch.Tensor]:
+    return _module(handle)._run_forward(spec, tensors, lrs)
+
+
+@_ec_forward.register_fake
+def _ec_forward_fake(handle: int, spec: str, anchor: torch.Tensor, tensors: list[torch.Tensor],
+                     lrs: torch.Tensor | None) -> list[torch.Tensor]:
+    m = _module(handle)
+    outs = [anchor.new_empty(shape, dtype=dtype) for shape, dtype in m._out_specs]
+    return outs + [torch.empty((), dtype=torch.int64)]
+
+
+@torch.library.custom_op("meshembed::ec_backward", mutates_args=())
+def _ec_backward(handle: int, token: torch.Tensor, anchor: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+    _module(handle)._run_backward(int(token), grads)
+    return torch.zeros_like(anchor)
+
+
+@_ec_backward.register_fake
+def _ec_backward_fake(handle: int, token: torch.Tensor, anchor: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.empty_like(anchor)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: list) -> None:
+    ctx.handle = inputs[0]
+    ctx.num_tensors = len(inputs[3])
+    ctx.save_for_backward(output[-1], inputs[2])
+
+
+def _backward(ctx: Any, grads: list) -> tuple:
+    token, anchor = ctx.saved_tensors
+    grad = torch.ops.meshembed.ec_backward(ctx.handle, token, anchor, list(grads[:-1]))
+    return None, None, grad, [None] * ctx.num_tensors, None
+
+
+_ec_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- input forms -----------------------------------------------------------------------------
+
+def _weights_values(w: Any) -> torch.Tensor:
+    """The per-id weights of any input form (a 1-D values tensor)."""
+    if isinstance(w, (tuple, list)):
+        return torch.as_tensor(w[0])
+    if isinstance(w, (RaggedIds, SparseIds)):
+        return torch.as_tensor(np.asarray(w.values))
+    if isinstance(w, torch.Tensor):
+        if w.is_nested:
+            return w.values()
+        if w.layout == torch.sparse_coo:
+            return w._values()
+        return w
+    return torch.as_tensor(np.asarray(w))
+
+
+def _flatten(name: str, batch: int, x: Any, w: Any) -> tuple[str, list[torch.Tensor]]:
+    """One feature's input as (spec entry, tensors); see the ops' spec comment."""
+    if isinstance(x, RaggedIds):
+        x = (torch.as_tensor(np.asarray(x.values)), torch.as_tensor(np.asarray(x.row_splits)))
+    elif isinstance(x, SparseIds):
+        shape = "x".join(str(int(s)) for s in np.asarray(x.dense_shape).reshape(-1))
+        kind, ts = f"s:{shape}", [torch.as_tensor(np.asarray(x.indices)), torch.as_tensor(np.asarray(x.values))]
+        x = None
+    if x is None:
+        pass
+    elif isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise InputError(
+                f"Invalid input for feature {name!r}: expected a (values, offsets) or (values, lengths) "
+                f"pair. Received: a {type(x).__name__} of {len(x)} items."
+            )
+        values, other = torch.as_tensor(x[0]), torch.as_tensor(x[1])
+        n = other.shape[0] if other.dim() == 1 else -1
+        if n == batch + 1:
+            kind = "o"
+        elif n == batch:
+            kind = "l"
+        else:
+            raise InputError(
+                f"Invalid input for feature {name!r}: the second tensor of a (values, offsets|lengths) "
+                f"pair must have {batch + 1} offsets or {batch} lengths (batch {batch}). Received: "
+                f"shape={tuple(other.shape)}"
+            )
+        ts = [values, other]
+    elif isinstance(x, torch.Tensor) and x.is_nested:
+        kind, ts = "o", [x.values(), x.offsets()]
+    elif isinstance(x, torch.Tensor) and x.layout == torch.sparse_coo:
+        kind = "s:" + "x".join(str(int(s)) for s in x.shape)
+        ts = [x._indices().t(), x._values()]
+    elif isinstance(x, torch.Tensor):
+        kind, ts = "d", [x]
+    else:
+        kind, ts = "d", [torch.as_tensor(np.asarray(x))]
+    if w is not None:
+        kind += "w"
+        ts.append(_weights_values(w))
+    return kind, ts
+
+
+def _engine_input(kind: str, ts: Sequence[torch.Tensor], copy: bool) -> tuple[Any, Any]:
+    """Rebuild the engine's input form from a spec entry and its tensors."""
+    weights = ts[-1] if kind.endswith("w") else None
+    kind = kind.rstrip("w")
+    if kind == "d":
+        # a training batch lives until backward: never alias a buffer the graph may reuse
+        return (ts[0].clone() if copy else ts[0]), weights
+    if kind == "o":
+        return RaggedIds(ts[1], ts[0]), weights
+    if kind == "l":
+        lengths = ts[1].detach().cpu().numpy()
+        if lengths.dtype.kind not in "iu":
+            return RaggedIds(lengths, ts[0]), weights  # the engine names the bad dtype
+        splits = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+        np.cumsum(lengths, out=splits[1:])
+        return RaggedIds(splits, ts[0]), weights
+    shape = np.asarray([int(s) for s in kind[2:].split("x")], dtype=np.int64)
+    return SparseIds(ts[0], ts[1], shape), weights
+
+
+class EmbeddingCollection(torch.nn.Module):
+    """Embedding tables of an ``me.EmbeddingConfig`` as an ``nn.Module`` (torchrec's shape).
+
+    ``forward(features, weights=None)`` → ``{feature_name: activation}``; each activation has
+    the feature's ``input_shape + [dimension]``. ``features``: a dict by feature name (or a
+    list in config order) of dense int tensors, ``torch.nested`` jagged tensors, sparse COO
+    tensors, ``(values, offsets)`` pairs (B+1 offsets) or ``(values, lengths)`` pairs
+    (B lengths); ``me.RaggedIds``/``me.SparseIds`` too. ``weights`` mirrors it (per-id).
+
+    With ``fused_optimizer=True`` (default) ``loss.backward()`` applies the config's optimizer
+    to the looked-up rows; with ``False`` it keeps the gradients and ``apply_gradients()``
+    sends them. In ``eval()`` mode or under ``torch.no_grad()`` lookups are inference only.
+    Tables are row-sharded over ``num_shards`` (default: the ``torch.distributed`` world size)
+    exactly as ``me.TPUEmbedding(config, backend="torch")`` does.
+    """
+
+    def __init__(self, config: Any, *, num_shards: int | None = None, process_group: Any = None,
+                 device: Any = None, seed: int = 0, fused_optimizer: bool = True) -> None:
+        super().__init__()
+        _check_group(process_group)
+        from meshembed_torch.backend import TorchBackend
+
+        engine = TPUEmbedding(config, backend=TorchBackend(device=device), num_shards=num_shards, seed=seed)
+        self._attach(engine, fused_optimizer)
+
+    @classmethod
+    def _from_engine(cls, engine: TPUEmbedding, fused_optimizer: bool = True) -> "EmbeddingCollection":
+        self = cls.__new__(cls)
+        torch.nn.Module.__init__(self)
+        self._attach(engine, fused_optimizer)
+        return self
+
+    def _attach(self, engine: TPUEmbedding, fused_optimizer: bool) -> None:
+        if engine.backend.name != "torch":
+            raise ConfigError(f"EmbeddingCollection needs the torch backend. Received: backend={engine.backend.name!r}")
+        self.engine = engine
+        self.fused_optimizer = bool(fused_optimizer)
+        layout = engine.layout
+        self._out_specs = [
+            (f.output_shape + (layout.tables[f.table].dimension,), engine._state[f.table][0].data.dtype)
+            for f in layout.features
+        ]
+        self._batch_sizes = [int(f.output_shape[0]) for f in layout.features]
+        self._names = [f.name for f in layout.features]
+        self._learning_rates: list[float] | None = None
+        self._batches: dict[int, Any] = {}  # token -> the engine's pending batch (+ its lrs)
+        self._accumulated: list[tuple[Any, list, Any]] = []  # fused_optimizer=False
+        dev = engine.backend.device
+        self.anchor = torch.zeros(0, device=dev, requires_grad=True)
+        self._handle = next(_HANDLES)
+        _MODULES[self._handle] = self
+
+    # -- public API --------------------------------------------------------------------------
+    @property
+    def feature_names(self) -> list[str]:
+        return list(self._names)
+
+    @property
+    def table_names(self) -> list[str]:
+        return self.engine.table_names
+
+    def set_learning_rates(self, learning_rates: Sequence[Any]) -> None:
+        """Values of the config's dynamic learning-rate tags, used by every following update
+        (host values: a new one every step never recompiles anything)."""
+        n = self.engine.layout.num_dynamic_inputs
+        lrs = [float(torch.as_tensor(v).item()) if isinstance(v, torch.Tensor) else v for v in learning_rates]
+        self.engine._check_learning_rates(lrs)  # count, rank, finiteness; raises InputError
+        self._learning_rates = [float(v) for v in lrs][:n]
+
+    def forward(self, features: Any, weights: Any = None, learning_rates: Any = None) -> dict[str, torch.Tensor]:
+        """Activations by feature name. ``learning_rates`` (optional, a 1-D tensor or a list)
+        overrides ``set_learning_rates`` for this batch's update; pass a tensor under
+        ``torch.compile`` so a new value is a new input, not a recompilation."""
+        ids = self._by_name(features, "features")
+        ws = [None] * len(ids) if weights is None else self._by_name(weights, "weights", allow_missing=True)
+        kinds, flat = [], []
+        for name, b, x, w in zip(self._names, self._batch_sizes, ids, ws):
+            kind, ts = _flatten(name, b, x, w)
+            kinds.append(kind)
+            flat.extend(ts)
+        training = self.training and torch.is_grad_enabled()
+        spec = ";".join(kinds) + ("|T" if training else "|I")
+        lrs = None
+        if learning_rates is not None:
+            lrs = learning_rates if isinstance(learning_rates, torch.Tensor) else torch.tensor(
+                [float(v) for v in learning_rates], dtype=torch.float64)
+        outs = torch.ops.meshembed.ec_forward(self._handle, spec, self.anchor, flat, lrs)
+        return dict(zip(self._names, outs[:-1]))
+
+    def apply_gradients(self, learning_rates: Sequence[Any] | None = None) -> None:
+        """``fused_optimizer=False``: send the gradients every backward since the last call
+        kept, batch by batch in forward order (each an engine ``apply_gradients``)."""
+        if self.fused_optimizer:
+            raise StateError(
+                "apply_gradients() is for fused_optimizer=False: with the fused optimizer, "
+                "loss.backward() already applied the update. Fix: drop the call, or build the "
+                "module with fused_optimizer=False."
+            )
+        if learning_rates is not None:
+            self.set_learning_rates(learning_rates)
+        while self._accumulated:
+            pending, grads, lrs = self._accumulated[0]
+            self._send(pending, grads, lrs)
+            self._accumulated.pop(0)
+
+    def save(self, path: Any) -> Any:
+        """A portable meshembed checkpoint (any backend / shard count restores it)."""
+        return self.engine.save(path)
+
+    @classmethod
+    def restore(cls, path: Any, *, num_shards: int | None = None, device: Any = None,
+                fused_optimizer: bool = True) -> "EmbeddingCollection":
+        """A module from a portable checkpoint (``save``, or ``TPUEmbedding.save`` anywhere)."""
+        from meshembed_torch.backend import TorchBackend
+
+        engine = TPUEmbedding.restore(path, backend=TorchBackend(device=device), num_shards=num_shards)
+        return cls._from_engine(engine, fused_optimizer)
+
+    def extra_repr(self) -> str:
+        return (f"tables={self.table_names}, features={self._names}, num_shards={self.engine.num_shards}, "
+                f"fused_optimizer={self.fused_optimizer}")
+
+    # -- state dict: whole logical tables, TF slot names ------------------------------------------
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        for table in self.engine.table_names:
+            for name, arr in self.engine.retrieve_parameters(table).items():
+                destination[f"{prefix}{table}.{name}"] = torch.from_numpy(np.ascontiguousarray(arr))
+
+    def _load_from_state_dict(self, state_dict: Mapping, prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        loads = {}
+        for table in self.engine.table_names:
+            t = self.engine.layout.table(table)
+            given = {}
+            for name in ("parameters",) + self.engine.table_slot_names(table):
+                key = f"{prefix}{table}.{name}"
+                if key not in state_dict:
+                    missing_keys.append(key)
+                    continue
+                v = state_dict[key]
+                shape = tuple(v.shape)
+                if shape != (t.vocabulary_size, t.dimension):
+                    raise InputError(
+                        f"Invalid state_dict entry {key!r}: expected shape {(t.vocabulary_size, t.dimension)} "
+                        f"(the whole logical table {table!r}). Received: shape={shape}. Nothing was loaded."
+                    )
+                given[name] = v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+            loads[table] = given
+        ours = {f"{prefix}{t}." for t in self.engine.table_names}
+        for key in state_dict:
+            if key.startswith(prefix) and "." in key[len(prefix):] and not any(key.startswith(o) for o in ours):
+                rest = key[len(prefix):]
+                if rest.split(".")[0] not in self._modules:
+                    unexpected_keys.append(key)
+            elif key.startswith(prefix) and any(key.startswith(o) for o in ours):
+                table, _, name = key[len(prefix):].partition(".")
+                if name not in ("parameters",) + self.engine.table_slot_names(table):
+                    unexpected_keys.append(key)
+        for table, given in loads.items():
+            if given:
+                params = given.pop("parameters", None)
+                self.engine.load_parameters(table, params, **given)
+
+    # -- op bodies ---------------------------------------------------------------------------
+    def _by_name(self, values: Any, what: str, allow_missing: bool = False) -> list[Any]:
+        names = self._names
+        if isinstance(values, Mapping):
+            unknown = sorted(set(values) - set(names))
+            missing = [n for n in names if n not in values]
+            if unknown or (missing and not allow_missing):
+                raise InputError(
+                    f"Invalid `{what}`: expected one entry per feature {names}. Missing: {missing}; "
+                    f"unknown: {unknown}"
+                )
+            return [values.get(n) for n in names]
+        if isinstance(values, (list, tuple)) and len(values) == len(names) and not (
+                len(names) == 1 and len(values) == 2 and isinstance(values[0], torch.Tensor)):
+            return list(values)
+        if len(names) == 1:
+            return [values]
+        raise InputError(
+            f"Invalid `{what}`: expected a dict keyed by feature name {names} or a list in config order. "
+            f"Received: {type(values).__name__}"
+        )
+
+    def _run_forward(self, spec: str, tensors: Sequence[torch.Tensor], lrs: torch.Tensor | None) -> list[torch.Tensor]:
+        kinds, mode = spec.split("|")
+        training = mode == "T"
+        feats, weights, k = [], [], 0
+        for kind in kinds.split(";"):
+            n = (1 if kind.startswith("d") else 2) + kind.endswith("w")
+            x, w = _engine_input(kind, tensors[k:k + n], copy=training)
+            feats.append(x)
+            weights.append(w)
+            k += n
+        engine = self.engine
+        if lrs is not None:
+            lr_list = engine._check_learning_rates([float(v) for v in lrs.detach().cpu().reshape(-1).tolist()])
+        else:
+            lr_list = None
+        saved = engine._pending
+        engine._pending = None
+        try:
+            engine.enqueue(feats, None if all(w is None for w in weights) else weights, training=training)
+            acts = engine.dequeue()
+            pending = engine._pending
+        finally:
+            engine._pending = saved
+        token = torch.tensor(next(_TOKENS) if training else 0, dtype=torch.int64)
+        if training:
+            key = int(token)
+            self._batches[key] = (pending, lr_list)
+            weakref.finalize(token, self._batches.pop, key, None)
+        return [a if a.is_contiguous() else a.contiguous() for a in acts] + [token]
+
+    def _run_backward(self, key: int, grads: Sequence[torch.Tensor]) -> None:
+        entry = self._batches.pop(key, None)
+        if entry is None:
+            raise StateError(
+                "EmbeddingCollection backward: this batch's lookup is gone (its backward already "
+                "ran, or the forward ran in eval()/no_grad mode). Fix: one backward per training forward; "
+                "use retain_graph=False."
+            )
+        pending, lrs = entry
+        if self.fused_optimizer:
+            self._send(pending, list(grads), lrs)
+        else:
+            self._accumulated.append((pending, [g.detach().clone() for g in grads], lrs))
+
+    def _send(self, pending: Any, grads: list, lrs: Any) -> None:
+        engine = self.engine
+        if lrs is None:
+            lrs = self._learning_rates if self._learning_rates is not None else ()
+        saved = engine._pending
+        engine._pending = pending
+        try:
+            engine.apply_gradients(grads, lrs)
+        finally:
+            if engine._pending is pending:  # the call failed: nothing was applied
+                engine._pending = saved
+
+
+def _check_group(process_group: Any) -> None:
+    """Only the default group: the torch backend shards over the world process group."""
+    if process_group is None:
+        return
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            "Invalid `process_group`: torch.distributed is not initialised. Fix: call "
+            "torch.distributed.init_process_group(...) first, or pass process_group=None."
+        )
+    default = dist.distributed_c10d._get_default_group()
+    if process_group is not default and process_group is not dist.group.WORLD:
+        raise ConfigError(
+            "Invalid `process_group`: the torch backend shards tables over the default (world) "
+            "process group only. Fix: pass process_group=None or torch.distributed.group.WORLD."
+        )
