@@ -23,6 +23,7 @@ from meshembed.errors import CapacityError  # noqa: E402
 from meshembed.sharding import Placement  # noqa: E402
 from meshembed_jax import JaxBackend, fnspec  # noqa: E402
 from meshembed_numpy import NumpyBackend  # noqa: E402
+from tests.jax_x64 import x64_where_named  # noqa: E402,F401
 
 SHARDINGS = [(v, n, s) for v, n in [(13, 1), (13, 2), (13, 3), (16, 8), (37, 8)] for s in ("mod", "div")]
 RTOL = {"float32": 2e-6, "float64": 1e-13}
@@ -599,8 +600,8 @@ def test_capabilities_and_namespace(be):
     import jax.numpy as jnp
 
     assert be.xp is jnp or be.xp.__name__ == "jax.numpy"
-    x = be.asarray(np.arange(3), dtype="int64")
-    assert be.is_native(x) and be.to_numpy(x).dtype == np.int64
+    x = be.asarray(np.arange(3), dtype="int64")  # int32 without x64 (range-checked)
+    assert be.is_native(x) and be.to_numpy(x).dtype == (np.int64 if jax.config.jax_enable_x64 else np.int32)
     assert be.compile(lambda a: a * 2)(x).tolist() == [0, 2, 4]
 
 

@@ -21,6 +21,7 @@ import meshembed as me  # noqa: E402
 from meshembed.sharding import Placement  # noqa: E402
 from meshembed_jax import JaxBackend, cpu_kernels  # noqa: E402
 from meshembed_numpy import NumpyBackend  # noqa: E402
+from tests.jax_x64 import x64_where_named  # noqa: E402,F401
 
 RTOL = {"float32": 2e-6, "float64": 1e-13}
 needs_compiler = pytest.mark.skipif(

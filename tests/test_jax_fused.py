@@ -18,6 +18,7 @@ from meshembed.embedding.updates import REGISTERED_FUSED, make_update_fn  # noqa
 from meshembed_jax import backend as jax_backend  # noqa: E402
 from meshembed_jax import cpu_kernels  # noqa: E402
 from tests.fused_cases import OPTIMIZERS, train  # noqa: E402
+from tests.jax_x64 import x64_where_named  # noqa: E402,F401
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.usable("cpu", np.float32),
                                 reason="the JAX CPU kernels could not be built here (no C++ compiler)")

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from meshembed.backend.protocol import Backend, Capabilities, walk_blocks
-from meshembed.errors import CapacityError, InputError
+from meshembed.errors import CapacityError, ConfigError, InputError
 from meshembed.sharding.placement import Placement
 from meshembed_jax import fnspec
 from meshembed_jax.dense import JaxDenseMixin
@@ -75,9 +75,10 @@ class JaxBackend(JaxDenseMixin, Backend):
         dedup: ``"dense"`` (row -> slot map, no sort), ``"sort"`` or ``None`` = pick per
             table (dense while a device holds at most max(64 x batch, 2^24) rows);
             ``MESHEMBED_JAX_DEDUP`` overrides ``None``.
-        enable_x64: turn on ``jax_enable_x64`` (float64 tables, NumPy-parity dtypes).
-            ``None``: ``MESHEMBED_JAX_X64`` (default ``1``). With it off, float64 is not a
-            capability and float64 tables are refused.
+        enable_x64: ``True`` requires the process's own ``jax_enable_x64`` (checked, never
+            set: the backend changes no global JAX flag). ``None``/``False``: follow it. With
+            x64 off ids are int32 (int64 input range-checked and narrowed), tables, slots
+            and counters 32-bit, and float64 tables are refused.
     """
 
     name = "jax"
@@ -85,10 +86,12 @@ class JaxBackend(JaxDenseMixin, Backend):
     def __init__(self, capacity: int | None = None, dedup: str | None = None, enable_x64: bool | None = None):
         import jax
 
-        if enable_x64 is None:
-            enable_x64 = os.environ.get("MESHEMBED_JAX_X64", "1").strip() not in ("0", "false", "False", "")
         if enable_x64 and not jax.config.jax_enable_x64:
-            jax.config.update("jax_enable_x64", True)
+            raise ConfigError(
+                "Invalid `enable_x64=True`: jax_enable_x64 is off, and meshembed never changes a "
+                "process-wide JAX flag. Fix: call jax.config.update('jax_enable_x64', True) (or set "
+                "JAX_ENABLE_X64=1) at the start of your program, or use 32-bit tables."
+            )
         self._jax = jax
         self.capacity = capacity if capacity is not None else _env_int("MESHEMBED_JAX_CAPACITY")
         self.dedup = dedup or os.environ.get("MESHEMBED_JAX_DEDUP") or None
@@ -187,10 +190,13 @@ class JaxBackend(JaxDenseMixin, Backend):
 
         dtype = None if dtype is None else np.dtype(dtype)
         if dtype is not None and dtype.itemsize == 8 and not self._jax.config.jax_enable_x64:
-            raise InputError(
-                f"Invalid `dtype` {dtype} for the jax backend without jax_enable_x64. "
-                "Fix: MESHEMBED_JAX_X64=1 (the default) or use 32-bit dtypes."
-            )
+            if dtype.kind not in "iu":
+                raise InputError(
+                    f"Invalid `dtype` {dtype} for the jax backend without jax_enable_x64. Fix: "
+                    "enable x64 yourself at startup (jax.config.update('jax_enable_x64', True)) "
+                    "or use 32-bit dtypes."
+                )
+            return self._narrow_ids(x, dtype)
         if self.is_native(x):
             return x if dtype is None or x.dtype == dtype else x.astype(dtype)
         if isinstance(x, np.ndarray) or not isinstance(x, (np.generic, int, float, bool, list, tuple)):
@@ -200,6 +206,21 @@ class JaxBackend(JaxDenseMixin, Backend):
                 host = host.astype(host.dtype.kind + "4") if host.dtype.kind in "fiu" else host
             return self._jax.device_put(host)
         return jnp.asarray(x, dtype=dtype)
+
+    def _narrow_ids(self, x: Any, dtype: np.dtype) -> Any:
+        """64-bit integers without x64: int32 after a range check (ids, counters)."""
+        narrow = np.dtype(dtype.kind + "4")
+        if self.is_native(x):
+            return x if x.dtype == narrow else x.astype(narrow)  # already at most 32 bits
+        host = np.asarray(x)
+        info = np.iinfo(narrow)
+        if host.size and (host.min() < info.min or host.max() > info.max):
+            raise InputError(
+                f"Invalid integer values for the jax backend without jax_enable_x64: they must fit "
+                f"{narrow} (range {info.min}..{info.max}). Received: min={host.min()}, max={host.max()}. "
+                "Fix: enable x64 yourself at startup (jax.config.update('jax_enable_x64', True))."
+            )
+        return self._jax.device_put(host.astype(narrow))
 
     def to_numpy(self, x: Any) -> np.ndarray:
         if isinstance(x, JaxShardedTable):
@@ -213,6 +234,9 @@ class JaxBackend(JaxDenseMixin, Backend):
     def is_native(self, x: Any) -> bool:
         return isinstance(x, self._jax.Array)
 
+    def is_traced(self, x: Any) -> bool:
+        return isinstance(x, self._jax.core.Tracer)
+
     def compile(self, fn: Callable, **options: Any) -> Callable:
         """``jax.jit``; options such as ``donate_argnums``/``static_argnames`` pass through."""
         return self._jax.jit(fn, **options)
@@ -221,6 +245,12 @@ class JaxBackend(JaxDenseMixin, Backend):
     def layout(self, placement: Placement) -> ShardLayout:
         """The (cached) device layout of a placement; equal placements share one sharding."""
         jax = self._jax
+        if placement.vocabulary_size >= 2**31 - 1 and not jax.config.jax_enable_x64:
+            raise ConfigError(
+                f"Invalid `vocabulary_size`={placement.vocabulary_size} for the jax backend without "
+                "jax_enable_x64: its ids need more than int32. Fix: call "
+                "jax.config.update('jax_enable_x64', True) at startup, or use a smaller vocabulary."
+            )
         devices = choose_devices(placement.num_shards, list(jax.devices()), jax.process_count())
         key = (placement, tuple(d.id for d in devices))
         found = self._layouts.get(key)
@@ -255,8 +285,9 @@ class JaxBackend(JaxDenseMixin, Backend):
             )
         if values.dtype.itemsize == 8 and not self._jax.config.jax_enable_x64:
             raise InputError(
-                f"Invalid table dtype {values.dtype}: 64-bit tables need jax_enable_x64. "
-                "Fix: MESHEMBED_JAX_X64=1 (the default) or use float32 values."
+                f"Invalid table dtype {values.dtype}: 64-bit tables on the jax backend need "
+                "jax_enable_x64, which meshembed never turns on for you. Fix: call "
+                "jax.config.update('jax_enable_x64', True) at startup, or use float32 values."
             )
         layout = self.layout(placement)
         data = self._put(pad_shards(values, placement), layout.sharding)  # a fresh host array
