@@ -500,8 +500,9 @@ def test_options_have_their_own_configs_and_nested_form_is_read():
     assert opt.gradients_clip_option == clip and opt.ema_option == ema
     with pytest.raises(ConfigError, match="Invalid `config`"):
         me.optimizers.Adadelta.from_config({"learning_rate": 0.1, "momentum": 0.9})
+    assert me.optimizers.Adadelta.from_config({"weight_decay": 0.01}).weight_decay == 0.01  # Keras' decay
     with pytest.raises(ConfigError, match="Invalid `weight_decay`"):
-        me.optimizers.Adadelta.from_config({"weight_decay": 0.01})
+        me.optimizers.Adadelta.from_config({"weight_decay": -0.01})
 
 
 tf_keras_params = [pytest.param(k, id=i) for k, i in [

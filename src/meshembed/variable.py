@@ -50,6 +50,25 @@ def _full_array(value: Any) -> Any:
     return full() if callable(full) else value
 
 
+def _to_backend(backend: Any, value: Any, dtype: str | None) -> Any:
+    """``backend.asarray``; a NumPy array of an ml_dtypes float (bfloat16, float8) that the
+    backend cannot take (torch) goes through float32, which holds its values exactly."""
+    if not backend.is_native(value):
+        value = np.asarray(value)
+        if value.dtype.kind == "V" or type(value.dtype).__module__.startswith("ml_dtypes") or (
+            value.dtype.name in ("bfloat16",) or value.dtype.name.startswith("float8")
+        ):
+            try:
+                return backend.asarray(value, dtype=dtype)
+            except TypeError:
+                wide = backend.asarray(value.astype(np.float32))
+                native = getattr(backend.xp, dtype or value.dtype.name, None)
+                if native is None:
+                    raise
+                return backend.xp.astype(wide, native)
+    return backend.asarray(value, dtype=dtype)
+
+
 class _Fresh(NamedTuple):
     """An initial value made for one variable alone (an optimizer's zeros): the variable
     adopts it instead of copying it, so making a slot never holds two copies."""
@@ -111,7 +130,7 @@ class Variable:
         if not backend.is_native(value) or (dtype is not None and dtype_name(value.dtype) != dtype_name(dtype)):
             if backend.sharding_of(value) is not None:
                 value = _full_array(value)
-            value = backend.asarray(value if backend.is_native(value) else np.asarray(value), dtype=None if dtype is None else dtype_name(dtype))
+            value = _to_backend(backend, value, None if dtype is None else dtype_name(dtype))
         elif copy and backend.sharding_of(value) is None:
             # asarray first: torch detaches from autograd, so a Parameter never drags a graph along
             value = backend.xp.asarray(backend.asarray(value), copy=True)
@@ -168,6 +187,17 @@ class Variable:
     def _assign_fresh(self, value: Any) -> None:
         """Assign an array the optimizer just computed (no defensive copy needed)."""
         self._value = self._prepare(value, copy=False)
+
+    def __deepcopy__(self, memo: dict) -> "Variable":
+        """A new variable with a copy of the value; backend and layout are shared (they
+        describe where the value lives, and hold modules and device handles)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(self.__dict__)
+        backend = self._backend
+        value = self._value
+        new._value = backend.xp.asarray(value, copy=True) if backend.sharding_of(value) is None else value * 1
+        return new
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = self.numpy()

@@ -16,6 +16,7 @@ differ, so pass the hyper-parameters explicitly when comparing. The rule itself 
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -30,9 +31,9 @@ __all__ = ["Adadelta"]
 
 
 def _number(name: str, value: Any, low: float, high: float | None = None) -> float:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and value >= low
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= low
     if not ok or (high is not None and value > high):
-        bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
+        bounds = f"[{low}, {high}]" if high is not None else f">= {low} and finite"
         raise ConfigError(f"Invalid `{name}`. Expected a number {bounds}. Received: {name}={value!r}")
     return float(value)
 
@@ -44,15 +45,21 @@ class Adadelta(Optimizer):
 
     Args:
         learning_rate: float, a ``schedules.LearningRateSchedule`` or a callable of the step.
-        rho, epsilon: decay rate and the ε inside both roots (Keras defaults 0.95, 1e-7).
-        gradients_clip_option, ema_option: honoured (Keras' DTensor optimizer ignored them).
+        rho, epsilon: decay rate and the ε inside both roots (Keras defaults 0.95, 1e-7);
+            ε must be finite (also in the variables' dtype: 1e39 is Inf in float32).
+        gradients_clip_option, ema_option: the DTensor options, honoured with tf_keras'
+            semantics (Keras' DTensor optimizer ignored them).
         name: Keras name, also in the config.
         mesh: the ``me.Mesh`` whose backend holds the state; ``iterations`` and
             ``add_variable`` results are replicated over it.
-        jit_compile: a Keras config key, kept and round-tripped (False by default as tf_keras
-            writes on CPU). The per-variable step always goes through ``backend.compile``,
-            which compiles where it pays (``jax.jit``; ``torch.compile`` once a step touches
-            ~10⁶ elements, in place on torch).
+        jit_compile: a tf_keras config key, kept and round-tripped. The per-variable step
+            always goes through ``backend.compile``, which compiles where it pays.
+        weight_decay: ``w ← w − w·wd·lr`` before each update (Keras 3 and tf_keras).
+        clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum, ema_overwrite_frequency,
+        loss_scale_factor, gradient_accumulation_steps: Keras 3's arguments with Keras 3's
+            semantics (at most one clip argument; the EMA average starts from the variable on
+            the first step); they cannot be combined with the two option objects.
+        allow_nonfinite: apply NaN/Inf gradients instead of raising ``InputError``.
     """
 
     def __init__(
@@ -65,10 +72,30 @@ class Adadelta(Optimizer):
         name: str = "Adadelta",
         mesh: Mesh | None = None,
         jit_compile: bool = False,
+        *,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        use_ema: bool | None = None,
+        ema_momentum: float | None = None,
+        ema_overwrite_frequency: int | None = None,
+        loss_scale_factor: float | None = None,
+        gradient_accumulation_steps: int | None = None,
+        allow_nonfinite: bool = False,
     ) -> None:
-        super().__init__(learning_rate, name, gradients_clip_option, ema_option, mesh, jit_compile)
+        super().__init__(
+            learning_rate, name, gradients_clip_option, ema_option, mesh, jit_compile,
+            weight_decay=weight_decay, clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm,
+            use_ema=use_ema, ema_momentum=ema_momentum, ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor, gradient_accumulation_steps=gradient_accumulation_steps,
+            allow_nonfinite=allow_nonfinite,
+        )
         self.rho = _number("rho", rho, 0.0, 1.0)
         self.epsilon = _number("epsilon", epsilon, 0.0)
+
+    def _dtype_checked_scalars(self) -> dict[str, float | None]:
+        return {**super()._dtype_checked_scalars(), "epsilon": self.epsilon}
 
     def build(self, var_list: list[Variable]) -> None:
         if self.built:

@@ -25,16 +25,20 @@ with any donating ``jax.jit`` step (``optax`` training loops alike).
 
 from __future__ import annotations
 
+import copy
 import inspect
+import math
 import numbers
+import warnings
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import array_api_compat
 import numpy as np
 
-from meshembed.errors import ConfigError, InputError, StateError
+from meshembed.errors import CheckpointError, ConfigError, InputError, StateError
+from meshembed.math.common import decay_weights
 from meshembed.optimizers import schedules
-from meshembed.optimizers.options import EMAOption, GradientsClipOption
+from meshembed.optimizers.options import EMAOption, GradientsClipOption, sum_squares
 from meshembed.sharding.mesh import Layout, Mesh
 from meshembed.variable import IndexedSlices, Variable, _Fresh, dtype_name
 
@@ -42,11 +46,28 @@ __all__ = ["Optimizer"]
 
 _CLIP_KEYS = ("clipnorm", "global_clipnorm", "clipvalue")
 _EMA_KEYS = ("use_ema", "ema_momentum", "ema_overwrite_frequency")
+#: Keras 3 arguments with no DTensor-option form; any of them (or a flat clip/EMA argument)
+#: selects Keras 3's semantics, and they cannot be mixed with the two option objects.
+_KERAS3_KEYS = (*_CLIP_KEYS, *_EMA_KEYS, "loss_scale_factor", "gradient_accumulation_steps")
+
+
+def _optional_number(name: str, value: Any, positive: bool) -> float | None:
+    if value is None:
+        return None
+    bad = isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+    if bad or value < 0 or (positive and value == 0):
+        raise ConfigError(
+            f"Invalid `{name}`. Expected a {'positive' if positive else 'non-negative'} finite number or None. "
+            f"Received: {name}={value!r}"
+        )
+    return float(value)
 
 
 def _check_learning_rate(value: Any) -> Any:
     if isinstance(value, schedules.LearningRateSchedule) or (callable(value) and not isinstance(value, numbers.Real)):
         return value
+    if isinstance(value, Variable) and value.shape == ():  # Keras: a learning-rate variable
+        value = value.numpy().item()
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not np.isfinite(value) or value < 0:
         raise ConfigError(
             "Invalid `learning_rate`. Expected a non-negative float, a LearningRateSchedule or a "
@@ -66,7 +87,52 @@ class Optimizer:
         ema_option: EMAOption | None = None,
         mesh: Mesh | None = None,
         jit_compile: bool = False,
+        *,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        use_ema: bool | None = None,
+        ema_momentum: float | None = None,
+        ema_overwrite_frequency: int | None = None,
+        loss_scale_factor: float | None = None,
+        gradient_accumulation_steps: int | None = None,
+        allow_nonfinite: bool = False,
     ) -> None:
+        keras3 = {k: v for k, v in dict(
+            clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm, use_ema=use_ema,
+            ema_momentum=ema_momentum, ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor, gradient_accumulation_steps=gradient_accumulation_steps,
+        ).items() if v is not None}
+        if keras3 and (gradients_clip_option is not None or ema_option is not None):
+            given = "gradients_clip_option" if gradients_clip_option is not None else "ema_option"
+            raise ConfigError(
+                f"Invalid arguments. Expected either the DTensor options (`gradients_clip_option`, "
+                f"`ema_option`: tf_keras semantics) or Keras 3's arguments ({', '.join(_KERAS3_KEYS)}), "
+                f"not both. Received: {given}= together with {', '.join(f'{k}={v!r}' for k, v in keras3.items())}"
+            )
+        clip_given = [k for k in _CLIP_KEYS if k in keras3]
+        if len(clip_given) > 1:  # Keras 3 refuses this; tf_keras' option warns and ignores clipvalue
+            raise ConfigError(
+                "Invalid clipping arguments. Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be "
+                f"set. Received: clipnorm={clipnorm}, clipvalue={clipvalue}, global_clipnorm={global_clipnorm}"
+            )
+        if keras3:
+            gradients_clip_option = GradientsClipOption(clipnorm=clipnorm, clipvalue=clipvalue,
+                                                        global_clipnorm=global_clipnorm)
+            ema_option = EMAOption(use_ema=False if use_ema is None else use_ema,
+                                   ema_momentum=0.99 if ema_momentum is None else ema_momentum,
+                                   ema_overwrite_frequency=ema_overwrite_frequency)
+        steps = gradient_accumulation_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 2):
+            raise ConfigError(
+                "Invalid `gradient_accumulation_steps`. Expected an integer >= 2 or None. "
+                f"Received: gradient_accumulation_steps={steps!r}"
+            )
+        if not isinstance(allow_nonfinite, bool):
+            raise ConfigError(
+                f"Invalid `allow_nonfinite`. Expected True or False. Received: allow_nonfinite={allow_nonfinite!r}"
+            )
         if not isinstance(name, str) or not name:
             raise ConfigError(f"Invalid `name`. Expected a non-empty string. Received: name={name!r}")
         if gradients_clip_option is not None and not isinstance(gradients_clip_option, GradientsClipOption):
@@ -82,6 +148,13 @@ class Optimizer:
         if mesh is not None and not isinstance(mesh, Mesh):
             raise ConfigError(f"Invalid `mesh`. Expected a meshembed.Mesh or None. Received: mesh={mesh!r}")
         self.name = name
+        self.weight_decay = _optional_number("weight_decay", weight_decay, positive=False)
+        self.loss_scale_factor = _optional_number("loss_scale_factor", loss_scale_factor, positive=True)
+        self.gradient_accumulation_steps = None if steps is None else int(steps)
+        self.allow_nonfinite = allow_nonfinite
+        #: True when built from Keras 3's arguments: Keras 3's EMA (the average starts from the
+        #: variable on the first step) and config format; False: the DTensor options (tf_keras).
+        self.keras3 = bool(keras3)
         self._learning_rate = _check_learning_rate(learning_rate)
         self.gradients_clip_option = gradients_clip_option or GradientsClipOption()
         self.ema_option = ema_option or EMAOption()
@@ -94,6 +167,8 @@ class Optimizer:
         self._trainable: list[Variable] = []
         self._index: dict[int, int] = {}
         self._averages: list[Variable] = []
+        self._accumulators: list[Variable] = []
+        self._stateless = False  # inside stateless_apply: never write into the given arrays
         self._pending: dict[int, tuple[Variable, Any]] | None = None
         self._deferred: list[_InPlace] = []  # in-place updates staged for the commit
         self._lr_arrays: dict[tuple, Any] = {}  # this step's learning rate as 0-d arrays
@@ -112,7 +187,18 @@ class Optimizer:
     # -- state ----------------------------------------------------------------------------
     @property
     def iterations(self) -> Variable:
-        """Steps taken so far: an int64 variable replicated over the mesh."""
+        """Steps taken so far: an int64 variable replicated over the mesh. With
+        ``gradient_accumulation_steps=n`` (Keras 3) it counts updates: a snapshot of the calls
+        so far floor-divided by ``n`` (the variable itself counts calls)."""
+        it = self._counter
+        if self.gradient_accumulation_steps:
+            return Variable(np.asarray(self._calls() // self.gradient_accumulation_steps, np.int64),
+                            name="iteration", trainable=False, backend=it.backend, dtype="int64")
+        return it
+
+    @property
+    def _counter(self) -> Variable:
+        """The step-counter variable (apply_gradients calls; what ``variables[0]`` holds)."""
         if self._iterations is None:
             from meshembed.backend import get_backend
 
@@ -126,30 +212,43 @@ class Optimizer:
 
     @property
     def variables(self) -> list[Variable]:
-        """``[iterations, *optimizer variables in creation order]``."""
-        return [self.iterations, *self._variables]
+        """``[iterations, *optimizer variables in creation order]``: Keras 3's order (EMA
+        averages, gradient accumulators, then each variable's slots, variable by variable)
+        without Keras 3's learning-rate variable (meshembed keeps the learning rate a float
+        or schedule; ``load_own_variables`` reads Keras 3's layout too)."""
+        return [self._counter, *self._variables]
 
     @property
     def learning_rate(self) -> float:
-        """The learning rate of the next step (a schedule evaluated at ``iterations``)."""
+        """The learning rate of the next step (a schedule evaluated at the call counter
+        before the update, as Keras 3 and tf_keras do)."""
         if self._step_lr is not None:
             return self._step_lr
         lr = self._learning_rate
         if callable(lr):  # a schedule of the step, or (Keras legacy) a zero-argument callable
-            return float(lr(self._step()) if _required_positional(lr) else lr())
+            value = lr(self._calls()) if _required_positional(lr) else lr()
+            return _check_schedule_value(value, lr)
         return lr
 
     @learning_rate.setter
     def learning_rate(self, value: Any) -> None:
-        if callable(self._learning_rate):
+        """A float, or a new schedule / callable (Keras 3 and tf_keras allow replacing a
+        schedule; only a float over a schedule is refused, as both do)."""
+        new = _check_learning_rate(value)
+        if callable(self._learning_rate) and not callable(new):
             raise TypeError(
                 "This optimizer was created with a learning-rate schedule, so its learning rate "
-                "is not settable; create the optimizer with a float `learning_rate` instead."
+                "is not settable to a float; assign a new schedule, or create the optimizer with a "
+                f"float `learning_rate`. Received: learning_rate={value!r}"
             )
-        self._learning_rate = _check_learning_rate(value)
+        self._learning_rate = new
+
+    def _calls(self) -> int:
+        return int(self._counter.numpy())
 
     def _step(self) -> int:
-        return int(self.iterations.numpy())
+        """Keras 3's ``iterations``: updates so far (calls // accumulation steps)."""
+        return self._calls() // (self.gradient_accumulation_steps or 1)
 
     # -- building ---------------------------------------------------------------------------
     def build(self, var_list: Sequence[Variable]) -> None:
@@ -162,9 +261,30 @@ class Optimizer:
         self._resolve_backend(var_list)
         self._trainable = list(var_list)
         self._index = {id(v): i for i, v in enumerate(var_list)}
-        if self.use_ema:
-            self._averages = [self.add_variable_from_reference(v, "average", initial_value=v.value) for v in var_list]
+        for v in var_list:
+            self._check_trainable(v)
+        if self.use_ema:  # tf_keras starts the average at the variable; Keras 3 at zeros (unused)
+            self._averages = [self.add_variable_from_reference(v, "average", initial_value=None if self.keras3 else v.value)
+                              for v in var_list]
+        if self.gradient_accumulation_steps:
+            self._accumulators = [self.add_variable_from_reference(v, "gradient_accumulator") for v in var_list]
         self.built = True
+
+    @staticmethod
+    def _check_trainable(v: Variable) -> None:
+        """Only real floating variables: an integer one would truncate every update, and a
+        complex one has no Adadelta of its own (torch.optim runs it on the real view)."""
+        try:
+            kind = np.dtype(v.dtype).kind
+        except TypeError:
+            kind = "f" if "float" in v.dtype else "?"
+        if kind != "f":
+            fix = ("optimize torch.view_as_real / the real and imaginary parts as float variables"
+                   if kind == "c" else "create it with a float dtype (e.g. dtype='float32')")
+            raise InputError(
+                f"Invalid variable {v.name!r}. Expected a real floating dtype (float16/bfloat16/float32/float64). "
+                f"Received: dtype={v.dtype}. Fix: {fix}."
+            )
 
     def _check_var_list(self, var_list: Any, what: str) -> list[Variable]:
         if isinstance(var_list, Variable) or not isinstance(var_list, Iterable):
@@ -197,7 +317,7 @@ class Optimizer:
         if backends:
             self._backend = next(iter(backends.values()))
         if self._iterations is not None and self._iterations.backend is not self._backend:
-            self._iterations = self._make_iterations(self._backend, self._step())
+            self._iterations = self._make_iterations(self._backend, self._calls())
 
     def add_variable(self, shape: Sequence[int], dtype: Any = None, initializer: Any = "zeros",
                      name: str | None = None) -> Variable:
@@ -418,30 +538,41 @@ class Optimizer:
 
     @staticmethod
     def _as_native(value: Any, variable: Variable) -> Any:
+        """A backend array of the variable's dtype from an integer or real floating gradient;
+        string, object, bool and complex gradients are refused (never parsed, truncated or
+        cast silently)."""
         backend = variable.backend
-        try:
-            if backend.is_native(value) and dtype_name(value.dtype) == variable.dtype:
+        native = backend.is_native(value)
+        if native:
+            name = dtype_name(value.dtype)
+            if name == variable.dtype:
                 return value
-            if backend.is_native(value):
-                return backend.xp.astype(value, backend.asarray(np.zeros((), variable.dtype)).dtype)
-            arr = np.asarray(value)
-            if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
-                raise TypeError(arr.dtype)
-            return backend.asarray(arr, dtype=variable.dtype)
+            kind = "f" if "float" in name else ("i" if "int" in name else "c" if "complex" in name else name)
+        else:
+            try:
+                arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+            except (TypeError, ValueError) as exc:
+                arr, kind = None, f"{type(value).__name__} ({exc})"
+            else:
+                kind = arr.dtype.kind if arr.dtype.kind in "fiuc" else str(arr.dtype)
+                kind = "f" if "float" in str(arr.dtype) else ("i" if kind == "u" else kind)
+        if kind not in ("f", "i"):
+            what = {"c": "complex"}.get(kind, kind)
+            raise InputError(
+                f"Invalid gradient for {variable.name!r}. Expected an integer or real floating array "
+                f"(cast to {variable.dtype}). Received: {what} values. Fix: pass the gradient as a float array"
+                + (" (the real part, or a real view of both parts)." if kind == "c" else ".")
+            )
+        try:
+            if native:
+                return backend.xp.astype(value, variable.value.dtype)
+            host = backend.asarray(np.asarray(arr, dtype=np.float64) if arr.dtype.kind in "iu" else arr)
+            return backend.xp.astype(host, variable.value.dtype)
         except (TypeError, ValueError) as exc:
             raise InputError(
                 f"Invalid gradient for {variable.name!r}. Expected a numeric array convertible to "
                 f"{variable.dtype}. Received: {type(value).__name__} ({exc})"
             ) from None
-
-    def _clip_gradients(self, grads: list[Any]) -> list[Any]:
-        """Apply the GradientsClipOption to the dense arrays / slices' rows."""
-        if not self.gradients_clip_option.active:
-            return grads
-        values = [g.values if isinstance(g, IndexedSlices) else g for g in grads]
-        clipped = self.gradients_clip_option.clip(self._xp, values)
-        return [IndexedSlices(c, g.indices, g.dense_shape) if isinstance(g, IndexedSlices) else c
-                for g, c in zip(grads, clipped)]
 
     def _densify(self, grad: Any, variable: Variable) -> tuple[Any, Any]:
         """``(dense gradient, touched-row mask or None)``. Duplicate indices are summed first
@@ -477,32 +608,51 @@ class Optimizer:
         raise NotImplementedError(f"{type(self).__name__} must implement update_step(grad, variable)")
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Variable]]) -> Variable:
-        """One step: clip, update every variable, update EMA, count the step.
+        """One step: unscale, accumulate, clip, check, decay, update, EMA, count the step.
 
-        Pairs with a ``None`` gradient are skipped (Keras). Returns ``iterations``."""
+        The order is Keras 3's: gradients divided by ``loss_scale_factor``; with
+        ``gradient_accumulation_steps=n`` they are summed into accumulators and every n-th
+        call updates with their mean; then clipping, weight decay ``w ← w − w·wd·lr``, the
+        update, the EMA. Pairs with a ``None`` gradient are skipped (Keras). Gradients that
+        are NaN or Inf after clipping raise ``InputError`` naming the variables, nothing
+        changed, unless ``allow_nonfinite=True`` (then they are applied, as Keras does).
+        Returns ``iterations``."""
         pairs = self._prepare_pairs(grads_and_vars)
         if not pairs:
             return self.iterations
         given = [(g, v) for g, v in pairs if g is not None]
         if not given:
             raise InputError("No gradients provided for any variable (every gradient is None).")
+        if not self.built:  # build checks the variables (dtype) before any gradient is read
+            self._check_var_list([v for _, v in pairs], "grads_and_vars")
+            for _, v in pairs:
+                self._check_trainable(v)
         grads = [self._convert_gradient(g, v) for g, v in given]  # validate before any state exists
         if not self.built:
             self.build([v for _, v in pairs])
         variables = [v for _, v in given]
         for v in variables:
             self._slot_index(v)
-        self._step_lr = self.learning_rate
+        lr = self.learning_rate
+        self._check_in_dtype(lr, variables)
+        self._step_lr = lr
         self._pending = {}
         self._deferred = []
-        self._in_place_ok = not self.use_ema  # EMA reads the new values back before the commit
+        self._in_place_ok = not self.use_ema and not self._stateless  # EMA reads the new values back
         try:
-            grads = self._clip_gradients(grads)
-            for g, v in zip(grads, variables):
-                self.update_step(g, v)
+            if self.loss_scale_factor is not None:
+                grads = [_map_values(g, lambda x: x / self.loss_scale_factor) for g in grads]
+            update = True
+            if self.gradient_accumulation_steps:
+                grads, update = self._accumulate(grads, variables)
+            if update:
+                grads = self._clip_and_check(grads, variables)
+                self._decay_weights(variables, lr)
+                for g, v in zip(grads, variables):
+                    self.update_step(g, v)
             if self.use_ema:
-                self._update_averages(variables)
-            it = self.iterations
+                self._update_averages(self._trainable if self.keras3 else variables)
+            it = self._counter
             self._write(it, self._read(it) + 1)
             self._commit()
         finally:
@@ -513,9 +663,82 @@ class Optimizer:
             self._step_lr = None
         return self.iterations
 
+    def _check_in_dtype(self, lr: float, variables: Sequence[Variable]) -> None:
+        """The learning rate and the algorithm's scalars must be finite in each variable's
+        dtype (1e39 is finite in float64 and Inf in float32)."""
+        scalars = {"learning_rate": lr, **self._dtype_checked_scalars()}
+        for v in variables:
+            try:
+                dt = np.dtype(v.dtype)
+            except TypeError:
+                dt = np.dtype("float32")  # bfloat16 without ml_dtypes: float32's range
+            with np.errstate(over="ignore"):
+                for key, value in scalars.items():
+                    if value is not None and not np.isfinite(np.asarray(value, dtype=dt)):
+                        raise ConfigError(
+                            f"Invalid `{key}` for variable {v.name!r}. Expected a value finite in its dtype "
+                            f"{v.dtype} (at most {float(np.finfo(dt).max):.4g}). Received: {key}={value!r}"
+                        )
+
+    def _dtype_checked_scalars(self) -> dict[str, float | None]:
+        """Hyper-parameters that must be finite in the variables' dtype (algorithms add theirs)."""
+        return {"weight_decay": self.weight_decay}
+
+    def _accumulate(self, grads: list[Any], variables: Sequence[Variable]) -> tuple[list[Any], bool]:
+        """Keras 3's gradient accumulation: add into the accumulators; every n-th call return
+        the mean of the n gradients (accumulators reset) and update. Sparse gradients are
+        densified first, so the update is then dense, as in Keras."""
+        n = self.gradient_accumulation_steps
+        dense = [self._densify(g, v)[0] for g, v in zip(grads, variables)]
+        accs = [self._accumulators[self._slot_index(v)] for v in variables]
+        if (self._calls() + 1) % n != 0:
+            for acc, g in zip(accs, dense):
+                self._write(acc, g + self._read(acc))
+            return grads, False
+        out = [(g + self._read(acc)) / n for acc, g in zip(accs, dense)]
+        for acc in self._accumulators:
+            self._write(acc, self._xp.zeros_like(self._read(acc)))
+        return out, True
+
+    def _clip_and_check(self, grads: list[Any], variables: Sequence[Variable]) -> list[Any]:
+        """Clip (GradientsClipOption), then the NaN policy on the clipped values."""
+        option = self.gradients_clip_option
+        xp = self._xp
+        values = [g.values if isinstance(g, IndexedSlices) else g for g in grads]
+        sums = [sum_squares(xp, x) for x in values] if option.uses_norm else None
+        clipped = option.clip(xp, values, sums) if option.active else values
+        if not self.allow_nonfinite:
+            if sums is not None and all(math.isfinite(x) for x in sums):
+                bad = []  # Σg² finite: every element finite, and so is the clipped gradient
+            else:
+                bad = [v.name for v, c in zip(variables, clipped) if not _all_finite(xp, c)]
+            if bad:
+                raw = [v.name for v, x in zip(variables, values) if not _all_finite(xp, x)]
+                why = (f" (the raw gradients of {raw} are not finite"
+                       + (", and global_clipnorm spreads a NaN/Inf norm to every gradient)" if option.global_clipnorm else ")")
+                       if raw else " (their norm overflowed the dtype)")
+                raise InputError(
+                    f"Invalid gradients for {bad}: NaN or Inf after clipping{why}. Nothing was updated. "
+                    "Fix: check the loss, lower the loss scale, or pass `allow_nonfinite=True` to apply them anyway."
+                )
+        return [IndexedSlices(c, g.indices, g.dense_shape) if isinstance(g, IndexedSlices) else c
+                for g, c in zip(grads, clipped)]
+
+    def _decay_weights(self, variables: Sequence[Variable], lr: float) -> None:
+        """Keras' decoupled weight decay ``w ← w − w·(wd·lr)`` before the update (core math)."""
+        if not self.weight_decay:
+            return
+        for v in variables:
+            self._write(v, decay_weights(self._xp, self._read(v), self.weight_decay * lr))
+
     def _update_averages(self, variables: Sequence[Variable]) -> None:
-        m = self.ema_momentum
-        overwrite = self.ema_overwrite_frequency is not None and (self._step() + 1) % self.ema_overwrite_frequency == 0
+        """tf_keras: ``avg ← m·avg + (1−m)·var`` from an average built at the variable.
+        Keras 3: the same, except that the first update (``iterations == 0``) sets the average
+        to the variable (momentum 0). Overwrite after updates k, 2k, ... (``ema_overwrite_frequency``)."""
+        step = self._step()
+        m = self.ema_momentum if (step != 0 or not self.keras3) else 0.0
+        freq = self.ema_overwrite_frequency
+        overwrite = bool(freq) and (step + 1) % freq == 0
         for v in variables:
             avg = self._averages[self._slot_index(v)]
             new = m * self._read(avg) + (1 - m) * self._read(v)
@@ -580,61 +803,200 @@ class Optimizer:
 
     # -- config -----------------------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
-        """Keras' config keys (clip and EMA options flattened as Keras writes them)."""
+        """Keras' config keys: Keras 3's (``loss_scale_factor``, ``gradient_accumulation_steps``,
+        which Keras 3 itself reads back) when built from Keras 3's arguments, else tf_keras'
+        (``jit_compile``, ``is_legacy_optimizer``; clip and EMA options flattened)."""
         lr = self._learning_rate
-        return {
+        config = {
             "name": self.name,
-            "weight_decay": None,
+            "learning_rate": lr if isinstance(lr, float) else schedules.serialize(lr),
+            "weight_decay": self.weight_decay,
             **self.gradients_clip_option.get_config(),
             **self.ema_option.get_config(),
-            "jit_compile": self.jit_compile,
-            "is_legacy_optimizer": False,
-            "learning_rate": lr if isinstance(lr, float) else schedules.serialize(lr),
         }
+        if self.keras3:
+            config.update(loss_scale_factor=self.loss_scale_factor,
+                          gradient_accumulation_steps=self.gradient_accumulation_steps)
+        else:
+            config.update(jit_compile=self.jit_compile, is_legacy_optimizer=False)
+        if self.allow_nonfinite:  # meshembed's own key, written only when not the default
+            config["allow_nonfinite"] = True
+        return config
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: dict[str, Any] | None = None,
                     mesh: Mesh | None = None) -> "Optimizer":
-        """Inverse of ``get_config``; also reads tf_keras / Keras 3 optimizer configs.
+        """Inverse of ``get_config``; reads the configs Keras 3 and tf_keras write.
 
-        The mesh is not part of a config; pass it here."""
+        A config with ``loss_scale_factor`` / ``gradient_accumulation_steps`` is Keras 3's and
+        gives Keras 3's semantics; otherwise (tf_keras) the clip/EMA keys become the DTensor
+        options. The mesh is not part of a config; pass it here."""
         if not isinstance(config, dict):
             raise ConfigError(f"Invalid `config`. Expected a dict. Received: config={config!r}")
-        config = dict(config)
+        config = {k: (v.item() if isinstance(v, (np.generic, np.ndarray)) and np.ndim(v) == 0 else v)
+                  for k, v in config.items()}
         if config.pop("is_legacy_optimizer", False):
             raise ConfigError(
                 "Invalid `config`. Expected a config of a new-style (non-legacy) Keras optimizer. "
                 "Received: is_legacy_optimizer=True"
             )
-        wd = config.pop("weight_decay", None)
-        if wd not in (None, 0, 0.0):
-            raise ConfigError(
-                f"Invalid `weight_decay`. Expected None ({cls.__name__} has no weight decay). Received: weight_decay={wd!r}"
-            )
-        clip = config.pop("gradients_clip_option", None)
-        flat_clip = {k: config.pop(k) for k in _CLIP_KEYS if k in config}
-        ema = config.pop("ema_option", None)
-        flat_ema = {k: config.pop(k) for k in _EMA_KEYS if k in config}
-        if isinstance(clip, dict):
-            clip = GradientsClipOption.from_config(clip)
-        if isinstance(ema, dict):
-            ema = EMAOption.from_config(ema)
-        if clip is None and any(v is not None for v in flat_clip.values()):
-            clip = GradientsClipOption(**{k: (None if v is None else float(v)) for k, v in flat_clip.items()})
-        if ema is None and flat_ema:
-            ema = EMAOption(**{k: (float(v) if k == "ema_momentum" else v) for k, v in flat_ema.items()})
+        config.pop("decay", None)  # Keras 3 ignores it too (with a warning)
         lr = config.get("learning_rate")
         if isinstance(lr, dict):
             config["learning_rate"] = schedules.deserialize(lr, custom_objects)
-        elif isinstance(lr, (np.generic, np.ndarray)):
-            config["learning_rate"] = float(lr)
-        for key in ("rho", "epsilon"):
-            if isinstance(config.get(key), np.generic):
-                config[key] = float(config[key])
+        keras3 = "loss_scale_factor" in config or "gradient_accumulation_steps" in config
+        if not keras3:
+            clip = config.pop("gradients_clip_option", None)
+            flat_clip = {k: config.pop(k) for k in _CLIP_KEYS if k in config}
+            ema = config.pop("ema_option", None)
+            flat_ema = {k: config.pop(k) for k in _EMA_KEYS if k in config}
+            if isinstance(clip, dict):
+                clip = GradientsClipOption.from_config(clip)
+            if isinstance(ema, dict):
+                ema = EMAOption.from_config(ema)
+            if clip is None and any(v is not None for v in flat_clip.values()):
+                with warnings.catch_warnings():  # tf_keras wrote it; its warning is for new code
+                    warnings.simplefilter("ignore")
+                    clip = GradientsClipOption(**{k: (None if v is None else float(v)) for k, v in flat_clip.items()})
+            if ema is None and flat_ema:
+                ema = EMAOption(**{k: (float(v) if k == "ema_momentum" else v) for k, v in flat_ema.items()})
+            config.update(gradients_clip_option=clip, ema_option=ema)
+        else:
+            config.pop("jit_compile", None)
         try:
-            return cls(**config, gradients_clip_option=clip, ema_option=ema, mesh=mesh)
+            return cls(**config, mesh=mesh)
         except TypeError as exc:
             raise ConfigError(f"Invalid `config` for {cls.__name__}: {exc}. Received keys: {sorted(config)}") from None
+
+    # -- state: Keras 3's variable store and stateless step ------------------------------------
+    def save_own_variables(self, store: Any) -> None:
+        """``store[str(i)] = variables[i].numpy()`` (Keras 3's layout, without its learning-rate
+        variable): a dict or an h5 group; loads on any backend and mesh."""
+        for i, v in enumerate(self.variables):
+            store[str(i)] = v.numpy()
+
+    def load_own_variables(self, store: Any) -> None:
+        """Assign ``variables`` from a store written by ``save_own_variables`` (any backend or
+        mesh) or by Keras 3 (one more entry: its learning-rate variable at "1", which sets a
+        float learning rate). Everything is checked before anything is assigned."""
+        if not self.built:
+            raise StateError(
+                f"Invalid call: load_own_variables() before optimizer {self.name!r} was built. "
+                "Call build(var_list) (or one apply_gradients) first, then load."
+            )
+        variables = self.variables
+        try:
+            keys = list(store.keys())
+            values = {k: np.asarray(store[k]) for k in keys}
+        except Exception as exc:  # noqa: BLE001 - any store failure is the store's
+            raise CheckpointError(f"Invalid `store`. Expected a mapping of '0', '1', ... to arrays ({exc}).") from None
+        lr_value = None
+        if len(keys) == len(variables) + 1 and "1" in values and values["1"].shape == ():
+            lr_value = float(values["1"])  # Keras 3: [iteration, learning_rate, ...]
+            order = ["0", *[str(i) for i in range(2, len(keys))]]
+        else:
+            order = [str(i) for i in range(len(keys))]
+        if len(order) != len(variables) or set(order) - set(values):
+            raise CheckpointError(
+                f"Invalid `store` for optimizer {self.name!r}. Expected {len(variables)} variables "
+                f"({[v.name for v in variables]}) under keys '0'..'{len(variables) - 1}' (or Keras 3's layout with "
+                f"its learning rate at '1'). Received keys: {sorted(keys)}"
+            )
+        for v, k in zip(variables, order):
+            x = values[k]
+            kind_ok = x.dtype.kind in ("i", "u") if v is variables[0] else x.dtype.kind == "f" or "float" in str(x.dtype)
+            if tuple(x.shape) != v.shape or not kind_ok:
+                raise CheckpointError(
+                    f"Invalid `store` entry '{k}' for {v.name!r}. Expected shape {v.shape} and a "
+                    f"{'integer' if v is variables[0] else 'float'} dtype. Received: shape={tuple(x.shape)}, dtype={x.dtype}"
+                )
+        if lr_value is not None and not callable(self._learning_rate):
+            _check_learning_rate(lr_value)
+        for v, k in zip(variables, order):
+            v.assign(values[k])
+        if lr_value is not None and not callable(self._learning_rate):
+            self._learning_rate = lr_value
+
+    def stateless_apply(self, optimizer_variables: Sequence[Any], grads: Sequence[Any],
+                        trainable_variables: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """Keras 3's pure step: ``(new trainable values, new optimizer values)`` from values
+        given in the order of the built variables and of ``variables``. Nothing of this
+        optimizer or its variables changes, and the given arrays are never written or donated."""
+        if not self.built:
+            raise StateError(
+                f"Invalid call: stateless_apply() before {type(self).__name__} was built. "
+                "Call optimizer.build(trainable_variables) first."
+            )
+        opt_vars = list(optimizer_variables)
+        train = list(trainable_variables)
+        grads = list(grads)
+        if len(opt_vars) != len(self.variables):
+            raise InputError(
+                f"Invalid `optimizer_variables`. Expected {len(self.variables)} values, one per "
+                f"optimizer.variables. Received: {len(opt_vars)}"
+            )
+        if len(train) != len(self._trainable) or len(grads) != len(self._trainable):
+            raise InputError(
+                f"Invalid `trainable_variables`/`grads`. Expected {len(self._trainable)} of each (the variables "
+                f"the optimizer was built with). Received: {len(train)} values and {len(grads)} gradients"
+            )
+        targets = [*self._trainable, *self.variables]
+        saved = [v._value for v in targets]
+        self._stateless = True
+        try:
+            for v, x in zip(targets, [*train, *opt_vars]):
+                v._value = v._prepare(x, copy=False)
+            self.apply_gradients(zip(grads, self._trainable))
+            return [v._value for v in self._trainable], [v._value for v in self.variables]
+        finally:
+            for v, x in zip(targets, saved):
+                v._value = x
+            self._stateless = False
+
+    def __deepcopy__(self, memo: dict) -> "Optimizer":
+        """A copy with its own variables; the backend, mesh and compiled kernels are shared
+        (they are process-wide objects, not state)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key in ("_backend", "mesh"):
+                new.__dict__[key] = value
+            elif key == "_compile_cache":
+                new.__dict__[key] = {}
+            else:
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        new._index = {id(v): i for i, v in enumerate(new._trainable)}
+        return new
+
+
+def _map_values(grad: Any, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` of a dense gradient, or of an ``IndexedSlices``' values."""
+    if isinstance(grad, IndexedSlices):
+        return IndexedSlices(fn(grad.values), grad.indices, grad.dense_shape)
+    return fn(grad)
+
+
+def _all_finite(xp: Any, x: Any) -> bool:
+    """Every element finite; one sum first (NaN/Inf propagate), the element test only when
+    that sum is not finite. Works on a torch DTensor (the reductions are all-reduced)."""
+    def host(v: Any) -> bool:
+        full = getattr(v, "full_tensor", None)
+        return bool(full() if callable(full) else v)
+
+    return host(xp.isfinite(xp.sum(x))) or host(xp.all(xp.isfinite(x)))
+
+
+def _check_schedule_value(value: Any, schedule: Any) -> float:
+    try:
+        ok = not isinstance(value, (str, bytes, bool)) and np.ndim(value) == 0
+        out = float(value) if ok else math.nan
+    except (TypeError, ValueError):
+        out = math.nan
+    if not (math.isfinite(out) and out >= 0):
+        raise ConfigError(
+            f"Invalid learning rate from {schedule!r}. Expected a non-negative finite number. Received: {value!r}"
+        )
+    return out
 
 
 class _InPlace(NamedTuple):

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from meshembed.errors import ConfigError
 
-__all__ = ["EMAOption", "GradientsClipOption"]
+__all__ = ["EMAOption", "GradientsClipOption", "sum_squares"]
 
 
 def _positive_or_none(name: str, value: Any) -> float | None:
@@ -25,7 +25,7 @@ def _positive_or_none(name: str, value: Any) -> float | None:
     return float(value)
 
 
-def _sum_squares(xp: Any, g: Any) -> float:
+def sum_squares(xp: Any, g: Any) -> float:
     """``Σ g²`` of a (possibly sharded) array as a Python float, summed in g's dtype."""
     total = xp.sum(g * g)
     full = getattr(total, "full_tensor", None)  # torch DTensor: all-reduce the partial sums
@@ -69,20 +69,29 @@ class GradientsClipOption:
     def active(self) -> bool:
         return any(v is not None for v in (self.clipnorm, self.clipvalue, self.global_clipnorm))
 
-    def clip(self, xp: Any, grads: Sequence[Any]) -> list[Any]:
+    @property
+    def uses_norm(self) -> bool:
+        return self.clipnorm is not None or self.global_clipnorm is not None
+
+    def clip(self, xp: Any, grads: Sequence[Any], sums: Sequence[float] | None = None) -> list[Any]:
         """Clipped copies of ``grads`` (arrays of namespace ``xp``); no in-place writes.
 
-        Norms are reduced to Python floats: one host sync per step, and the scale then
-        multiplies sharded arrays (DTensor, NamedSharding) without mixing array kinds."""
+        Norms are reduced to Python floats (``sums``: each gradient's ``Σ g²`` when the caller
+        has them): one host sync per step, and the scale then multiplies sharded arrays
+        (DTensor, NamedSharding) without mixing array kinds. A NaN or Inf norm gives NaN
+        gradients, as ``tf.clip_by_global_norm`` / ``tf.clip_by_norm`` and Keras do."""
         grads = list(grads)
+        if self.uses_norm and sums is None:
+            sums = [sum_squares(xp, g) for g in grads]
         if self.clipnorm is not None:
             c = self.clipnorm
-            return [g * (c / max(math.sqrt(_sum_squares(xp, g)), c)) for g in grads]
+            return [g * (c / _max_nan(math.sqrt(s), c)) for g, s in zip(grads, sums)]
         if self.global_clipnorm is not None:
             c = self.global_clipnorm
-            norm = math.sqrt(sum(_sum_squares(xp, g) for g in grads))
-            # tf.clip_by_global_norm: scale = c·min(1/n, 1/c) (so n = 0 leaves g unchanged).
-            scale = c * min(1.0 / norm if norm > 0 else math.inf, 1.0 / c)
+            norm = math.sqrt(math.fsum(sums)) if all(math.isfinite(s) for s in sums) else math.nan
+            # tf.clip_by_global_norm: scale = c·min(1/n, 1/c) + (n − n): n = 0 leaves g
+            # unchanged, a NaN or Inf norm makes every gradient NaN.
+            scale = c * min(1.0 / norm, 1.0 / c) if norm > 0 else (1.0 if norm == 0 else math.nan)
             return [g * scale for g in grads]
         if self.clipvalue is not None:
             v = self.clipvalue
@@ -101,6 +110,11 @@ class GradientsClipOption:
 
     def __repr__(self) -> str:
         return "GradientsClipOption(" + ", ".join(f"{k}={v}" for k, v in self.get_config().items()) + ")"
+
+
+def _max_nan(a: float, b: float) -> float:
+    """``max`` that keeps a NaN (Python's ``max(nan, b)`` depends on the argument order)."""
+    return a if math.isnan(a) else max(a, b)
 
 
 class EMAOption:
