@@ -150,7 +150,8 @@ def _flatten(name: str, batch: int, x: Any, w: Any) -> tuple[str, list[torch.Ten
 
 def _engine_input(kind: str, ts: Sequence[torch.Tensor], copy: bool) -> tuple[Any, Any]:
     """Rebuild the engine's input form from a spec entry and its tensors."""
-    weights = ts[-1] if kind.endswith("w") else None
+    # NumPy: the engine duck-types COO weights by an `indices` attribute, which every tensor has
+    weights = ts[-1].detach().cpu().numpy() if kind.endswith("w") else None
     kind = kind.rstrip("w")
     if kind == "d":
         # a training batch lives until backward: never alias a buffer the graph may reuse
@@ -254,7 +255,8 @@ class EmbeddingCollection(torch.nn.Module):
         if learning_rates is not None:
             lrs = learning_rates if isinstance(learning_rates, torch.Tensor) else torch.tensor(
                 [float(v) for v in learning_rates], dtype=torch.float64)
-        outs = torch.ops.meshembed.ec_forward(self._handle, spec, self.anchor, flat, lrs)
+        anchor = self.anchor if training else self.anchor.detach()  # inference: no backward
+        outs = torch.ops.meshembed.ec_forward(self._handle, spec, anchor, flat, lrs)
         return dict(zip(self._names, outs[:-1]))
 
     def apply_gradients(self, learning_rates: Sequence[Any] | None = None) -> None:

@@ -1,0 +1,292 @@
+"""me.torch: EmbeddingCollection (eager and torch.compile) against TPUEmbedding(backend="torch")."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import meshembed as me  # noqa: E402
+
+VOCAB, DIM, BATCH, SEQ = 50, 4, 6, 3
+
+OPTIMIZERS = {
+    "sgd": lambda: me.embedding.SGD(learning_rate=0.1),
+    "adagrad": lambda: me.embedding.Adagrad(learning_rate=0.1),
+    "adadelta": lambda: me.embedding.Adadelta(learning_rate=1.0, rho=0.9, epsilon=1e-6),
+    "adam": lambda: me.embedding.Adam(learning_rate=0.01),
+    "ftrl": lambda: me.embedding.FTRL(learning_rate=0.1),
+    "momentum": lambda: me.embedding.Momentum(learning_rate=0.1, momentum=0.9),
+}
+
+
+def config(optimizer="adagrad", combiner="mean"):
+    """A shared table under a pooled multi-hot feature and a sequence feature."""
+    opt = OPTIMIZERS[optimizer]() if isinstance(optimizer, str) else optimizer
+    return me.EmbeddingConfig(
+        tables=[me.TableConfig("t", VOCAB, DIM, optimizer=opt, combiner=combiner)],
+        features=[me.FeatureConfig("t", (BATCH,), name="bag"), me.FeatureConfig("t", (BATCH, SEQ), name="seq")],
+    )
+
+
+def batch(rng):
+    lengths = rng.integers(0, 5, size=BATCH)
+    values = (rng.zipf(1.3, size=int(lengths.sum())) - 1) % VOCAB
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    weights = rng.uniform(0.5, 2.0, size=values.shape[0]).astype(np.float32)
+    seq = rng.integers(0, VOCAB, size=(BATCH, SEQ))
+    return values, offsets, weights, seq
+
+
+def loss_of(acts):
+    return sum(((a - 0.3) ** 2).sum() for a in acts)
+
+
+def engine_step(emb, values, offsets, weights, seq):
+    emb.enqueue([me.RaggedIds(offsets, values), seq], [me.RaggedIds(offsets, weights), None])
+    acts = [a.requires_grad_() for a in emb.dequeue()]
+    loss_of(acts).backward()
+    emb.apply_gradients([a.grad for a in acts])
+    return acts
+
+
+def module_inputs(values, offsets, weights, seq):
+    feats = {"bag": (torch.from_numpy(values), torch.from_numpy(offsets)), "seq": torch.from_numpy(seq)}
+    return feats, {"bag": torch.from_numpy(weights)}
+
+
+def assert_same_tables(ec, emb):
+    for name in emb.table_names:
+        a, b = ec.engine.retrieve_parameters(name), emb.retrieve_parameters(name)
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("shards", [1, 3])
+def test_training_bit_identical_to_engine(optimizer, shards):
+    rng = np.random.default_rng(0)
+    ec = me.torch.EmbeddingCollection(config(optimizer), num_shards=shards, seed=4)
+    emb = me.TPUEmbedding(config(optimizer), backend="torch", num_shards=shards, seed=4)
+    for _ in range(3):
+        b = batch(rng)
+        feats, ws = module_inputs(*b)
+        out = ec(feats, ws)
+        acts = engine_step(emb, *b)
+        for a, name in zip(acts, ["bag", "seq"]):
+            torch.testing.assert_close(out[name], a.detach(), rtol=0, atol=0)
+        loss_of(out.values()).backward()
+        assert_same_tables(ec, emb)
+    assert ec._batches == {}
+
+
+def test_unfused_keeps_gradients_until_apply_gradients():
+    rng = np.random.default_rng(1)
+    ec = me.torch.EmbeddingCollection(config("adagrad"), fused_optimizer=False)
+    emb = me.TPUEmbedding(config("adagrad"), backend="torch")
+    before = ec.engine.retrieve_parameters("t")["parameters"]
+    b = batch(rng)
+    out = ec(*module_inputs(*b))
+    loss_of(out.values()).backward()
+    np.testing.assert_array_equal(ec.engine.retrieve_parameters("t")["parameters"], before)
+    ec.apply_gradients()
+    engine_step(emb, *b)
+    assert_same_tables(ec, emb)
+    with pytest.raises(me.StateError, match="fused_optimizer=False"):
+        me.torch.EmbeddingCollection(config()).apply_gradients()
+
+
+def test_eval_and_no_grad_do_not_train_or_keep_batches():
+    rng = np.random.default_rng(2)
+    ec = me.torch.EmbeddingCollection(config())
+    before = ec.engine.retrieve_parameters("t")["parameters"]
+    feats, ws = module_inputs(*batch(rng))
+    with torch.no_grad():
+        ec(feats, ws)
+    ec.eval()
+    out = ec(feats, ws)
+    assert not any(o.requires_grad for o in out.values())
+    ec.train()
+    ec(feats, ws)  # a training forward whose graph is dropped without backward
+    assert ec._batches == {}
+    np.testing.assert_array_equal(ec.engine.retrieve_parameters("t")["parameters"], before)
+
+
+def test_every_input_form_equals_ragged_ids():
+    rng = np.random.default_rng(3)
+    values, offsets, weights, seq = batch(rng)
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig("t", VOCAB, DIM, optimizer=me.embedding.SGD(learning_rate=0.1), combiner="sum")],
+        features=[me.FeatureConfig("t", (BATCH,), name="bag")],
+    )
+    ec = me.torch.EmbeddingCollection(cfg).eval()
+    emb = me.TPUEmbedding(cfg, backend="torch")
+    emb.enqueue([me.RaggedIds(offsets, values)], [me.RaggedIds(offsets, weights)], training=False)
+    want = emb.dequeue()[0]
+    v, o, w = torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(weights)
+    rows = np.repeat(np.arange(BATCH), np.diff(offsets))
+    cols = np.arange(values.shape[0]) - offsets[rows]
+    idx = torch.from_numpy(np.stack([rows, cols]))
+    size = (BATCH, int(cols.max()) + 1 if cols.size else 1)
+    forms = {
+        "offsets": ((v, o), w),
+        "lengths": ((v, torch.from_numpy(np.diff(offsets))), w),
+        "offsets int32": ((v.int(), o.int()), w),
+        "jagged": (torch.nested.nested_tensor_from_jagged(v, o), torch.nested.nested_tensor_from_jagged(w, o)),
+        "coo": (torch.sparse_coo_tensor(idx, v, size), torch.sparse_coo_tensor(idx, w, size)),
+        "RaggedIds": (me.RaggedIds(offsets, values), weights),
+    }
+    for name, (x, wx) in forms.items():
+        got = ec({"bag": x}, {"bag": wx})["bag"]
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+    dense = torch.from_numpy(rng.integers(0, VOCAB, size=BATCH))
+    emb.enqueue([dense.numpy()], training=False)
+    torch.testing.assert_close(ec({"bag": dense.int()})["bag"], emb.dequeue()[0], rtol=0, atol=0)
+
+
+def test_bad_input_names_the_feature_and_changes_nothing():
+    rng = np.random.default_rng(4)
+    ec = me.torch.EmbeddingCollection(config())
+    before = ec.state_dict()
+    values, offsets, weights, seq = batch(rng)
+    bad = values.copy()
+    bad[0] = VOCAB + 7
+    feats, ws = module_inputs(bad, offsets, weights, seq)
+    with pytest.raises(me.InputError, match="'bag'.*id=57"):
+        ec(feats, ws)
+    with pytest.raises(me.InputError, match="'bag'.*7 offsets or 6 lengths"):
+        ec({"bag": (torch.from_numpy(values), torch.arange(3)), "seq": torch.from_numpy(seq)})
+    with pytest.raises(me.InputError, match="Missing: \\['seq'\\]"):
+        ec({"bag": feats["bag"]})
+    with pytest.raises(me.InputError, match="'seq'.*expected shape"):
+        ec({"bag": (torch.from_numpy(values), torch.from_numpy(offsets)), "seq": torch.from_numpy(seq[:2])})
+    for k, v in ec.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    assert ec._batches == {}
+
+
+def test_state_dict_round_trip_across_shard_counts(tmp_path):
+    rng = np.random.default_rng(5)
+    ec = me.torch.EmbeddingCollection(config("adadelta"), num_shards=2, seed=1)
+    loss_of(ec(*module_inputs(*batch(rng))).values()).backward()
+    sd = ec.state_dict()
+    assert sorted(sd) == ["t.accumulators", "t.parameters", "t.updates"]
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    b = batch(rng)
+    for shards in (1, 4):
+        other = me.torch.EmbeddingCollection(config("adadelta"), num_shards=shards, seed=9)
+        other.load_state_dict(loaded)
+        for k, v in other.state_dict().items():
+            torch.testing.assert_close(v, sd[k], rtol=0, atol=0)
+        loss_of(other(*module_inputs(*b)).values()).backward()
+        if shards == 1:
+            first = other.state_dict()
+        else:
+            for k, v in other.state_dict().items():
+                torch.testing.assert_close(v, first[k], rtol=0, atol=0)
+    # nested in a model: prefixed keys; a wrong shape is refused before anything is written
+    model = torch.nn.ModuleDict({"emb": me.torch.EmbeddingCollection(config("adadelta")), "lin": torch.nn.Linear(2, 1)})
+    full = model.state_dict()
+    assert "emb.t.parameters" in full and "lin.weight" in full
+    bad = dict(full, **{"emb.t.updates": torch.zeros(VOCAB - 1, DIM)})
+    bad["emb.t.parameters"] = torch.ones(VOCAB, DIM)
+    with pytest.raises(me.InputError, match="emb.t.updates"):
+        model.load_state_dict(bad)
+    torch.testing.assert_close(model["emb"].state_dict()["t.parameters"], full["emb.t.parameters"], rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="Missing key.*emb.t.accumulators"):
+        model.load_state_dict({k: v for k, v in full.items() if k != "emb.t.accumulators"})
+    # portable checkpoints: the module's save restores into the engine and back
+    path = ec.save(tmp_path / "ckpt")
+    emb = me.TPUEmbedding.restore(path, backend="numpy")
+    np.testing.assert_array_equal(emb.retrieve_parameters("t")["parameters"], sd["t.parameters"].numpy())
+    back = me.torch.EmbeddingCollection.restore(path, num_shards=3)
+    torch.testing.assert_close(back.state_dict()["t.updates"], sd["t.updates"], rtol=0, atol=0)
+
+
+def test_dynamic_learning_rate():
+    rng = np.random.default_rng(6)
+    opt = me.embedding.Adagrad(learning_rate=me.embedding.DynamicLearningRate(0))
+    ec = me.torch.EmbeddingCollection(config(opt))
+    emb = me.TPUEmbedding(config(opt), backend="torch")
+    for step, lr in enumerate([0.1, 0.05, 0.2]):
+        b = batch(rng)
+        feats, ws = module_inputs(*b)
+        if step == 1:  # per batch, as a forward argument
+            out = ec(feats, ws, learning_rates=torch.tensor([lr]))
+        else:
+            ec.set_learning_rates([lr])
+            out = ec(feats, ws)
+        loss_of(out.values()).backward()
+        emb.enqueue([me.RaggedIds(b[1], b[0]), b[3]], [me.RaggedIds(b[1], b[2]), None])
+        acts = [a.requires_grad_() for a in emb.dequeue()]
+        loss_of(acts).backward()
+        emb.apply_gradients([a.grad for a in acts], learning_rates=[lr])
+        assert_same_tables(ec, emb)
+    with pytest.raises(me.InputError, match="learning_rates"):
+        ec.set_learning_rates([0.1, 0.2])
+
+
+class Tower(torch.nn.Module):
+    def __init__(self, ec):
+        super().__init__()
+        self.ec = ec
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(DIM * (1 + SEQ), 1)
+
+    def forward(self, feats, ws, target, lrs=None):
+        out = self.ec(feats, ws, learning_rates=lrs)
+        x = torch.cat([out["bag"], out["seq"].flatten(1)], dim=1)
+        return ((self.lin(x).squeeze(1) - target) ** 2).mean()
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_compiled_fullgraph_equals_eager_and_engine(combiner):
+    torch._dynamo.reset()
+    rng = np.random.default_rng(7)
+    cfg = config("adagrad", combiner)
+    eager, compiled = Tower(me.torch.EmbeddingCollection(cfg)), Tower(me.torch.EmbeddingCollection(cfg))
+    step = torch.compile(compiled, fullgraph=True, dynamic=False)  # fullgraph: a graph break raises
+    target = torch.linspace(-1, 1, BATCH)
+    for _ in range(3):
+        b = batch(rng)
+        le, lc = eager(*module_inputs(*b), target), step(*module_inputs(*b), target)
+        torch.testing.assert_close(lc, le)
+        le.backward()
+        lc.backward()
+        torch.testing.assert_close(compiled.lin.weight.grad, eager.lin.weight.grad)
+        assert_same_tables(compiled.ec, eager.ec.engine)
+
+
+def test_no_graph_break_and_no_recompile_with_changing_learning_rate():
+    from torch._dynamo.testing import CompileCounter
+
+    for name in ("sgd", "adagrad", "adadelta"):
+        torch._dynamo.reset()
+        rng = np.random.default_rng(8)
+        lr = me.embedding.DynamicLearningRate(0)
+        opt = {"sgd": lambda: me.embedding.SGD(learning_rate=lr), "adagrad": lambda: me.embedding.Adagrad(learning_rate=lr),
+               "adadelta": lambda: me.embedding.Adadelta(learning_rate=lr, rho=0.9, epsilon=1e-6)}[name]()
+        model = Tower(me.torch.EmbeddingCollection(config(opt, "mean")))
+        counter = CompileCounter()
+        step = torch.compile(model, backend=counter, fullgraph=True)
+        target = torch.zeros(BATCH)
+        explained = torch._dynamo.explain(model)(*module_inputs(*batch(rng)), target, torch.tensor([0.1]))
+        assert explained.graph_break_count == 0, explained.break_reasons
+        for k in range(6):
+            lr = 0.1 / (k + 1)
+            if k % 2:
+                model.ec.set_learning_rates([lr])
+                loss = step(*module_inputs(*batch(rng)), target)
+            else:
+                loss = step(*module_inputs(*batch(rng)), target, torch.tensor([lr]))
+            loss.backward()
+            if k == 2:
+                warm = counter.frame_count
+        assert counter.frame_count == warm, f"{name}: recompiled after warm-up"
