@@ -9,6 +9,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -68,18 +69,28 @@ def f32(value: Any) -> float:
     So ``0.01`` written and read back is ``0.01`` again, and a parsed config compares equal
     to the Python-built one.
     """
-    x = np.float32(value)
+    with np.errstate(over="ignore"):
+        x = np.float32(value)
     if not math.isfinite(float(x)):
         return float(x)
     return float(str(x))
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def as_float(arg: str, value: Any, where: str = "") -> float:
+    """A float32-representable float: NaN, and finite values that overflow float32 (which
+    the proto would store as inf), are refused rather than silently changed."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise invalid(arg, where, "a float", value)
     if math.isnan(float(value)):
         raise invalid(arg, where, "a float that is not NaN", value)
-    return f32(value)
+    x = f32(value)
+    if math.isinf(x) and math.isfinite(float(value)):
+        raise invalid(arg, where, f"a value within float32's range (|x| <= {FLOAT32_MAX:.8g}; the proto "
+                      "stores float32, where it would become inf)", value)
+    return x
 
 
 def as_bool(arg: str, value: Any, where: str = "") -> bool:
@@ -90,13 +101,71 @@ def as_bool(arg: str, value: Any, where: str = "") -> bool:
     raise invalid(arg, where, "a bool", value)
 
 
-def as_int(arg: str, value: Any, where: str = "", *, minimum: int | None = None) -> int:
+#: Largest values of the proto's integer types: a larger Python int cannot be serialized.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+def as_int(arg: str, value: Any, where: str = "", *, minimum: int | None = None,
+           maximum: int = INT32_MAX) -> int:
+    """An integer in [minimum, maximum]; ``maximum`` defaults to the proto's int32 limit."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise invalid(arg, where, "an integer" + (f" >= {minimum}" if minimum is not None else ""), value)
     if minimum is not None and value < minimum:
         expected = "an integer > 0" if minimum == 1 else f"an integer >= {minimum}"
         raise invalid(arg, where, expected, value)
+    if value > maximum:
+        bits = "int64" if maximum == INT64_MAX else "int32" if maximum == INT32_MAX else ""
+        limit = f"2**{maximum.bit_length()} - 1, the proto's {bits} limit" if bits else str(maximum)
+        raise invalid(arg, where, f"an integer <= {maximum} ({limit})", value)
     return int(value)
+
+
+@dataclass(frozen=True)
+class Domain:
+    """The finite interval a hyper-parameter must lie in; ``source`` says who sets the range."""
+
+    lo: float = -math.inf
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = False
+    source: str = ""
+
+    def __contains__(self, x: float) -> bool:
+        if not math.isfinite(x):
+            return False
+        above = x > self.lo if self.lo_open else x >= self.lo
+        below = x < self.hi if self.hi_open else x <= self.hi
+        return above and below
+
+    def describe(self) -> str:
+        """Keras-style wording: "a finite value in [0, 1)"."""
+        lo, hi = math.isfinite(self.lo), math.isfinite(self.hi)
+        if lo and hi:
+            text = f"a finite value in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+        elif lo:
+            text = f"a finite value {'>' if self.lo_open else '>='} {self.lo:g}"
+        elif hi:
+            text = f"a finite value {'<' if self.hi_open else '<='} {self.hi:g}"
+        else:
+            text = "a finite value"
+        return f"{text} ({self.source})" if self.source else text
+
+    def check(self, arg: str, value: float, where: str = "") -> None:
+        if value not in self:
+            raise invalid(arg, where, self.describe(), value)
+
+    def citing(self, source: str) -> Domain:
+        """The same range, with the reference that sets it."""
+        return Domain(self.lo, self.hi, self.lo_open, self.hi_open, source)
+
+
+FINITE = Domain()
+NON_NEGATIVE = Domain(0.0)
+POSITIVE = Domain(0.0, lo_open=True)
+NON_POSITIVE = Domain(hi=0.0)
+UNIT = Domain(0.0, 1.0)                      # [0, 1]
+UNIT_OPEN_TOP = Domain(0.0, 1.0, hi_open=True)  # [0, 1)
 
 
 def as_enum(arg: str, value: Any, names: Mapping[str, int], where: str = "",

@@ -20,8 +20,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
-from meshembed.config._common import as_bool, as_enum, as_int, invalid, located, tf2_checks_enabled
+from meshembed.config import proto_io
+from meshembed.config._common import as_bool, as_enum, as_int, invalid, located, parsing_proto, tf2_checks_enabled
 from meshembed.config.optimizers import OPTIMIZER_TYPES, DynamicLearningRate, OptimizerSpec
+from meshembed.config.proto_io import MODES, SHARDING_STRATEGIES, CombinersArg
 from meshembed.config.tables import FeatureConfig, SpmdSharding, TableConfig
 from meshembed.config.validation import derived_geometry, validate
 from meshembed.errors import ConfigError
@@ -29,12 +31,8 @@ from meshembed.math.custom import CustomOptimizer
 
 __all__ = ["MODES", "SHARDING_STRATEGIES", "EmbeddingConfig"]
 
-MODES = {"unspecified": 0, "inference": 1, "training": 2, "backward_pass_only": 3}
-SHARDING_STRATEGIES = {"div": 0, "mod": 1}
 _MODE_ALIASES = {"train": "training"}
 _SHARDING_ALIASES = {"div_default": "div"}
-
-CombinersArg = str | Sequence[str] | Mapping[str, str] | None
 
 
 @dataclass(frozen=True)
@@ -75,6 +73,9 @@ class EmbeddingConfig:
     unknown_fields: bytes = field(default=b"", repr=False)
     learning_rate_fns: tuple[Callable[[], float] | None, ...] = field(
         init=False, default=(), compare=False, repr=False)
+    # The keys of a dict of ``features``, in the order given (``features`` is stored sorted by
+    # key): the engine returns activations as a dict with these keys. Not in the proto.
+    feature_keys: tuple[Any, ...] = field(init=False, default=(), compare=False, repr=False)
 
     # ------------------------------------------------------------------ construction
     def __post_init__(self) -> None:
@@ -99,6 +100,8 @@ class EmbeddingConfig:
         if self.optimizer is not None and not isinstance(self.optimizer, OPTIMIZER_TYPES):
             raise invalid("optimizer", where, "an optimizer spec, a CustomOptimizer or None", self.optimizer)
 
+        if isinstance(self.features, Mapping):
+            set_("feature_keys", tuple(self.features))
         features = self._feature_tuple(self.features)
         tables = self._resolve_tables(tuple(self.tables), features)
         tables = tuple(self._fill_table(t) for t in tables)
@@ -107,7 +110,8 @@ class EmbeddingConfig:
         set_("features", tuple(f if isinstance(f.table, str) else dataclasses.replace(f, table=f.table.name)
                                for f in features))
         set_("learning_rate_fns", fns)
-        validate(self)
+        validate(self.tables, self.features, num_hosts=self.num_hosts,
+                 batch_size_per_tensor_core=self.batch_size_per_tensor_core)
 
     @staticmethod
     def _feature_tuple(features: Any) -> tuple[FeatureConfig, ...]:
@@ -168,29 +172,32 @@ class EmbeddingConfig:
         every table, TF2's TableConfig default (the raw enqueue op's empty list means "sum";
         pass ``combiners="sum"`` to read a config the way that op does).
         """
-        from meshembed.config.proto_io import config_from_proto
-
-        return config_from_proto(data, combiners)
+        kwargs = proto_io.config_kwargs_from_message(proto_io.read_message(data), combiners)
+        with parsing_proto():
+            return cls(**kwargs)
 
     def to_proto(self) -> bytes:
         """Deterministic serialization; TensorFlow's TPUEmbeddingConfiguration parses it."""
-        from meshembed.config.proto_io import config_to_message
-
-        return config_to_message(self).SerializeToString(deterministic=True)
+        return proto_io.config_to_message(self).SerializeToString(deterministic=True)
 
     def to_text(self) -> str:
         """Text format, as TF's ``text_format.MessageToString`` writes it."""
         from google.protobuf import text_format
 
-        from meshembed.config.proto_io import config_to_message
-
-        return text_format.MessageToString(config_to_message(self))
+        return text_format.MessageToString(proto_io.config_to_message(self))
 
     def to_message(self) -> Any:
         """The ``meshembed.tpu.TPUEmbeddingConfiguration`` message (generated class)."""
-        from meshembed.config.proto_io import config_to_message
+        return proto_io.config_to_message(self)
 
-        return config_to_message(self)
+    def check_domains(self) -> None:
+        """ConfigError naming the table if an optimizer hyper-parameter is outside its domain.
+
+        Specs built in Python were checked when built; this is for configs read from a proto,
+        which parse whatever TF's runtime takes (the engine calls it before training)."""
+        for t in self.tables:
+            if isinstance(t.optimizer, OptimizerSpec):
+                t.optimizer.check_domain(table=t.name)
 
     # ------------------------------------------------------------------ engine helpers
     @property
@@ -310,6 +317,8 @@ class EmbeddingConfig:
     def replace(self, **changes: Any) -> EmbeddingConfig:
         """A copy with ``changes``; learning-rate callables carry over while their tags remain."""
         new = dataclasses.replace(self, **changes)
+        if "features" not in changes and self.feature_keys:
+            object.__setattr__(new, "feature_keys", self.feature_keys)
         if self.learning_rate_fns and not new.learning_rate_fns \
                 and new.num_dynamic_inputs >= len(self.learning_rate_fns):
             object.__setattr__(new, "learning_rate_fns", self.learning_rate_fns)

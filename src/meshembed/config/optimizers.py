@@ -11,10 +11,20 @@ Contract (docs/internals.md):
   Defaults follow TF2, then TF's v1 TPU classes, then the proto's zero values (noted per class).
 * Slot initial values are not in the proto (spec §4); they are settable here and the engine
   uses them when it creates slots.
+
+Hyper-parameter domains. Every float hyper-parameter and slot initial value is finite, and
+lies in the range its class declares in ``_domains`` (each range says where it comes from:
+TF's or PyTorch's argument checks, Keras, or the formula in spec §4.2). ``_tf2_domains``
+holds the stricter ranges of TF2's Python classes (Adam's ``epsilon > 0``, ...). A spec built
+in Python is checked against both at construction. A spec read from a proto is not checked
+when parsed (TF's runtime takes any proto value, so a config TF wrote always loads and round
+trips); the engine calls ``check_domain(table=...)`` when it is built, so ``rho=7`` from a
+proto is refused before any training step, with the table named.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -22,11 +32,19 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, ClassVar, Union
 
 from meshembed.config._common import (
+    FINITE,
+    NON_NEGATIVE,
+    NON_POSITIVE,
+    POSITIVE,
+    UNIT,
+    UNIT_OPEN_TOP,
+    Domain,
     as_bool,
     as_enum,
     as_float,
     as_int,
     invalid,
+    located,
     tf2_checks_enabled,
 )
 from meshembed.errors import ConfigError
@@ -88,12 +106,35 @@ class QuantizationConfig:
 LearningRateLike = Union[float, DynamicLearningRate, Callable[[], float], None]
 
 
-def _check_learning_rate(value: Any) -> Any:
+def _check_learning_rate(value: Any, where: str = "") -> Any:
     if isinstance(value, DynamicLearningRate) or value is None:
         return value
     if callable(value):
         return value
-    return as_float("learning_rate", value)
+    return as_float("learning_rate", value, where)
+
+
+#: A constant learning rate is stored (and applied) as float32: 1e39 rounds to inf there.
+LEARNING_RATE = FINITE.citing("an infinite learning rate writes inf into the table")
+#: Decoupled weight decay shrinks weights; PyTorch's optimizers also refuse weight_decay < 0.
+WEIGHT_DECAY = NON_NEGATIVE.citing("decay shrinks weights, as PyTorch's weight_decay >= 0")
+#: Initial value of a slot that accumulates squares (Adagrad-family accumulators, Adadelta,
+#: Yogi's v): a negative one reaches sqrt() as NaN. TF1 FtrlParameters / ProximalYogiParameters
+#: and PyTorch Adagrad allow zero.
+SQUARES_INIT = NON_NEGATIVE.citing("it accumulates squared gradients; TF1 and PyTorch allow >= 0")
+#: l1 / l2 regularization strengths (TF1 FtrlParameters, ProximalAdagradParameters, TF's
+#: ApplyProximalAdagrad / ApplyFtrl: "must be greater than or equal to zero").
+REGULARIZATION = NON_NEGATIVE.citing("TF's regularization strengths are >= 0")
+#: Weight of a moving average ``b*x + (1-b)*y``, zero and one included (PyTorch Adadelta
+#: rho and RMSprop alpha, Keras SGD momentum "must be a float between [0, 1]").
+AVERAGE_WEIGHT = UNIT.citing("a moving-average weight; PyTorch and Keras check [0, 1]")
+#: Adam-style betas: TF2 Adam, TF1 AdamParameters / ProximalYogiParameters, PyTorch Adam all
+#: check 0 <= beta < 1.
+BETA = UNIT_OPEN_TOP.citing("TF's Adam and ProximalYogi classes and PyTorch check 0 <= beta < 1")
+#: An epsilon added under a root; PyTorch (Adam, Adadelta, RMSprop) allows 0, as TF's kernels.
+EPSILON = NON_NEGATIVE.citing("added under a root; PyTorch allows 0")
+#: TF2's Python classes require a strictly positive epsilon / initial accumulator.
+TF2_POSITIVE = POSITIVE.citing("TF2's tf.tpu.experimental.embedding classes require > 0")
 
 
 def _limits(lower: float | None, upper: float | None) -> tuple[float, float] | None:
@@ -141,13 +182,22 @@ class OptimizerSpec:
     _bool_fields: ClassVar[frozenset[str]] = frozenset()
     supports_weight_decay: ClassVar[bool] = True
     requires_gradient_accumulation: ClassVar[bool] = False
+    # Per slot in ``slot_names``: the attribute holding its initial value, or a constant.
+    _slot_inits: ClassVar[tuple[str | float, ...]] = ()
+    # attribute -> range; float hyper-parameters and slot initial values not named are FINITE.
+    _domains: ClassVar[dict[str, Domain]] = {}
+    # Stricter ranges of TF2's Python classes, checked only for specs built in Python.
+    _tf2_domains: ClassVar[dict[str, Domain]] = {}
 
     # ------------------------------------------------------------------ construction
     def __post_init__(self) -> None:
         if type(self) is OptimizerSpec:
             raise TypeError("OptimizerSpec is abstract; use one of the optimizer classes (SGD, Adagrad, ...).")
         where = f"{type(self).__name__} optimizer"
-        self._set("learning_rate", _check_learning_rate(self.learning_rate))
+        for attr in self._slot_inits:
+            if isinstance(attr, str):
+                self._set(attr, as_float(attr, getattr(self, attr), where))
+        self._set("learning_rate", _check_learning_rate(self.learning_rate, where))
         if self.use_gradient_accumulation is not None:
             self._set("use_gradient_accumulation", as_bool("use_gradient_accumulation", self.use_gradient_accumulation, where))
         for name in ("clip_weight_min", "clip_weight_max", "weight_decay_factor"):
@@ -178,6 +228,7 @@ class OptimizerSpec:
                 self._set(attr, as_float(attr, value, where))
         self._check_options(where)
         if tf2_checks_enabled():
+            self._check_domain(where)
             self._check_arguments(where)
 
     def _set(self, name: str, value: Any) -> None:
@@ -230,11 +281,38 @@ class OptimizerSpec:
         lr = self.learning_rate
         if lr is None:
             raise invalid("learning_rate", where, "a float, a callable or DynamicLearningRate", lr)
+        for attr, domain in self._tf2_domains.items():
+            domain.check(attr, getattr(self, attr), where)
+
+    def domain_fields(self) -> dict[str, Domain]:
+        """Every float hyper-parameter and slot initial value (attribute names), with its range."""
+        names = [attr for proto, attr in self._fields if proto not in self._bool_fields]
+        names += [attr for attr in self._slot_inits if isinstance(attr, str) and attr not in names]
+        return {name: self._domains.get(name, FINITE) for name in names}
+
+    def check_domain(self, table: str | None = None) -> None:
+        """Raise ConfigError if a hyper-parameter is outside its domain (see the module doc).
+
+        Specs built in Python are checked at construction; the engine calls this for specs
+        read from a proto. ``table`` names the table in the message."""
+        with located(f"table '{table}'") if table else contextlib.nullcontext():
+            self._check_domain(f"{type(self).__name__} optimizer")
+
+    def _check_domain(self, where: str) -> None:
+        lr = self.learning_rate
+        if isinstance(lr, float):
+            LEARNING_RATE.check("learning_rate", lr, where)
+        if self.weight_decay_factor is not None:
+            WEIGHT_DECAY.check("weight_decay_factor", self.weight_decay_factor, where)
+        for attr, domain in self.domain_fields().items():
+            domain.check(attr, getattr(self, attr), where)
 
     # ------------------------------------------------------------------ contract
     def slot_initial_values(self) -> tuple[float, ...]:
-        """Initial value of each slot in ``slot_names``; zeros unless the class overrides it."""
-        return tuple(0.0 for _ in self.slot_names)
+        """Initial value of each slot in ``slot_names`` (from ``_slot_inits``; zeros if unset)."""
+        if not self._slot_inits:
+            return tuple(0.0 for _ in self.slot_names)
+        return tuple(getattr(self, v) if isinstance(v, str) else v for v in self._slot_inits)
 
     def hyperparameters(self) -> dict[str, float | bool | int]:
         """The algorithm's parameter-message fields, keyed by proto field name."""
@@ -275,10 +353,11 @@ class OptimizerSpec:
         return dataclasses.replace(self, **changes)
 
 
-def _positive(spec: OptimizerSpec, where: str, *names: str) -> None:
-    for name in names:
-        if not getattr(spec, name) > 0:
-            raise invalid(name, where, "a value > 0", getattr(spec, name))
+# The Adagrad family (Adagrad, BoundedAdagrad, ProximalAdagrad, FrequencyAwareAdagrad):
+# one accumulator slot of squared gradients starting at ``initial_accumulator_value``.
+_ACCUMULATORS = ("accumulators",)
+_ACCUMULATOR_INIT: tuple[str | float, ...] = ("initial_accumulator_value",)
+_ACCUMULATOR_DOMAIN: dict[str, Domain] = {"initial_accumulator_value": SQUARES_INIT}
 
 
 # ---------------------------------------------------------------------------- TF2 optimizers
@@ -297,18 +376,10 @@ class Adagrad(OptimizerSpec):
     learning_rate: LearningRateLike = 0.001
     initial_accumulator_value: float = 0.1
     algorithm: ClassVar[str] = "adagrad"
-    slot_names: ClassVar[tuple[str, ...]] = ("accumulators",)
-
-    def __post_init__(self) -> None:
-        self._set("initial_accumulator_value", as_float("initial_accumulator_value", self.initial_accumulator_value))
-        super().__post_init__()
-
-    def _check_arguments(self, where: str) -> None:
-        super()._check_arguments(where)
-        _positive(self, where, "initial_accumulator_value")
-
-    def slot_initial_values(self) -> tuple[float, ...]:
-        return (self.initial_accumulator_value,)
+    slot_names: ClassVar[tuple[str, ...]] = _ACCUMULATORS
+    _slot_inits: ClassVar[tuple[str | float, ...]] = _ACCUMULATOR_INIT
+    _domains: ClassVar[dict[str, Domain]] = _ACCUMULATOR_DOMAIN
+    _tf2_domains: ClassVar[dict[str, Domain]] = {"initial_accumulator_value": TF2_POSITIVE}
 
 
 @dataclass(frozen=True)
@@ -327,10 +398,11 @@ class AdagradMomentum(OptimizerSpec):
         ("momentum", "momentum"), ("use_nesterov", "use_nesterov"), ("exponent", "exponent"),
         ("beta2", "beta2"), ("epsilon", "epsilon"))
     _bool_fields: ClassVar[frozenset[str]] = frozenset({"use_nesterov"})
-
-    def _check_arguments(self, where: str) -> None:
-        super()._check_arguments(where)
-        _positive(self, where, "epsilon", "exponent")
+    _domains: ClassVar[dict[str, Domain]] = {
+        "momentum": AVERAGE_WEIGHT, "beta2": AVERAGE_WEIGHT, "epsilon": EPSILON,
+        # s = g * (acc + eps)^(-1/exponent): 0 divides by zero; TF2 requires exponent > 0.
+        "exponent": POSITIVE.citing("the accumulator's root is 1/exponent; TF2 requires > 0")}
+    _tf2_domains: ClassVar[dict[str, Domain]] = {"epsilon": TF2_POSITIVE}
 
 
 @dataclass(frozen=True)
@@ -355,23 +427,14 @@ class FTRL(OptimizerSpec):
         ("multiply_linear_by_lr", "multiply_linear_by_learning_rate"),
         ("allow_zero_accumulator", "allow_zero_accumulator"))
     _bool_fields: ClassVar[frozenset[str]] = frozenset({"multiply_linear_by_lr", "allow_zero_accumulator"})
-
-    def __post_init__(self) -> None:
-        for name in ("initial_accumulator_value", "initial_linear_value"):
-            self._set(name, as_float(name, getattr(self, name)))
-        super().__post_init__()
-
-    def _check_arguments(self, where: str) -> None:
-        super()._check_arguments(where)
-        _positive(self, where, "initial_accumulator_value")
-        if self.learning_rate_power > 0:
-            raise invalid("learning_rate_power", where, "a value <= 0", self.learning_rate_power)
-        for name in ("l1_regularization_strength", "l2_regularization_strength", "beta"):
-            if getattr(self, name) < 0:
-                raise invalid(name, where, "a value >= 0", getattr(self, name))
-
-    def slot_initial_values(self) -> tuple[float, ...]:
-        return (self.initial_accumulator_value, self.initial_linear_value)
+    _slot_inits: ClassVar[tuple[str | float, ...]] = ("initial_accumulator_value", "initial_linear_value")
+    _domains: ClassVar[dict[str, Domain]] = {
+        "learning_rate_power": NON_POSITIVE.citing("TF's FtrlOptimizer and TF1 FtrlParameters check <= 0"),
+        "l1_regularization_strength": REGULARIZATION, "l2_regularization_strength": REGULARIZATION,
+        # beta joins acc^P in the denominator (spec §4.2): a negative one can zero it.
+        "beta": NON_NEGATIVE.citing("it adds to acc^-lr_power in the denominator, as in the FTRL paper"),
+        "initial_accumulator_value": SQUARES_INIT}
+    _tf2_domains: ClassVar[dict[str, Domain]] = {"initial_accumulator_value": TF2_POSITIVE}
 
 
 @dataclass(frozen=True)
@@ -389,6 +452,8 @@ class Adam(OptimizerSpec):
     slot_names: ClassVar[tuple[str, ...]] = ("momenta", "velocities")
     _fields: ClassVar[tuple[tuple[str, str], ...]] = (
         ("beta1", "beta_1"), ("beta2", "beta_2"), ("epsilon", "epsilon"))
+    _domains: ClassVar[dict[str, Domain]] = {"beta_1": BETA, "beta_2": BETA, "epsilon": EPSILON}
+    _tf2_domains: ClassVar[dict[str, Domain]] = {"epsilon": TF2_POSITIVE}
 
     def __post_init__(self) -> None:
         self._set("lazy_adam", as_bool("lazy_adam", self.lazy_adam))
@@ -401,13 +466,6 @@ class Adam(OptimizerSpec):
             raise invalid("lazy_adam", where,
                           "True when use_gradient_accumulation=False (non-lazy Adam needs gradient "
                           "accumulation)", self.lazy_adam)
-
-    def _check_arguments(self, where: str) -> None:
-        super()._check_arguments(where)
-        for name in ("beta_1", "beta_2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise invalid(name, where, "a value in [0, 1)", getattr(self, name))
-        _positive(self, where, "epsilon")
 
     def hyperparameters(self) -> dict[str, float | bool | int]:
         hp = super().hyperparameters()
@@ -435,18 +493,17 @@ class BoundedAdagrad(OptimizerSpec):
     max_accumulator: float = 0.0
     initial_accumulator_value: float = 0.1
     algorithm: ClassVar[str] = "bounded_adagrad"
-    slot_names: ClassVar[tuple[str, ...]] = ("accumulators",)
+    slot_names: ClassVar[tuple[str, ...]] = _ACCUMULATORS
     _fields: ClassVar[tuple[tuple[str, str], ...]] = (
         ("update_accumulator_first", "update_accumulator_first"), ("max_var_update", "max_var_update"),
         ("max_accumulator", "max_accumulator"))
     _bool_fields: ClassVar[frozenset[str]] = frozenset({"update_accumulator_first"})
-
-    def __post_init__(self) -> None:
-        self._set("initial_accumulator_value", as_float("initial_accumulator_value", self.initial_accumulator_value))
-        super().__post_init__()
-
-    def slot_initial_values(self) -> tuple[float, ...]:
-        return (self.initial_accumulator_value,)
+    _slot_inits: ClassVar[tuple[str | float, ...]] = _ACCUMULATOR_INIT
+    # Bounds on |update| and on the accumulator; 0 means unbounded (spec §4.2).
+    _domains: ClassVar[dict[str, Domain]] = {
+        **_ACCUMULATOR_DOMAIN,
+        "max_var_update": NON_NEGATIVE.citing("a bound on |update|; 0 means none"),
+        "max_accumulator": NON_NEGATIVE.citing("a cap on the accumulator; 0 means none")}
 
 
 @dataclass(frozen=True)
@@ -470,6 +527,14 @@ class FrequencyAwareAdagrad(OptimizerSpec):
         ("l2_regularization_strength", "l2_regularization_strength"),
         ("max_lr_multiplier", "max_lr_multiplier"), ("probability_exponent", "probability_exponent"),
         ("accumulator_decay", "accumulator_decay"), ("initial_accumulator_value", "initial_accumulator_value"))
+    _slot_inits: ClassVar[tuple[str | float, ...]] = (*_ACCUMULATOR_INIT, 0.0)
+    # The proto comment's formula (spec §4.2): acc' = max(decay*acc + g², initial),
+    # lr_scale = min((step/acc')^probability_exponent, max_lr_multiplier).
+    _domains: ClassVar[dict[str, Domain]] = {
+        **_ACCUMULATOR_DOMAIN,
+        "l1_regularization_strength": REGULARIZATION, "l2_regularization_strength": REGULARIZATION,
+        "max_lr_multiplier": NON_NEGATIVE.citing("it caps a learning-rate scale"),
+        "accumulator_decay": UNIT.citing("it decays the accumulator each step")}
 
     def __post_init__(self) -> None:
         sc = self.step_counter
@@ -477,9 +542,6 @@ class FrequencyAwareAdagrad(OptimizerSpec):
             raise invalid("step_counter", f"{type(self).__name__} optimizer",
                           "a DynamicLearningRate, a callable or None", sc)
         super().__post_init__()
-
-    def slot_initial_values(self) -> tuple[float, ...]:
-        return (self.initial_accumulator_value, 0.0)
 
     def dynamic_inputs(self) -> tuple[DynamicLearningRate, ...]:
         return (self.step_counter,) if isinstance(self.step_counter, DynamicLearningRate) else ()
@@ -496,6 +558,7 @@ class Momentum(OptimizerSpec):
     slot_names: ClassVar[tuple[str, ...]] = ("momenta",)
     _fields: ClassVar[tuple[tuple[str, str], ...]] = (("momentum", "momentum"), ("use_nesterov", "use_nesterov"))
     _bool_fields: ClassVar[frozenset[str]] = frozenset({"use_nesterov"})
+    _domains: ClassVar[dict[str, Domain]] = {"momentum": AVERAGE_WEIGHT}
 
 
 @dataclass(frozen=True)
@@ -511,6 +574,8 @@ class Lion(OptimizerSpec):
     _fields: ClassVar[tuple[tuple[str, str], ...]] = (
         ("beta1", "beta1"), ("beta2", "beta2"), ("use_non_lazy_lion", "use_non_lazy_lion"))
     _bool_fields: ClassVar[frozenset[str]] = frozenset({"use_non_lazy_lion"})
+    # c = beta1*m + (1-beta1)*g, m' = beta2*m + (1-beta2)*g (arXiv 2302.06675; Keras Lion).
+    _domains: ClassVar[dict[str, Domain]] = {"beta1": AVERAGE_WEIGHT, "beta2": AVERAGE_WEIGHT}
 
 
 @dataclass(frozen=True)
@@ -525,6 +590,7 @@ class RMSProp(OptimizerSpec):
     algorithm: ClassVar[str] = "rms_prop"
     slot_names: ClassVar[tuple[str, ...]] = ("ms", "mom")
     _fields: ClassVar[tuple[tuple[str, str], ...]] = (("rho", "rho"), ("momentum", "momentum"), ("epsilon", "epsilon"))
+    _domains: ClassVar[dict[str, Domain]] = {"rho": AVERAGE_WEIGHT, "momentum": AVERAGE_WEIGHT, "epsilon": EPSILON}
 
 
 @dataclass(frozen=True)
@@ -564,14 +630,9 @@ class MDLAdagradLight(OptimizerSpec):
         "mdl_min_weight", "benefit_revisit_scale", "max_event_benefit", "max_total_benefit",
         "mdl_hard_limit", "hard_limit_min_benefit", "mdl_regularize"))
     _bool_fields: ClassVar[frozenset[str]] = frozenset({"hard_limit_min_benefit", "mdl_regularize"})
-
-    def __post_init__(self) -> None:
-        for name in ("initial_accumulator", "initial_weight", "initial_benefit"):
-            self._set(name, as_float(name, getattr(self, name)))
-        super().__post_init__()
-
-    def slot_initial_values(self) -> tuple[float, ...]:
-        return (self.initial_accumulator, self.initial_weight, self.initial_benefit)
+    _slot_inits: ClassVar[tuple[str | float, ...]] = ("initial_accumulator", "initial_weight", "initial_benefit")
+    # No public formula: only what the names say (an l2 strength, an accumulator of squares).
+    _domains: ClassVar[dict[str, Domain]] = {"l2": REGULARIZATION, "initial_accumulator": SQUARES_INIT}
 
 
 @dataclass(frozen=True)
@@ -587,14 +648,11 @@ class Adadelta(OptimizerSpec):
     algorithm: ClassVar[str] = "adadelta"
     slot_names: ClassVar[tuple[str, ...]] = ("accumulators", "updates")
     _fields: ClassVar[tuple[tuple[str, str], ...]] = (("rho", "rho"), ("epsilon", "epsilon"))
-
-    def __post_init__(self) -> None:
-        for name in ("initial_accumulator", "initial_update"):
-            self._set(name, as_float(name, getattr(self, name)))
-        super().__post_init__()
-
-    def slot_initial_values(self) -> tuple[float, ...]:
-        return (self.initial_accumulator, self.initial_update)
+    _slot_inits: ClassVar[tuple[str | float, ...]] = ("initial_accumulator", "initial_update")
+    # PyTorch Adadelta checks 0 <= rho <= 1 and eps >= 0; both slots average squares.
+    _domains: ClassVar[dict[str, Domain]] = {
+        "rho": AVERAGE_WEIGHT, "epsilon": EPSILON,
+        "initial_accumulator": SQUARES_INIT, "initial_update": SQUARES_INIT}
 
 
 @dataclass(frozen=True)
@@ -606,15 +664,12 @@ class ProximalAdagrad(OptimizerSpec):
     l2: float = 0.0
     initial_accumulator_value: float = 0.1
     algorithm: ClassVar[str] = "proximal_adagrad"
-    slot_names: ClassVar[tuple[str, ...]] = ("accumulators",)
+    slot_names: ClassVar[tuple[str, ...]] = _ACCUMULATORS
     _fields: ClassVar[tuple[tuple[str, str], ...]] = (("l1", "l1"), ("l2", "l2"))
-
-    def __post_init__(self) -> None:
-        self._set("initial_accumulator_value", as_float("initial_accumulator_value", self.initial_accumulator_value))
-        super().__post_init__()
-
-    def slot_initial_values(self) -> tuple[float, ...]:
-        return (self.initial_accumulator_value,)
+    _slot_inits: ClassVar[tuple[str | float, ...]] = _ACCUMULATOR_INIT
+    _domains: ClassVar[dict[str, Domain]] = {**_ACCUMULATOR_DOMAIN, "l1": REGULARIZATION, "l2": REGULARIZATION}
+    # TF1 ProximalAdagradParameters: "initial_accumulator must be positive".
+    _tf2_domains: ClassVar[dict[str, Domain]] = {"initial_accumulator_value": TF2_POSITIVE}
 
 
 @dataclass(frozen=True)
@@ -630,13 +685,9 @@ class OnlineYogi(OptimizerSpec):
     algorithm: ClassVar[str] = "online_yogi"
     slot_names: ClassVar[tuple[str, ...]] = ("vs", "linears")
     _fields: ClassVar[tuple[tuple[str, str], ...]] = (("l1", "l1"), ("l2", "l2"), ("beta2", "beta2"))
-
-    def __post_init__(self) -> None:
-        self._set("initial_accumulator_value", as_float("initial_accumulator_value", self.initial_accumulator_value))
-        super().__post_init__()
-
-    def slot_initial_values(self) -> tuple[float, ...]:
-        return (self.initial_accumulator_value, 0.0)
+    _slot_inits: ClassVar[tuple[str | float, ...]] = (*_ACCUMULATOR_INIT, 0.0)
+    _domains: ClassVar[dict[str, Domain]] = {
+        **_ACCUMULATOR_DOMAIN, "l1": REGULARIZATION, "l2": REGULARIZATION, "beta2": BETA}
 
 
 @dataclass(frozen=True)
@@ -655,13 +706,12 @@ class ProximalYogi(OptimizerSpec):
     slot_names: ClassVar[tuple[str, ...]] = ("v", "m")
     _fields: ClassVar[tuple[tuple[str, str], ...]] = (
         ("l1", "l1"), ("l2", "l2"), ("beta1", "beta1"), ("beta2", "beta2"), ("epsilon", "epsilon"))
-
-    def __post_init__(self) -> None:
-        self._set("initial_accumulator_value", as_float("initial_accumulator_value", self.initial_accumulator_value))
-        super().__post_init__()
-
-    def slot_initial_values(self) -> tuple[float, ...]:
-        return (self.initial_accumulator_value, 0.0)
+    _slot_inits: ClassVar[tuple[str | float, ...]] = (*_ACCUMULATOR_INIT, 0.0)
+    # TF1 ProximalYogiParameters: 0 <= beta < 1, epsilon > 0, l1/l2 >= 0, accumulator >= 0.
+    _domains: ClassVar[dict[str, Domain]] = {
+        **_ACCUMULATOR_DOMAIN, "l1": REGULARIZATION, "l2": REGULARIZATION, "beta1": BETA, "beta2": BETA,
+        "epsilon": EPSILON}
+    _tf2_domains: ClassVar[dict[str, Domain]] = {"epsilon": TF2_POSITIVE}
 
 
 @dataclass(frozen=True)
@@ -680,6 +730,12 @@ class FrequencyEstimator(OptimizerSpec):
     _fields: ClassVar[tuple[tuple[str, str], ...]] = (
         ("tau", "tau"), ("max_delta", "max_delta"), ("outlier_threshold", "outlier_threshold"),
         ("weight_exponent", "weight_exponent"))
+    # D' = D*(1-tau) + min(delta, max_delta)*tau; TF1 FrequencyEstimatorParameters documents
+    # tau "between (0, 1)" (closed here: the proto's zero default must load).
+    _domains: ClassVar[dict[str, Domain]] = {
+        "tau": UNIT.citing("an interpolation weight; TF1 documents tau in (0, 1)"),
+        "max_delta": NON_NEGATIVE.citing("a cap on a step difference"),
+        "outlier_threshold": NON_NEGATIVE.citing("a multiple of the estimate D")}
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@ not know are kept as raw wire bytes (``unknown_fields``) on the object that owns
 wire format has it: learning rate absent / ``constant: 0`` / ``dynamic {}`` (tag 0),
 each clipping side, the quantization and hot-id submessages, gradient accumulation
 UNSPECIFIED (None) versus ENABLED (True).
+
+This module knows the config's parts (tables, features, optimizer specs) but not the
+EmbeddingConfig class: embedding.py imports it, never the other way round.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from google.protobuf import message as pb_message
 from google.protobuf import text_format
@@ -21,7 +24,6 @@ from google.protobuf import text_format
 from meshembed._proto import optimization_parameters_pb2 as opt_pb2
 from meshembed._proto import tpu_embedding_configuration_pb2 as cfg_pb2
 from meshembed.config._common import f32, invalid, located, parsing_proto
-from meshembed.config.embedding import MODES, SHARDING_STRATEGIES, CombinersArg, EmbeddingConfig
 from meshembed.config.optimizers import (
     HOT_ID_STATUS,
     OPTIMIZER_CLASSES,
@@ -36,9 +38,31 @@ from meshembed.config.tables import FeatureConfig, SpmdSharding, TableConfig
 from meshembed.errors import ConfigError
 
 __all__ = [
-    "config_from_message", "config_from_proto", "config_to_message", "optimizer_from_message",
-    "optimizer_to_message", "residual_bytes",
+    "MODES", "SHARDING_STRATEGIES", "CombinersArg", "ConfigParts", "config_kwargs_from_message",
+    "config_to_message", "optimizer_from_message", "optimizer_to_message", "read_message", "residual_bytes",
 ]
+
+#: Enum names <-> proto numbers of TPUEmbeddingConfiguration.Mode / ShardingStrategy.
+MODES = {"unspecified": 0, "inference": 1, "training": 2, "backward_pass_only": 3}
+SHARDING_STRATEGIES = {"div": 0, "mod": 1}
+
+CombinersArg = str | Sequence[str] | Mapping[str, str] | None
+
+
+class ConfigParts(Protocol):
+    """What ``config_to_message`` reads of a config (an EmbeddingConfig has all of it)."""
+
+    tables: Sequence[TableConfig]
+    features: Sequence[FeatureConfig]
+    mode: str
+    sharding_strategy: str
+    num_hosts: int
+    num_tensor_cores: int
+    batch_size_per_tensor_core: int
+    pipeline_execution_with_tensor_core: bool
+    profile_data_directory: str
+    spmd_sharding: SpmdSharding | None
+    unknown_fields: bytes
 
 TEXT_SUFFIXES = (".pbtxt", ".textproto", ".txt", ".prototxt")
 BINARY_SUFFIXES = (".pb", ".bin", ".binpb")
@@ -93,7 +117,7 @@ def _no_proto_form(opt: Any, where: str) -> ConfigError:
         "Fix: give this table a proto optimizer spec if the config must be serialized")
 
 
-def config_to_message(cfg: EmbeddingConfig) -> cfg_pb2.TPUEmbeddingConfiguration:
+def config_to_message(cfg: ConfigParts) -> cfg_pb2.TPUEmbeddingConfiguration:
     for t in cfg.tables:
         if is_custom(t.optimizer):
             raise _no_proto_form(t.optimizer, f"table '{t.name}'")
@@ -196,12 +220,8 @@ def optimizer_to_message(opt: OptimizerSpec) -> opt_pb2.OptimizationParameters:
 
 
 # ---------------------------------------------------------------------------- proto -> typed
-def config_from_proto(data: Any, combiners: CombinersArg = None) -> EmbeddingConfig:
-    return config_from_message(_read(data), combiners)
-
-
-def _read(data: Any) -> cfg_pb2.TPUEmbeddingConfiguration:
-    """Dispatch on the input kind: bytes, a message, a path, or text."""
+def read_message(data: Any) -> cfg_pb2.TPUEmbeddingConfiguration:
+    """Parse ``data``, dispatching on its kind: bytes, a message, a path, or text."""
     if isinstance(data, (bytes, bytearray, memoryview)):
         return _parse_binary(bytes(data), "the given bytes")
     if isinstance(data, pb_message.Message):
@@ -219,7 +239,15 @@ def _read(data: Any) -> cfg_pb2.TPUEmbeddingConfiguration:
             raise ConfigError(f"Invalid `data` for EmbeddingConfig.from_proto. Expected a readable config "
                               f"file. Received: data={str(path)!r} ({err.strerror})") from err
         if path.suffix in TEXT_SUFFIXES:
-            return _parse_text(raw.decode("utf-8"), f"file {str(path)!r}")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ConfigError(
+                    f"Invalid `data` for EmbeddingConfig.from_proto: file {str(path)!r} is not UTF-8 text "
+                    f"(byte {err.start}: {raw[err.start:err.start + 1]!r}). Expected a UTF-8 text-format "
+                    f"TPUEmbeddingConfiguration; a binary config needs a {'/'.join(BINARY_SUFFIXES)} suffix"
+                ) from err
+            return _parse_text(text, f"file {str(path)!r}")
         return _parse_binary(raw, f"file {str(path)!r}")
     if isinstance(data, str):
         return _parse_text(data, "the given text")
@@ -270,8 +298,10 @@ def _combiner_list(combiners: CombinersArg, names: list[str]) -> list[str]:
     return combiners
 
 
-def config_from_message(msg: cfg_pb2.TPUEmbeddingConfiguration, combiners: CombinersArg = None) -> EmbeddingConfig:
-    """Typed config of a parsed message; keeps the layout it uses and its unknown fields."""
+def config_kwargs_from_message(msg: cfg_pb2.TPUEmbeddingConfiguration,
+                               combiners: CombinersArg = None) -> dict[str, Any]:
+    """EmbeddingConfig keyword arguments of a parsed message: typed tables and features, the
+    layout it uses and its unknown fields. Build the config under ``parsing_proto()``."""
     names = [td.name for td in msg.table_descriptor]
     combs = _combiner_list(combiners, names)
     with parsing_proto():
@@ -301,13 +331,13 @@ def config_from_message(msg: cfg_pb2.TPUEmbeddingConfiguration, combiners: Combi
             s = msg.spmd_sharding
             spmd = SpmdSharding(s.enabled, s.num_cores_per_replica, s.use_manual_partitioning,
                                 s.use_shardy_partitioner, unknown_fields=residual_bytes(s))
-        return EmbeddingConfig(
-            tables=tables, features=features,
-            mode=msg.mode, sharding_strategy=msg.sharding_strategy, num_hosts=msg.num_hosts,
-            num_tensor_cores=msg.num_tensor_cores, batch_size_per_tensor_core=msg.batch_size_per_tensor_core,
-            pipeline_execution_with_tensor_core=msg.pipeline_execution_with_tensor_core,
-            profile_data_directory=msg.profile_data_directory, spmd_sharding=spmd,
-            unknown_fields=residual_bytes(msg, skip=("table_descriptor", "feature_descriptor", "spmd_sharding")))
+    return dict(
+        tables=tables, features=features,
+        mode=msg.mode, sharding_strategy=msg.sharding_strategy, num_hosts=msg.num_hosts,
+        num_tensor_cores=msg.num_tensor_cores, batch_size_per_tensor_core=msg.batch_size_per_tensor_core,
+        pipeline_execution_with_tensor_core=msg.pipeline_execution_with_tensor_core,
+        profile_data_directory=msg.profile_data_directory, spmd_sharding=spmd,
+        unknown_fields=residual_bytes(msg, skip=("table_descriptor", "feature_descriptor", "spmd_sharding")))
 
 
 def _limits_of(msg: opt_pb2.ClippingLimits) -> tuple[float | None, float | None]:

@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from meshembed.config._common import as_bool, as_float, as_int, invalid, located, one_of
+from meshembed.config._common import INT32_MAX, INT64_MAX, as_bool, as_float, as_int, invalid, located, one_of
 from meshembed.config.optimizers import (
+    LEARNING_RATE,
     OPTIMIZER_TYPES,
     DynamicLearningRate,
     OptimizerSpec,
@@ -60,7 +61,8 @@ class TableConfig:
         if not isinstance(self.name, str) or not self.name:
             raise invalid("name", "TableConfig", "a non-empty string", self.name)
         where = f"table '{self.name}'"
-        object.__setattr__(self, "vocabulary_size", as_int("vocabulary_size", self.vocabulary_size, where, minimum=1))
+        object.__setattr__(self, "vocabulary_size", as_int("vocabulary_size", self.vocabulary_size, where,
+                                                                   minimum=1, maximum=INT64_MAX))
         object.__setattr__(self, "dimension", as_int("dimension", self.dimension, where, minimum=1))
         object.__setattr__(self, "num_features", as_int("num_features", self.num_features, where, minimum=0))
         if not isinstance(self.combiner, str) or self.combiner.lower() not in COMBINERS:
@@ -136,7 +138,7 @@ def _check_custom(opt: CustomOptimizer, where: str) -> None:
     meshembed.math and raises plain TypeError/ValueError for its own arguments)."""
     lr = opt.learning_rate
     if lr is not None and not isinstance(lr, DynamicLearningRate) and not callable(lr):
-        as_float("learning_rate", lr, where)
+        LEARNING_RATE.check("learning_rate", as_float("learning_rate", lr, where), where)
     sq = opt.simulated_quantization
     if sq is not None and not isinstance(sq, QuantizationConfig):
         raise invalid("simulated_quantization", where, "a QuantizationConfig or None", sq)
@@ -178,8 +180,10 @@ class FeatureConfig:
         if not isinstance(shape, (Sequence, np.ndarray)) or isinstance(shape, str):
             raise invalid("input_shape", where, "a non-empty tuple of integers > 0", self.input_shape)
         shape = tuple(shape)
-        if not shape or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d <= 0 for d in shape):
-            raise invalid("input_shape", where, "a non-empty tuple of integers > 0", self.input_shape)
+        if not shape or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or not 0 < d <= INT32_MAX
+                            for d in shape):
+            raise invalid("input_shape", where,
+                          f"a non-empty tuple of integers in [1, {INT32_MAX}] (the proto's int32)", self.input_shape)
         shape = tuple(int(d) for d in shape)
         m = as_int("max_sequence_length", self.max_sequence_length, where, minimum=0)
         if m and len(shape) == 1:
