@@ -1,0 +1,298 @@
+"""``me.tpu.TPUEmbedding``: TF2's mid-level API (nests in, the same nests out) over the engine.
+
+The nest of FeatureConfigs is flattened once (``tf.nest`` order); feature ``k`` of the
+engine is the flattened leaf ``k``, named by its path ("user", "towers/item", "0"). Every
+call maps the user's nest to a ``{path: value}`` dict for the engine and back, so this layer
+does not depend on how the engine orders or returns its features.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from meshembed.config import EmbeddingConfig
+from meshembed.config import FeatureConfig as _EngineFeature
+from meshembed.config._common import invalid
+from meshembed.config.optimizers import OptimizerSpec
+from meshembed.embedding import RaggedIds, SparseIds
+from meshembed.embedding import TPUEmbedding as _Engine
+from meshembed.errors import ConfigError, InputError, StateError
+from meshembed.math.custom import CustomOptimizer
+from meshembed.tpu import _nest
+from meshembed.tpu._config import FeatureConfig, TableConfig, _shape
+
+__all__ = ["TPUEmbedding", "flat_features", "from_tf", "to_tf", "is_tf", "incoming_output_shape"]
+
+
+def _is_feature(x: Any) -> bool:
+    return isinstance(x, FeatureConfig) or not _nest.is_container(x)
+
+
+def flat_features(feature_config: Any) -> list[tuple[str, FeatureConfig]]:
+    """``[(path, FeatureConfig)]`` in tf.nest order; ConfigError names a non-FeatureConfig leaf."""
+    flat = _nest.flatten_with_paths(feature_config, _is_feature)
+    if not flat:
+        raise ConfigError("Invalid `feature_config`. Expected a FeatureConfig or a nest (dict, list, tuple) "
+                          "of FeatureConfigs. Received: an empty structure")
+    for path, f in flat:
+        if not isinstance(f, FeatureConfig):
+            at = f" at path '{path}'" if path else ""
+            raise ConfigError(f"Invalid `feature_config`{at}. Expected a meshembed.tpu.FeatureConfig. "
+                              f"Received: {f!r}")
+    return flat
+
+
+# -- TensorFlow objects, converted without importing TensorFlow --------------------------------
+def is_tf(x: Any) -> bool:
+    return type(x).__module__.startswith("tensorflow")
+
+
+def from_tf(x: Any, what: str, path: str) -> Any:
+    """A TF tensor / SparseTensor / RaggedTensor / IndexedSlices as NumPy or SparseIds/RaggedIds."""
+    if x is None or not is_tf(x):
+        return x
+    kind = type(x).__name__
+    try:
+        if kind == "RaggedTensor":
+            if x.ragged_rank != 1:
+                raise InputError(f"Invalid `{what}` at path '{path}': only rank 2 RaggedTensors are supported "
+                                 f"(as in TF). Received: ragged_rank={x.ragged_rank}")
+            return RaggedIds(x.row_splits.numpy(), x.values.numpy())
+        if kind == "SparseTensor":
+            return SparseIds(x.indices.numpy(), x.values.numpy(), x.dense_shape.numpy())
+        tf = sys.modules["tensorflow"]
+        return tf.convert_to_tensor(x).numpy()
+    except (AttributeError, NotImplementedError) as exc:
+        raise InputError(
+            f"Invalid `{what}` at path '{path}': a symbolic {kind} (inside tf.function or a graph). Fix: run "
+            "enqueue/dequeue/apply_gradients eagerly (they are host calls, not ops to trace).") from exc
+
+
+def to_tf(x: Any) -> Any:
+    return sys.modules["tensorflow"].convert_to_tensor(np.asarray(x))
+
+
+# -- output shapes, TF's rules ------------------------------------------------------------------
+def incoming_output_shape(x: Any, feature: FeatureConfig, what: str, path: str) -> tuple[int, ...]:
+    """The activation shape (without dim) an input implies, as TF's enqueue infers it."""
+    m = feature.max_sequence_length if feature.output_shape is None else 0
+    at = f"`{what}` at path '{path or '<top>'}'"
+    if isinstance(x, SparseIds) or all(hasattr(x, a) for a in ("indices", "values", "dense_shape")):
+        shape = [int(d) for d in np.asarray(x.dense_shape).reshape(-1)]
+        if len(shape) < 2:
+            raise InputError(f"Invalid {at}: sparse ids need rank 2 or more (the last axis is combined). "
+                             f"Received: dense_shape={shape}")
+        if m and len(shape) == 2:
+            shape.insert(1, m)
+        return tuple(shape[:-1])
+    if isinstance(x, RaggedIds) or all(hasattr(x, a) for a in ("row_splits", "values")):
+        rows = int(np.shape(x.row_splits)[0]) - 1
+        return (rows, m) if m else (rows,)
+    if x is None:
+        raise InputError(f"Invalid {at}: every feature needs ids. Received: None")
+    shape = tuple(int(d) for d in np.shape(x))
+    if not shape:
+        raise InputError(f"Invalid {at}: dense ids need rank 1 or more. Received: a scalar")
+    if len(shape) > 1 and shape[-1] != 1:
+        raise InputError(f"Invalid {at}: a dense id tensor of rank 2 or more must have last dimension 1 (it is "
+                         f"reduced, as in TF). Received: shape={shape}. Fix: pass several ids per sample as "
+                         "SparseIds/RaggedIds (or tf.SparseTensor/tf.RaggedTensor), or reshape to (..., 1).")
+    return shape if len(shape) == 1 else shape[:-1]
+
+
+def _check_shape(old: tuple[int, ...] | None, new: tuple[int, ...], path: str) -> None:
+    """TF's ``_check_output_shapes``: a rank 1/2 incoming shape below a higher-rank configured
+    one is a ragged input reshaped by the engine, checked there."""
+    if old is None or old == new or (len(new) in (1, 2) and len(old) > len(new)):
+        return
+    raise InputError(f"Inconsistent shape for input feature '{path}': its output shape is {list(old)}, but "
+                     f"this input implies {list(new)}. Fix: every batch must have the shapes of the first one "
+                     "(or of FeatureConfig(output_shape=...) / build(per_replica_input_shapes=...)).")
+
+
+class TPUEmbedding:
+    """``tf.tpu.experimental.embedding.TPUEmbedding`` on a meshembed backend.
+
+    ``feature_config`` is a FeatureConfig or any nest of them; ``enqueue``, ``dequeue`` and
+    ``apply_gradients`` take and return that nest. Tables are ordered by first appearance
+    in the flattened nest and unnamed ones are called ``table_<i>``, as TF does (the user's
+    TableConfig objects are not modified). meshembed's own options are keyword-only:
+    ``backend``, ``num_shards``, ``mesh`` and ``seed`` (see ``me.TPUEmbedding``).
+    With TensorFlow inputs (tf.Tensor/SparseTensor/RaggedTensor) ``dequeue`` returns
+    ``tf.Tensor``s, so a ``tf.GradientTape`` program runs as written (eagerly).
+    """
+
+    def __init__(self, feature_config: Any, optimizer: OptimizerSpec | CustomOptimizer | None = None,
+                 pipeline_execution_with_tensor_core: bool = False, *, backend: Any = None,
+                 num_shards: int | None = None, mesh: Any = None, seed: int = 0) -> None:
+        flat = flat_features(feature_config)
+        if optimizer is not None and not isinstance(optimizer, (OptimizerSpec, CustomOptimizer)):
+            raise invalid("optimizer", "TPUEmbedding", "an instance of a meshembed.tpu optimizer class (SGD, "
+                          "Adagrad, Adam, FTRL, ...) or None", optimizer)
+        tables: list[TableConfig] = []
+        for _, f in flat:
+            if not any(f.table is t for t in tables):
+                tables.append(f.table)
+        names = [t.name if t.name is not None else f"table_{i}" for i, t in enumerate(tables)]
+        for i, t in enumerate(tables):
+            if names.index(names[i]) != i:
+                raise invalid("name", "TableConfig", "a unique name per table (several TableConfig objects are "
+                              "named alike; share one object to share a table)", names[i])
+            if t.optimizer is None and optimizer is None:
+                raise invalid("optimizer", f"table '{names[i]}'", "an optimizer: give the TableConfig one or "
+                              "pass TPUEmbedding(optimizer=...)", None)
+        self._feature_config = feature_config
+        self._features = [f for _, f in flat]
+        self._paths = [p or f.name or "feature" for p, f in flat]
+        self._tables = tables
+        self._table_names = dict(zip(map(id, tables), names))
+        self._engine_tables = [t._engine(n, optimizer) for t, n in zip(tables, names)]
+        self._optimizer = optimizer
+        self._pipeline = bool(pipeline_execution_with_tensor_core)
+        self._engine_args = dict(backend=backend, num_shards=num_shards, mesh=mesh, seed=seed)
+        self._output_shapes: list[tuple[int, ...] | None] = [f.output_shape for f in self._features]
+        self._engine: _Engine | None = None
+        self._tf_io = False
+
+    # -- structure helpers --------------------------------------------------------------------
+    def _leaves(self, value: Any, what: str) -> list[Any]:
+        return _nest.match(self._feature_config, value, what, _is_feature)
+
+    def _pack(self, flat: list[Any]) -> Any:
+        return _nest.pack(self._feature_config, flat, _is_feature)
+
+    def _by_path(self, flat: list[Any]) -> dict[str, Any]:
+        return dict(zip(self._paths, flat))
+
+    @property
+    def built(self) -> bool:
+        return self._engine is not None
+
+    @property
+    def engine(self) -> _Engine:
+        """The underlying ``me.TPUEmbedding`` (built on first use): save, retrieve, load."""
+        self.build()
+        assert self._engine is not None
+        return self._engine
+
+    def table_name(self, table: TableConfig) -> str:
+        """The engine's name of ``table`` (its own, or ``table_<i>``)."""
+        try:
+            return self._table_names[id(table)]
+        except KeyError:
+            raise InputError(f"Invalid table {table!r}: not part of this TPUEmbedding's feature_config.") from None
+
+    # -- build --------------------------------------------------------------------------------
+    def _merged(self, incoming: list[tuple[int, ...] | None]) -> list[tuple[int, ...] | None]:
+        out = []
+        for path, old, new in zip(self._paths, self._output_shapes, incoming):
+            if new is not None:
+                _check_shape(old, new, path)
+            out.append(old if old is not None else new)
+        return out
+
+    def build(self, per_replica_input_shapes: Any = None, per_replica_batch_size: int | None = None) -> None:
+        """Create the tables and slots. Output shapes come from FeatureConfig.output_shape,
+        then ``per_replica_input_shapes`` (a nest like feature_config, or a batch size), then
+        the first ``enqueue``; a second call is a no-op, as in TF."""
+        if self._engine is not None:
+            return
+        incoming: list[tuple[int, ...] | None] = [None] * len(self._features)
+        batch = per_replica_input_shapes if isinstance(per_replica_input_shapes, int) else per_replica_batch_size
+        if isinstance(batch, bool) or (batch is not None and (not isinstance(batch, int) or batch < 1)):
+            raise invalid("per_replica_batch_size", "TPUEmbedding.build", "an int >= 1", batch)
+        if batch is not None and not isinstance(per_replica_input_shapes, int) and per_replica_input_shapes is not None:
+            raise invalid("per_replica_batch_size", "TPUEmbedding.build",
+                          "None when per_replica_input_shapes is given", batch)
+        if batch is not None:
+            incoming = [(batch, f.max_sequence_length) if f.output_shape is None and f.max_sequence_length
+                        else (batch,) for f in self._features]
+        elif per_replica_input_shapes is not None:
+            shapes = self._leaves(per_replica_input_shapes, "per_replica_input_shapes")
+            incoming = []
+            for path, f, s in zip(self._paths, self._features, shapes):
+                s = _shape(s, "per_replica_input_shapes", f"feature '{path}'")
+                if s is None:
+                    raise invalid("per_replica_input_shapes", f"feature '{path}'", "a shape of rank >= 1", s)
+                if len(s) == 2 and s[-1] != 1 and f.output_shape is None and f.max_sequence_length:
+                    s = (s[0], f.max_sequence_length, s[1])
+                incoming.append(s if len(s) == 1 else s[:-1])
+        self._build(self._merged(incoming))
+
+    def _build(self, shapes: list[tuple[int, ...] | None]) -> None:
+        for path, s in zip(self._paths, shapes):
+            if s is None:
+                raise ConfigError(
+                    f"Input feature '{path}' has no output shape yet. Fix: give FeatureConfig(output_shape=...), "
+                    "call build(per_replica_input_shapes=...), or enqueue a batch first.")
+        feats = [_EngineFeature(self._table_names[id(f.table)], s, name=p)
+                 for p, f, s in zip(self._paths, self._features, shapes)]
+        cfg = EmbeddingConfig(tables=self._engine_tables, features=feats,
+                              pipeline_execution_with_tensor_core=self._pipeline)
+        self._engine = _Engine(cfg, **self._engine_args)
+        self._output_shapes = list(shapes)
+
+    # -- the step -----------------------------------------------------------------------------
+    def enqueue(self, features: Any, weights: Any = None, training: bool = True, name: str | None = None) -> None:
+        """Queue one batch: the nest of feature_config holding dense ids, SparseIds/RaggedIds or
+        tf.Tensor/SparseTensor/RaggedTensor; ``weights`` mirrors it (None leaves allowed).
+        ``name`` (TF's op name) is accepted and unused."""
+        raw = self._leaves(features, "features")
+        flat = [from_tf(x, "features", p) for x, p in zip(raw, self._paths)]
+        wflat = [None] * len(flat)
+        if weights is not None:
+            wflat = [from_tf(w, "weights", p) for w, p in zip(self._leaves(weights, "weights"), self._paths)]
+        incoming = [incoming_output_shape(x, f, "features", p) for x, f, p in zip(flat, self._features, self._paths)]
+        shapes = self._merged(incoming)
+        fresh = self._engine is None
+        before = list(self._output_shapes)
+        if fresh:
+            self._build(shapes)
+        assert self._engine is not None
+        try:
+            self._engine.enqueue(self._by_path(flat), None if weights is None else self._by_path(wflat),
+                                 training=bool(training))
+        except Exception:
+            if fresh:  # a rejected first batch leaves the object unbuilt, as it was
+                self._engine, self._output_shapes = None, before
+            raise
+        self._tf_io = any(is_tf(x) for x in raw)
+
+    def _require_built(self, what: str) -> _Engine:
+        if self._engine is None:
+            raise StateError(f"{what} called on an unbuilt TPUEmbedding. Fix: call enqueue(...) first, or build().")
+        return self._engine
+
+    def dequeue(self, name: str | None = None) -> Any:
+        """The activations in feature_config's nest, each ``output_shape + [dim]``."""
+        engine = self._require_built("dequeue")
+        acts = engine.dequeue()
+        flat = [acts[p] for p in self._paths] if isinstance(acts, dict) else list(acts)
+        if self._tf_io:
+            flat = [to_tf(engine.backend.to_numpy(a)) for a in flat]
+        return self._pack(flat)
+
+    def apply_gradients(self, gradients: Any, name: str | None = None) -> None:
+        """One gradient per feature in feature_config's nest (None: zeros, with a warning);
+        callable learning rates are evaluated here, as in TF."""
+        engine = self._require_built("apply_gradients")
+        flat = [from_tf(g, "gradients", p) for g, p in zip(self._leaves(gradients, "gradients"), self._paths)]
+        engine.apply_gradients(self._by_path(flat))
+
+    # -- tables -------------------------------------------------------------------------------
+    @property
+    def embedding_tables(self) -> dict[TableConfig, np.ndarray]:
+        """``{TableConfig: [vocabulary_size, dim] array}`` (NumPy copies of the tables)."""
+        tables = self.engine.embedding_tables
+        return {t: tables[self._table_names[id(t)]] for t in self._tables}
+
+    @property
+    def variables(self) -> dict[TableConfig, dict[str, np.ndarray]]:
+        """``{TableConfig: {"parameters": ..., <slot>: ...}}`` (TF's slot names are the TPU's)."""
+        return {t: self.engine.retrieve_parameters(self._table_names[id(t)]) for t in self._tables}
+
+    def __repr__(self) -> str:
+        return f"meshembed.tpu.TPUEmbedding(features={self._paths}, tables={list(self._table_names.values())})"
