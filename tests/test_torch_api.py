@@ -290,3 +290,81 @@ def test_no_graph_break_and_no_recompile_with_changing_learning_rate():
             if k == 2:
                 warm = counter.frame_count
         assert counter.frame_count == warm, f"{name}: recompiled after warm-up"
+
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(5, 3, generator=g)), torch.nn.Parameter(torch.randn(7, generator=g))]
+
+
+def _grads(step, params):
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=g) for p in params]
+
+
+def test_adadelta_matches_meshembed_optimizer_exactly_and_torch_optim_within_rounding():
+    hyper = dict(lr=1.0, rho=0.9, eps=1e-6)
+    ours, theirs, ref = _params(), _params(), _params()
+    opt = me.torch.Adadelta(ours, **hyper)
+    topt = torch.optim.Adadelta(theirs, **hyper)
+    variables = [me.Variable(p.detach().clone(), name=f"v{k}", backend="torch") for k, p in enumerate(ref)]
+    mopt = me.optimizers.Adadelta(learning_rate=1.0, rho=0.9, epsilon=1e-6)
+    for step in range(10):
+        grads = _grads(step, ours)
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        topt.step()
+        mopt.apply_gradients([(g.clone(), v) for g, v in zip(grads, variables)])
+        for p, q, v in zip(ours, theirs, variables):
+            np.testing.assert_array_equal(p.detach().numpy(), v.numpy())
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=4e-6, atol=1e-6)
+    for p, q in zip(ours, theirs):  # the state under torch's names
+        s, t = opt.state_dict()["state"], topt.state_dict()["state"]
+        for k in (0, 1):
+            torch.testing.assert_close(s[k]["square_avg"], t[k]["square_avg"], rtol=4e-6, atol=1e-7)
+            torch.testing.assert_close(s[k]["acc_delta"], t[k]["acc_delta"], rtol=4e-6, atol=1e-7)
+    assert int(s[0]["step"]) == 10
+
+
+def test_adadelta_defaults_state_dict_maximize_and_errors():
+    ours, ref = _params(1), _params(1)
+    opt = me.torch.Adadelta(ours)  # Keras' defaults
+    mopt = me.optimizers.Adadelta()
+    variables = [me.Variable(p.detach().clone(), backend="torch") for p in ref]
+    for step in range(3):
+        grads = _grads(step, ours)
+        for p, g in zip(ours, grads):
+            p.grad = g.clone()
+        opt.step()
+        mopt.apply_gradients([(g.clone(), v) for g, v in zip(grads, variables)])
+    for p, v in zip(ours, variables):
+        np.testing.assert_array_equal(p.detach().numpy(), v.numpy())
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    again = me.torch.Adadelta(copies)
+    again.load_state_dict(torch.load(buf, weights_only=True))
+    grads = _grads(7, ours)
+    for p, q, g in zip(ours, copies, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    opt.step()
+    again.step()
+    for p, q in zip(ours, copies):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    # maximize: the same as minimizing the negated gradient
+    a, b = _params(2), _params(2)
+    oa, ob = me.torch.Adadelta(a, lr=1.0, maximize=True), me.torch.Adadelta(b, lr=1.0)
+    for p, q, g in zip(a, b, _grads(0, a)):
+        p.grad, q.grad = g.clone(), -g
+    oa.step()
+    ob.step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    oa.zero_grad()
+    assert all(p.grad is None for p in a)
+    with pytest.raises(me.ConfigError, match="rho"):
+        me.torch.Adadelta(_params(), rho=1.5)
+    with pytest.raises(me.InputError, match="floating"):
+        me.torch.Adadelta([torch.zeros(3, dtype=torch.int64)])

@@ -5,5 +5,6 @@ backward applies the TPU optimizer, and a ``torch.optim.Optimizer`` for the dens
 """
 
 from meshembed_torch.module import EmbeddingCollection
+from meshembed_torch.optim import Adadelta
 
-__all__ = ["EmbeddingCollection"]
+__all__ = ["Adadelta", "EmbeddingCollection"]
