@@ -77,7 +77,9 @@ def test_torch_single_process_mesh_is_logical():
     import torch
 
     assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
-    mesh = me.Mesh(["batch", "model"], (2, 2), backend="torch")
+    with pytest.raises(ConfigError, match="needs 4 torch.distributed ranks"):
+        me.Mesh(["batch", "model"], (2, 2), backend="torch")  # would be silently unsharded
+    mesh = me.Mesh(["batch", "model"], (1, 1), backend="torch")
     assert mesh.native is None  # no process group: no DeviceMesh, plain tensors
     v = me.Variable(np.ones((4, 2), np.float32), layout=me.Layout(["model", me.UNSHARDED], mesh))
     assert type(v.value) is torch.Tensor and v.sharding is None

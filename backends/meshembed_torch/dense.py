@@ -51,6 +51,13 @@ class TorchDenseMixin:
         import torch
 
         if not _dist_ready():
+            if math.prod(shape) > 1:  # it would silently leave every variable unsharded
+                raise ConfigError(
+                    f"Invalid `shape`. A torch mesh of shape {tuple(shape)} needs {math.prod(shape)} "
+                    "torch.distributed ranks, but no process group is initialised (one process). Fix: "
+                    "call torch.distributed.init_process_group(...) first (e.g. under torchrun), or use "
+                    "a mesh of size 1 (or no mesh) in a single process."
+                )
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
