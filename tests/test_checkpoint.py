@@ -111,8 +111,11 @@ def test_crash_between_renames_falls_back_to_previous(tmp_path, monkeypatch):
         emb.save(tmp_path / "ckpt")
     monkeypatch.undo()
     assert not (tmp_path / "ckpt").exists()
-    restored = me.TPUEmbedding.restore(tmp_path / "ckpt")
+    with pytest.warns(UserWarning, match=r"restoring .*ckpt\.old-"):
+        restored = me.TPUEmbedding.restore(tmp_path / "ckpt")
     assert_same_state(saved, snapshot(restored))
+    emb.save(tmp_path / "ckpt")  # the next good save removes the copy left aside
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 def test_corrupt_checkpoint_is_refused(tmp_path):
@@ -121,7 +124,7 @@ def test_corrupt_checkpoint_is_refused(tmp_path):
     data = bytearray((tmp_path / "ckpt" / "arrays.npz").read_bytes())
     data[-30] ^= 0xFF
     (tmp_path / "ckpt" / "arrays.npz").write_bytes(bytes(data))
-    with pytest.raises(me.InputError, match="checksum"):
+    with pytest.raises(me.CheckpointError, match=r"arrays\.npz does not match its checksum"):
         me.TPUEmbedding.restore(tmp_path / "ckpt")
-    with pytest.raises(me.InputError, match="No checkpoint"):
+    with pytest.raises(me.CheckpointError, match="No checkpoint"):
         me.TPUEmbedding.restore(tmp_path / "missing")

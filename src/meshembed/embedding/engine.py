@@ -567,7 +567,8 @@ class TPUEmbedding:
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, path: Any) -> Any:
         """Write a checkpoint directory atomically (see ``meshembed.embedding.checkpoint``);
-        returns its path. The pending batch, if any, is not part of it.
+        returns its path. The pending batch, if any, is not part of it. ``path`` must be new,
+        an empty directory or a checkpoint: anything else raises ``CheckpointError`` untouched.
 
         Several processes (torch.distributed): every rank calls it (gathering the tables is
         collective), only the backend's writer (rank 0) writes ``path``, and every rank returns
@@ -583,11 +584,18 @@ class TPUEmbedding:
         backend: str | Backend | None = None,
         num_shards: int | None = None,
         mesh: Any = None,
+        *,
+        learning_rates: Sequence[Any] | Mapping[int, Any] | None = None,
     ) -> "TPUEmbedding":
-        """A new engine from a checkpoint, on any backend and shard count."""
+        """A new engine from a checkpoint, on any backend and shard count.
+
+        Every file is verified first (``CheckpointError`` naming the file and field). A
+        learning-rate callable of the saved config cannot be stored: pass it again as
+        ``learning_rates`` (one callable or None per dynamic tag, in tag order, or
+        ``{tag: fn}``); restore says which tags need one when it is missing."""
         from meshembed.embedding.checkpoint import restore
 
-        return restore(cls, path, backend=backend, num_shards=num_shards, mesh=mesh)
+        return restore(cls, path, backend=backend, num_shards=num_shards, mesh=mesh, learning_rates=learning_rates)
 
     def __repr__(self) -> str:
         return (
