@@ -2,19 +2,15 @@
 
 Importing this package never imports torch; ``TorchBackend.unavailable_reason()`` reports a
 missing install instead (so ``me.available_backends()`` simply omits ``"torch"``).
+
+No process-wide side effects: nothing here sets environment variables or allocator options.
+Two tunings measured on small CPUs are the user's to opt into (see README.md): glibc malloc
+thresholds (``MESHEMBED_TORCH_MALLOC_TUNING=1``, applied on the first table of ≥ 32 MiB), and
+``KMP_BLOCKTIME=0`` for torch builds on Intel OpenMP (set it before importing torch; the
+default libgomp build ignores it, ``OMP_WAIT_POLICY=passive`` is its counterpart).
 """
 
-import os
-import sys
-
-# Intel OpenMP threads spin for KMP_BLOCKTIME (200 ms) after each parallel region; on a small
-# CPU the compiled update kernels and ATen's pool then wait on each other, and a W1 step
-# measured 190 ms instead of 8 ms. Only effective before torch is first imported, and a
-# user's own setting wins.
-if "torch" not in sys.modules:
-    os.environ.setdefault("KMP_BLOCKTIME", "0")
-
-from meshembed_torch.backend import TorchBackend  # noqa: E402
-from meshembed_torch.table import TorchShardedTable  # noqa: E402
+from meshembed_torch.backend import TorchBackend
+from meshembed_torch.table import TorchShardedTable
 
 __all__ = ["TorchBackend", "TorchShardedTable"]

@@ -270,7 +270,8 @@ _malloc_state: list[bool] = []
 
 def tune_malloc() -> bool:
     """Keep glibc from handing a training step's temporaries back to the kernel (once per
-    process; ``$MESHEMBED_TORCH_MALLOC_TUNING=0`` turns it off). Returns whether it applied.
+    process). Opt-in, as it changes the whole process's allocator: only with
+    ``$MESHEMBED_TORCH_MALLOC_TUNING=1``. Returns whether it applied.
 
     glibc's dynamic thresholds start low (128 KiB mmap, 2× that trim) and only rise as blocks
     are freed, so with the W1 step's few 4–8 MiB temporaries (the forward activations, the
@@ -284,7 +285,7 @@ def tune_malloc() -> bool:
     if _malloc_state:
         return _malloc_state[0]
     applied = False
-    if os.environ.get(MALLOC_ENV, "1").strip().lower() not in ("0", "false", "off", "no") \
+    if os.environ.get(MALLOC_ENV, "0").strip().lower() in ("1", "true", "on", "yes") \
             and sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
         try:
             import ctypes

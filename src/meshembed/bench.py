@@ -107,6 +107,7 @@ def run_job(job: Job, timeout: float = 1800) -> tuple[list[dict], str]:
     spec = json.dumps(dict(module=job.module, function=job.function, kwargs=job.kwargs, preload=job.preload))
     env = dict(os.environ)
     env.setdefault("KMP_BLOCKTIME", "0")  # every row alike: no 200 ms OpenMP spin-waits (torch README)
+    env.setdefault("MESHEMBED_TORCH_MALLOC_TUNING", "1")  # the opt-in glibc thresholds the figures used
     proc = subprocess.run([sys.executable, "-c", _CHILD, spec], capture_output=True, text=True,
                           timeout=timeout, cwd=_ROOT, env=env)
     for line in proc.stdout.splitlines():
