@@ -489,3 +489,40 @@ def test_one_adagrad_step_matches_a_tensorflow_sparse_update(tf):
     np.testing.assert_allclose(emb.embedding_tables[table], var.numpy(), rtol=2e-6, atol=1e-7)
     acc = opt.get_slot(var, "accumulator").numpy()
     np.testing.assert_allclose(emb.variables[table]["accumulators"], acc, rtol=2e-6)
+
+
+def test_callable_learning_rate_and_tf_style_initializer():
+    lr = [0.5]
+
+    class Init:  # TF's initializer contract: called with the shape (and an optional dtype)
+        def __call__(self, shape, dtype=None):
+            return np.full(shape, 3.0)
+
+    t = me.tpu.TableConfig(vocabulary_size=5, dim=2, initializer=Init())
+    emb = me.tpu.TPUEmbedding({"a": me.tpu.FeatureConfig(t)}, me.tpu.SGD(learning_rate=lambda: lr[0]))
+    for rate in (0.5, 1.0):
+        lr[0] = rate
+        emb.enqueue({"a": np.array([1, 2])})
+        emb.dequeue()
+        emb.apply_gradients({"a": np.ones((2, 2), np.float32)})
+    np.testing.assert_array_equal(emb.embedding_tables[t][[0, 1, 2]], [[3, 3], [1.5, 1.5], [1.5, 1.5]])
+
+
+def test_tf_objects_and_symbolic_tensors(tf):
+    t = me.tpu.TableConfig(vocabulary_size=5, dim=2, dtype=tf.float32,
+                           initializer=tf.keras.initializers.Constant(2.0))
+    emb = me.tpu.TPUEmbedding({"a": me.tpu.FeatureConfig(t)}, me.tpu.SGD(0.1))
+    emb.build(per_replica_input_shapes={"a": tf.TensorShape([3, 1])})
+    np.testing.assert_array_equal(emb.embedding_tables[t], np.full((5, 2), 2.0))
+
+    @tf.function(autograph=False)  # autograph would wrap the error in its StagingError
+    def traced(x):
+        emb.enqueue({"a": x})
+
+    with pytest.raises(me.InputError, match="symbolic .*eagerly"):
+        traced(tf.constant([[1], [2], [3]]))
+    emb.enqueue({"a": tf.constant([[1], [2], [3]])})
+    acts = emb.dequeue()
+    assert isinstance(acts["a"], tf.Tensor) and acts["a"].shape == (3, 2)
+    with pytest.raises(me.InputError, match="ragged_rank"):
+        emb.enqueue({"a": tf.RaggedTensor.from_nested_row_lengths([1, 2, 3], [[1, 1, 1], [1, 1, 1]])})
