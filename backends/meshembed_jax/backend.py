@@ -79,11 +79,13 @@ class JaxBackend(JaxDenseMixin, Backend):
             set: the backend changes no global JAX flag). ``None``/``False``: follow it. With
             x64 off ids are int32 (int64 input range-checked and narrowed), tables, slots
             and counters 32-bit, and float64 tables are refused.
+        devices: the devices tables are placed on (default ``jax.devices()``).
     """
 
     name = "jax"
 
-    def __init__(self, capacity: int | None = None, dedup: str | None = None, enable_x64: bool | None = None):
+    def __init__(self, capacity: int | None = None, dedup: str | None = None, enable_x64: bool | None = None,
+                 devices: Sequence[Any] | None = None):
         import jax
 
         if enable_x64 and not jax.config.jax_enable_x64:
@@ -93,6 +95,8 @@ class JaxBackend(JaxDenseMixin, Backend):
                 "JAX_ENABLE_X64=1) at the start of your program, or use 32-bit tables."
             )
         self._jax = jax
+        # the devices tables are placed on (me.jax: those of the user's Mesh, in its order)
+        self._devices = None if devices is None else list(devices)
         self.capacity = capacity if capacity is not None else _env_int("MESHEMBED_JAX_CAPACITY")
         self.dedup = dedup or os.environ.get("MESHEMBED_JAX_DEDUP") or None
         if self.dedup is not None and self.dedup not in ("dense", "sort"):
@@ -131,7 +135,7 @@ class JaxBackend(JaxDenseMixin, Backend):
         jax = self._jax
         platform = jax.devices()[0].platform
         return Capabilities(
-            devices=len(jax.devices()),
+            devices=len(self._devices or jax.devices()),
             float64=bool(jax.config.jax_enable_x64),
             in_place=True,  # donated buffers; the table object is updated and returned
             deterministic_scatter=platform in ("cpu", "tpu"),
@@ -251,7 +255,7 @@ class JaxBackend(JaxDenseMixin, Backend):
                 "jax_enable_x64: its ids need more than int32. Fix: call "
                 "jax.config.update('jax_enable_x64', True) at startup, or use a smaller vocabulary."
             )
-        devices = choose_devices(placement.num_shards, list(jax.devices()), jax.process_count())
+        devices = choose_devices(placement.num_shards, list(self._devices or jax.devices()), jax.process_count())
         key = (placement, tuple(d.id for d in devices))
         found = self._layouts.get(key)
         if found is None:

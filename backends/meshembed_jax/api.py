@@ -1,0 +1,507 @@
+"""``me.jax``: the TPU embedding as pure functions over pytrees, for a user's own ``jax.jit``.
+
+``init`` -> :class:`EmbeddingState` (tables and slots as sharded ``jax.Array``s, a step
+counter); ``prepare`` (host, outside jit) -> :class:`Batch` of fixed-shape arrays;
+``lookup(state, batch)`` -> activations by feature name; ``apply_gradients(state, batch,
+grads, learning_rates)`` -> the new state. Underneath are the JAX backend's compiled kernels
+and the core's update functions that ``TPUEmbedding(backend="jax")`` runs (nested ``jax.jit``
+calls traced into the user's step), so both give the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshembed.embedding import combiners, inputs
+from meshembed.embedding.engine import TPUEmbedding, _load_config
+from meshembed.embedding.layout import Layout, build_layout
+from meshembed.embedding.updates import fused_kernel, is_non_lazy, make_update_fn, uses_accumulation
+from meshembed.errors import CapacityError, ConfigError, InputError
+from meshembed_jax import cpu_kernels, fnspec, kernels
+from meshembed_jax.backend import JaxBackend, bucket
+from meshembed_jax.layout import JaxShardedTable, ShardLayout
+
+__all__ = ["EmbeddingState", "Batch", "init", "prepare", "lookup", "apply_gradients", "from_engine",
+           "to_engine", "save", "restore", "adadelta", "AdadeltaState"]
+
+
+class _Static:
+    """What never changes between steps (config, layout, backend, placements): the pytree's
+    aux data, compared by identity, so a state handed from step to step never retraces."""
+
+    def __init__(self, config: Any, layout: Layout, backend: JaxBackend, shard_layouts: dict[int, ShardLayout],
+                 num_shards: int | None) -> None:
+        self.config, self.layout, self.backend = config, layout, backend
+        self.shard_layouts, self.num_shards = shard_layouts, num_shards
+        #: per table: "parameters", then the slots in Load/Retrieve order (the update's order)
+        self.names = {t.index: ("parameters",) + tuple(t.optimizer.slot_names) for t in layout.tables}
+
+
+@jax.tree_util.register_pytree_node_class
+class EmbeddingState:
+    """Every table and slot (``tables[name][slot]``, ``"parameters"`` first, as padded
+    ``[shards, rows, D]`` arrays with their ``NamedSharding``) and the step counter.
+
+    Plain arrays as leaves: Orbax-style tools checkpoint it as is; :func:`save` /
+    :func:`restore` use meshembed's portable checkpoints (``TPUEmbedding.save`` files)."""
+
+    def __init__(self, tables: dict[str, dict[str, Any]], step: Any, static: _Static) -> None:
+        self.tables, self.step, self._static = tables, step, static
+
+    def tree_flatten(self) -> tuple:
+        return (self.tables, self.step), self._static
+
+    @classmethod
+    def tree_unflatten(cls, static: _Static, children: tuple) -> "EmbeddingState":
+        return cls(children[0], children[1], static)
+
+    @property
+    def config(self) -> Any:
+        return self._static.config
+
+    def parameters(self, table: str) -> dict[str, np.ndarray]:
+        """``{"parameters": [V, D], <slot>: ...}`` as NumPy (what ``retrieve_parameters`` gives)."""
+        t = self._static.layout.table(table)
+        sl = self._static.shard_layouts[t.index]
+        return {k: self._static.backend.unshard(JaxShardedTable(v, sl, t.dimension))
+                for k, v in self.tables[t.name].items()}
+
+    def __repr__(self) -> str:
+        return f"EmbeddingState(tables={list(self.tables)}, step={self.step})"
+
+
+class _FeatureStatic(NamedTuple):
+    name: str
+    capacity: int
+    num_slots: int
+    weighted: bool
+
+
+@jax.tree_util.register_pytree_node_class
+class Batch:
+    """One prepared batch: per feature ``ids`` (-1 padding), output ``slots`` (padding: out
+    of range) and combiner factors ``scale``, all padded to the feature's static capacity."""
+
+    def __init__(self, ids: tuple, slots: tuple, scale: tuple, features: tuple[_FeatureStatic, ...]) -> None:
+        self.ids, self.slots, self.scale, self.features = ids, slots, scale, features
+
+    def tree_flatten(self) -> tuple:
+        return (self.ids, self.slots, self.scale), self.features
+
+    @classmethod
+    def tree_unflatten(cls, features: tuple, children: tuple) -> "Batch":
+        return cls(*children, features)
+
+
+# -- backends and state --------------------------------------------------------------------
+_BACKENDS: dict[tuple[int, ...], JaxBackend] = {}
+
+
+def _backend_for(mesh: Any) -> JaxBackend:
+    """The registry's JAX backend (kernels shared with ``TPUEmbedding``), or one placing
+    tables on ``mesh``'s devices in its order (a ``jax.sharding.Mesh`` or ``me.Mesh``)."""
+    from meshembed.backend import get_backend
+
+    if mesh is None:
+        return get_backend("jax")
+    native = getattr(mesh, "native", mesh)
+    devices = getattr(native, "devices", None)
+    if devices is None:
+        raise ConfigError(f"Invalid `mesh`. Expected a jax.sharding.Mesh or me.Mesh. Received: {mesh!r}")
+    flat = list(np.asarray(devices, dtype=object).reshape(-1))
+    key = tuple(d.id for d in flat)
+    if key not in _BACKENDS:
+        _BACKENDS[key] = JaxBackend(devices=flat)
+    return _BACKENDS[key]
+
+
+def _not_accumulating(layout: Layout) -> None:
+    for t in layout.tables:
+        if not uses_accumulation(t):
+            raise ConfigError(
+                f"Table {t.name!r}: use_gradient_accumulation=False applies each id's gradients in "
+                "rounds whose number depends on the batch, which a fixed-shape jitted step cannot "
+                "do. Fix: enable gradient accumulation, or train this table with me.TPUEmbedding."
+            )
+
+
+def _int() -> Any:
+    """Counters: int64 with the user's x64, else int32 (meshembed never turns x64 on)."""
+    return jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
+
+
+def from_engine(emb: TPUEmbedding) -> EmbeddingState:
+    """The state of a ``TPUEmbedding`` on the JAX backend (its arrays, not copies: the engine
+    must not step afterwards if the state is donated)."""
+    if not isinstance(emb.backend, JaxBackend):
+        raise ConfigError(f"Invalid engine: me.jax needs backend='jax'. Received: backend={emb.backend.name!r}")
+    _not_accumulating(emb.layout)
+    tables, layouts = {}, {}
+    for t in emb.layout.tables:
+        state = emb._state[t.index]
+        layouts[t.index] = state[0].layout
+        names = ("parameters",) + emb.table_slot_names(t.name)
+        tables[t.name] = {n: s.data for n, s in zip(names, state)}
+    static = _Static(emb.config, emb.layout, emb.backend, layouts, emb.num_shards)
+    # replicated on the tables' mesh, as a jitted step returns it (else the 2nd step retraces)
+    where = next(iter(layouts.values())).replicated if layouts else None
+    step = jax.device_put(np.asarray(emb.step, dtype=_int()), where)
+    return EmbeddingState(tables, step, static)
+
+
+def init(config: Any, *, mesh: Any = None, seed: int = 0, initializers: Mapping[str, Any] | None = None) -> EmbeddingState:
+    """Tables and slots initialised as ``TPUEmbedding(config, backend="jax", seed=seed)`` does,
+    sharded over ``mesh``'s devices (default: every JAX device)."""
+    backend = _backend_for(mesh)
+    return from_engine(TPUEmbedding(config, backend=backend, seed=seed, initializers=initializers))
+
+
+def to_engine(state: EmbeddingState) -> TPUEmbedding:
+    """A ``TPUEmbedding`` holding ``state``'s arrays (for ``save``, ``retrieve_parameters``)."""
+    st = state._static
+    emb = TPUEmbedding(st.config, backend=st.backend)
+    emb.num_shards = st.num_shards
+    for t in st.layout.tables:
+        sl = st.shard_layouts[t.index]
+        names = ("parameters",) + emb.table_slot_names(t.name)
+        emb._placements[t.index] = sl.placement
+        emb._state[t.index] = [JaxShardedTable(state.tables[t.name][n], sl, t.dimension) for n in names]
+    emb.step = int(state.step)
+    return emb
+
+
+def save(state: EmbeddingState, path: Any) -> Any:
+    """A portable meshembed checkpoint (``TPUEmbedding.restore`` reads it on any backend)."""
+    return to_engine(state).save(path)
+
+
+def restore(path: Any, *, mesh: Any = None) -> EmbeddingState:
+    """The state of a meshembed checkpoint (written by any backend), on ``mesh``'s devices."""
+    return from_engine(TPUEmbedding.restore(path, backend=_backend_for(mesh)))
+
+
+# -- prepare (host side) -------------------------------------------------------------------
+def _layout_of(config: Any) -> tuple[Any, Layout]:
+    if isinstance(config, EmbeddingState):
+        return config.config, config._static.layout
+    config = _load_config(config)
+    return config, build_layout(config)
+
+
+def _shim(config: Any, layout: Layout) -> TPUEmbedding:
+    """An engine without tables: its input checks (``_by_feature``, ``_info``) give me.jax the
+    same validation and errors as ``enqueue``/``apply_gradients``."""
+    shim = TPUEmbedding.__new__(TPUEmbedding)
+    shim.config, shim.layout = config, layout
+    shim._keys = tuple(getattr(config, "feature_keys", ()) or ())
+    shim._key_index = {k: i for i, k in enumerate(sorted(shim._keys))}
+    return shim
+
+
+def prepare(config: Any, features: Any, weights: Any = None, *, capacity: int | Mapping[str, int] | None = None) -> Batch:
+    """Validate a batch exactly as ``TPUEmbedding.enqueue`` does and pad every feature's ids to
+    a static ``capacity`` (an int, ``{feature: int}``, or None: the batch's own size rounded
+    up to a bucket), so a jitted step sees the same shapes batch after batch.
+
+    Raises ``CapacityError`` when a feature has more ids than its capacity."""
+    config, layout = _layout_of(config)
+    shim = _shim(config, layout)
+    ids_list = TPUEmbedding._by_feature(shim, features, "features")
+    weight_list = TPUEmbedding._by_feature(shim, weights, "weights", allow_none=True)
+    ids, slots, scales, statics = [], [], [], []
+    for f, x, w in zip(layout.features, ids_list, weight_list):
+        t = layout.tables[f.table]
+        b = inputs.normalize(x, w, TPUEmbedding._info(shim, f))
+        n = int(b.ids.shape[0])
+        cap = capacity.get(f.name) if isinstance(capacity, Mapping) else capacity
+        cap = bucket(n) if cap is None else int(cap)
+        if n > cap:
+            raise CapacityError(
+                f"Feature {f.name!r} (table {t.name!r}): {n} ids this batch exceed its capacity {cap}. "
+                f"Nothing was prepared. Fix: pass capacity >= {n} (e.g. capacity={{{f.name!r}: {bucket(n)}}}) "
+                "to me.jax.prepare, or split the batch."
+            )
+        combiner = combiners.check_combiner(t.combiner)
+        unit = b.unit_weights and combiner == "sum"
+        scale = b.weights if unit else combiners.combiner_scale(b.slots, b.weights, b.num_slots, combiner)
+        idt = np.int32 if t.vocabulary_size < 2**31 - 1 else np.int64
+        pid = np.full(cap, -1, idt)
+        pid[:n] = b.ids
+        pslot = np.full(cap, bucket(b.num_slots), np.int32)  # out of range: dropped by the lookup
+        pslot[:n] = b.slots
+        pscale = np.zeros(cap, np.float32)
+        pscale[:n] = scale.reshape(-1)
+        ids.append(pid)
+        slots.append(pslot)
+        scales.append(pscale)
+        statics.append(_FeatureStatic(f.name, cap, int(b.num_slots), not unit))
+    return Batch(tuple(ids), tuple(slots), tuple(scales), tuple(statics))
+
+
+def _check_batch(layout: Layout, batch: Batch) -> None:
+    names = tuple(f.name for f in layout.features)
+    if not isinstance(batch, Batch) or tuple(s.name for s in batch.features) != names:
+        raise InputError(f"Invalid `batch`. Expected me.jax.prepare(config, ...) for features {list(names)}.")
+
+
+# -- lookup --------------------------------------------------------------------------------
+def lookup(state: EmbeddingState, batch: Batch) -> dict[str, Any]:
+    """Activations ``{feature: input_shape + [dim]}`` (RecvTPUEmbeddingActivations); for a config
+    given a dict of features, keyed as that dict."""
+    st = state._static
+    layout, be = st.layout, st.backend
+    _check_batch(layout, batch)
+    out = {}
+    for k, f in enumerate(layout.features):
+        t = layout.tables[f.table]
+        sl, dim = st.shard_layouts[t.index], t.dimension
+        table = state.tables[t.name]["parameters"]
+        fs = batch.features[k]
+        nb, sb = fs.capacity, bucket(fs.num_slots)
+        quant = getattr(t.optimizer, "simulated_quantization", None)
+        if quant is not None and getattr(quant, "enabled", True):
+            from meshembed.math import quantize
+
+            lo = -np.inf if quant.lower is None else quant.lower
+            hi = np.inf if quant.upper is None else quant.upper
+            gather = be._kernel(("lookup", sl, dim), lambda: kernels.make_lookup(sl, dim))
+            rows = quantize(be.xp, gather(table, jnp.asarray(batch.ids[k])), lo, hi, quant.num_buckets)
+            act = be.segment_sum_to(rows * jnp.asarray(batch.scale[k])[:, None], jnp.asarray(batch.slots[k]), fs.num_slots)
+        else:
+            fn = be._kernel(("gather_combine", sl, dim, nb, sb, fs.weighted),
+                            lambda: kernels.make_gather_combine(sl, dim, nb, sb, fs.weighted))
+            w = jnp.asarray(batch.scale[k], table.dtype) if fs.weighted else jnp.zeros(1, table.dtype)
+            act = fn(table, jnp.asarray(batch.ids[k]), jnp.asarray(batch.slots[k]), w)[: fs.num_slots]
+        out[f.name] = act.reshape(f.output_shape + (dim,))
+    shim = _shim(st.config, layout)
+    return shim._structured([out[f.name] for f in layout.features]) if shim._keys else out
+
+
+# -- apply_gradients -----------------------------------------------------------------------
+def _weak(x: Any) -> Any:
+    """A learning rate as the engine's Python floats are traced: a weakly-typed scalar of the
+    default float dtype (float32 rows stay float32; scalar algebra as in the engine)."""
+    try:
+        from jax._src.lax.lax import _convert_element_type
+
+        return _convert_element_type(x, jnp.dtype(float), weak_type=True)
+    except Exception:  # pragma: no cover - private API moved
+        return jnp.asarray(x, jnp.float32)
+
+
+def _learning_rates(layout: Layout, learning_rates: Any) -> list[Any]:
+    n = layout.num_dynamic_inputs
+    lrs = [] if learning_rates is None else list(learning_rates)
+    if len(lrs) != n:
+        raise InputError(
+            f"Invalid `learning_rates`: the config uses {n} dynamic tag(s), so expected {n} value(s), "
+            f"learning_rates[k] for tag k. Received: {len(lrs)}."
+        )
+    out = []
+    for k, v in enumerate(lrs):
+        if jnp.ndim(v) != 0:
+            raise InputError(f"Invalid `learning_rates[{k}]`: expected a scalar (rank 0). Received: shape={jnp.shape(v)}")
+        if not jnp.issubdtype(jnp.result_type(v), jnp.number):
+            raise InputError(f"Invalid `learning_rates[{k}]`: expected a number. Received: {v!r}")
+        out.append(_weak(v))
+    return out
+
+
+def _update_fn(xp: Any, t: Any, lrs: list[Any], n_tags: int) -> tuple[Any, Any, tuple]:
+    """(fn with probe learning rates, its FnSpec, dyn with the traced learning rates in place).
+
+    Two probes with different rates show which traced leaves are learning rates (the same
+    split the backend makes of the engine's per-step function, so the same compiled kernel)."""
+    probe_a = [0.5 + k for k in range(n_tags)]
+    probe_b = [0.25 + k for k in range(n_tags)]
+    fn = make_update_fn(xp, t, probe_a, "jax")
+    spec, spec_b = fnspec.split(fn), fnspec.split(make_update_fn(xp, t, probe_b, "jax"))
+    if spec.key != spec_b.key:
+        raise ConfigError(f"Table {t.name!r}: its update cannot take a traced learning rate (a Python branch on it).")
+    dyn = []
+    for a, b in zip(spec.dyn, spec_b.dyn):
+        if a == b:
+            dyn.append(a)
+            continue
+        tag = next((k for k in range(n_tags) if a == probe_a[k] and b == probe_b[k]), None)
+        if tag is None:
+            raise ConfigError(f"Table {t.name!r}: a hyper-parameter derived from a dynamic learning rate cannot be traced.")
+        dyn.append(lrs[tag])
+    # The engine passes every hyper-parameter to the compiled kernel as a runtime value; as
+    # trace-time constants XLA would fold them (FTRL's lr_power: another pow, 1 ulp off).
+    consts = [i for i, v in enumerate(dyn) if isinstance(v, float)]
+    hidden = jax.lax.optimization_barrier(tuple(_weak(dyn[i]) for i in consts))
+    for i, v in zip(consts, hidden):
+        dyn[i] = v
+    return fn, spec, tuple(dyn)
+
+
+def _fused_code(be: JaxBackend, sl: ShardLayout, fn: Any, n_tables: int, dtypes: list) -> int | None:
+    """The registered fused kernel the engine would run for ``fn`` (see ``_fused_update``)."""
+    if be.capacity is not None or not cpu_kernels.fused_enabled() or any(d != np.float32 for d in dtypes):
+        return None
+    found = fused_kernel(fn, n_tables)
+    return None if found is None or not kernels.use_cpu_kernels(sl, np.float32) else found[0]
+
+
+def _hp(fn: Any, lr: Any) -> Any:
+    spec = fn.update_spec.hyperparameters
+    rho, eps = float(spec.get("rho", 0.0)), float(spec.get("epsilon", 0.0))
+    consts = jnp.asarray([rho, eps, 1.0 - rho], np.float32)  # 1 - rho rounded once from double
+    return jnp.concatenate([jnp.asarray(lr).astype(jnp.float32).reshape(1), consts])
+
+
+def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learning_rates: Sequence[Any] = ()) -> EmbeddingState:
+    """SendTPUEmbeddingGradients as a pure function: ``gradients`` as :func:`lookup` returned
+    the activations (a dict by feature name, or a list in config order), ``learning_rates[k]``
+    for dynamic tag k (traced scalars: changing them never recompiles). Returns the new state.
+
+    Inside jit nothing can be checked against the values: NaN/Inf gradients are applied as on a
+    TPU (``TPUEmbedding`` refuses them)."""
+    st = state._static
+    layout, be = st.layout, st.backend
+    _check_batch(layout, batch)
+    _not_accumulating(layout)
+    grads = TPUEmbedding._by_feature(_shim(st.config, layout), gradients, "gradients")
+    rows = []
+    for f, g in zip(layout.features, grads):
+        t = layout.tables[f.table]
+        shape = f.output_shape + (t.dimension,)
+        if g is None or tuple(jnp.shape(g)) != shape:
+            raise InputError(
+                f"Invalid gradient for feature {f.name!r} (table {t.name!r}): expected shape {shape} "
+                f"(input_shape + [dimension]). Received: {None if g is None else tuple(jnp.shape(g))}"
+            )
+        rows.append(jnp.asarray(g).astype(jnp.float32).reshape(-1, t.dimension))
+    lrs = _learning_rates(layout, learning_rates)
+    guard = jnp.asarray(True)
+    tables = dict(state.tables)
+    for t in layout.tables:
+        parts = [(k, f) for k, f in enumerate(layout.features) if f.table == t.index]
+        if not parts:
+            continue
+        sl, dim = st.shard_layouts[t.index], t.dimension
+        names = st.names[t.index]  # a dict comes back from jit with sorted keys: the order is ours
+        datas = tuple(state.tables[t.name][n] for n in names)
+        fn, spec, dyn = _update_fn(be.xp, t, lrs, layout.num_dynamic_inputs)
+        ids = jnp.concatenate([jnp.asarray(batch.ids[k]) for k, _ in parts])
+        nb = int(ids.shape[0])
+        dedup = be._dedup_for(sl, nb)
+        if not is_non_lazy(t):  # the combiner's backward fused into the update, as the engine
+            offsets = np.cumsum([0] + [batch.features[k].num_slots for k, _ in parts[:-1]])
+            segs = jnp.concatenate([jnp.asarray(batch.slots[k]) + int(o) for (k, _), o in zip(parts, offsets)])
+            weighted = any(batch.features[k].weighted for k, _ in parts)
+            w = (jnp.concatenate([jnp.asarray(batch.scale[k]) for k, _ in parts]).astype(datas[0].dtype) if weighted
+                 else jnp.zeros(1, datas[0].dtype))
+            source = jnp.concatenate([rows[k] for k, _ in parts]) if len(parts) > 1 else rows[parts[0][0]]
+            code = _fused_code(be, sl, fn, len(datas), [d.dtype for d in datas])
+            if code is not None:
+                lr = dyn[spec.dyn.index(fn.update_spec.lr)] if fn.update_spec.lr in spec.dyn else fn.update_spec.lr
+                step = be._kernel(("fused_update", sl, dim, len(datas), code, True, weighted),
+                                  lambda: kernels.make_fused_update(sl, dim, len(datas), code, True, weighted))
+                new = step(datas, ids, source, segs, w, guard, _hp(fn, lr))
+            else:
+                key = ("update_combined", sl, dim, len(datas), nb, dedup, weighted, spec.key)
+                step = be._kernel(key, lambda: kernels.make_update_combined(sl, dim, len(datas), nb, dedup, spec.call,
+                                                                            weighted))
+                new, _ = step(datas, ids, source, segs, w, guard, dyn)  # capacity nb: never overflows
+        else:  # non-lazy Adam/Lion: every row, g = 0 where not looked up (as apply_table)
+            per = [jnp.take(rows[k], jnp.asarray(batch.slots[k]), axis=0, mode="fill", fill_value=0)
+                   * jnp.asarray(batch.scale[k])[:, None] for k, _ in parts]
+            every = jnp.arange(t.vocabulary_size, dtype=ids.dtype)
+            ids = jnp.concatenate([ids, every])
+            g = jnp.concatenate([*per, jnp.zeros((t.vocabulary_size, dim), jnp.float32)])
+            nb = int(ids.shape[0])
+            dedup = be._dedup_for(sl, nb)
+            key = ("update", sl, dim, len(datas), nb, dedup, spec.key)
+            step = be._kernel(key, lambda: kernels.make_update(sl, dim, len(datas), nb, dedup, spec.call))
+            new, _ = step(datas, ids, g, guard, dyn)
+        tables[t.name] = dict(zip(names, new))
+    return EmbeddingState(tables, state.step + 1, st)
+
+
+# -- the dense Adadelta as an optax GradientTransformation ---------------------------------
+class AdadeltaState(NamedTuple):
+    """Keras' slot names; ``average`` holds the EMA of the params (empty tuple without EMA)."""
+
+    iteration: Any
+    accumulated_grad: Any
+    accumulated_delta_var: Any
+    average: Any
+
+
+def adadelta(learning_rate: Any = 0.001, rho: float = 0.95, epsilon: float = 1e-7,
+             gradients_clip_option: Any = None, ema_option: Any = None) -> Any:
+    """``me.optimizers.Adadelta`` (Keras' defaults: lr 1e-3, rho 0.95, eps 1e-7, tf_keras' clip
+    and EMA options) as an ``optax.GradientTransformation``: pure, jit-able, state sharded
+    like the params. ``learning_rate`` may be a float or an optax schedule of the step.
+
+    The step is the core's ``meshembed.math.adadelta`` (``a' = ρa + (1−ρ)g²``,
+    ``d = √(u+ε)/√(a'+ε)·g``, ``u' = ρu + (1−ρ)d²``, ``p' = p − lr·d``); the update returned is
+    ``p' − p`` (optax adds it)."""
+    import optax
+
+    from meshembed.math.adadelta import AdadeltaSlots
+    from meshembed.math.adadelta import adadelta as step
+    from meshembed.optimizers import EMAOption, GradientsClipOption
+
+    clip = gradients_clip_option or GradientsClipOption()
+    ema = ema_option or EMAOption()
+    if not isinstance(clip, GradientsClipOption) or not isinstance(ema, EMAOption):
+        raise ConfigError("Invalid `gradients_clip_option`/`ema_option`. Expected me.optimizers.GradientsClipOption "
+                          f"/ EMAOption or None. Received: {gradients_clip_option!r}, {ema_option!r}")
+    for name, v in (("rho", rho), ("epsilon", epsilon)):
+        if not np.isfinite(float(v)):
+            raise ConfigError(f"Invalid `{name}`. Expected a finite number. Received: {name}={v!r}")
+
+    def init_fn(params: Any) -> AdadeltaState:
+        zeros = lambda p: jnp.zeros_like(p)  # noqa: E731 - zeros_like keeps each param's sharding
+        average = jax.tree.map(lambda p: jnp.array(p, copy=True), params) if ema.use_ema else ()
+        return AdadeltaState(jnp.zeros((), _int()), jax.tree.map(zeros, params), jax.tree.map(zeros, params), average)
+
+    def clip_grads(grads: list) -> list:
+        if clip.clipnorm is not None:
+            c = clip.clipnorm
+            return [g * (c / jnp.maximum(jnp.sqrt(jnp.sum(g * g)), c)) for g in grads]
+        if clip.global_clipnorm is not None:
+            c = clip.global_clipnorm
+            norm = jnp.sqrt(sum(jnp.sum(g * g) for g in grads))
+            scale = jnp.where(norm > 0, c * jnp.minimum(1.0 / norm, 1.0 / c), 1.0)
+            return [g * scale for g in grads]
+        if clip.clipvalue is not None:
+            v = clip.clipvalue
+            return [jnp.clip(g, -v, v) for g in grads]
+        return grads
+
+    def update_fn(updates: Any, state: AdadeltaState, params: Any = None) -> tuple[Any, AdadeltaState]:
+        if params is None:
+            raise InputError("me.jax.adadelta needs `params` in update(grads, state, params) (for the EMA and p' − p).")
+        lr = learning_rate(state.iteration) if callable(learning_rate) else learning_rate
+        leaves, tree = jax.tree.flatten(params)
+        grads = clip_grads([g.astype(p.dtype) for g, p in zip(jax.tree.leaves(updates), leaves)])
+        accs, deltas = jax.tree.leaves(state.accumulated_grad), jax.tree.leaves(state.accumulated_delta_var)
+        new_p, new_a, new_u = [], [], []
+        for p, g, a, u in zip(leaves, grads, accs, deltas):
+            q, slots = step(jnp, p, g, AdadeltaSlots(a, u), lr=lr, rho=rho, epsilon=epsilon)
+            new_p.append(q)
+            new_a.append(slots.accumulators)
+            new_u.append(slots.updates)
+        average = state.average
+        if ema.use_ema:  # tf_keras: avg <- m*avg + (1-m)*var; overwrite every k-th update
+            m = ema.ema_momentum
+            average = [m * v + (1 - m) * q for v, q in zip(jax.tree.leaves(state.average), new_p)]
+            freq = ema.ema_overwrite_frequency
+            if freq:
+                now = (state.iteration + 1) % freq == 0
+                new_p = [jnp.where(now, v, q) for v, q in zip(average, new_p)]
+            average = jax.tree.unflatten(tree, average)
+        out = jax.tree.unflatten(tree, [q - p for q, p in zip(new_p, leaves)])
+        new_state = AdadeltaState(state.iteration + 1, jax.tree.unflatten(tree, new_a), jax.tree.unflatten(tree, new_u),
+                                  average)
+        return out, new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
