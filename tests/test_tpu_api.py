@@ -526,3 +526,46 @@ def test_tf_objects_and_symbolic_tensors(tf):
     assert isinstance(acts["a"], tf.Tensor) and acts["a"].shape == (3, 2)
     with pytest.raises(me.InputError, match="ragged_rank"):
         emb.enqueue({"a": tf.RaggedTensor.from_nested_row_lengths([1, 2, 3], [[1, 1, 1], [1, 1, 1]])})
+
+
+def test_one_sgd_step_matches_a_keras_sparse_update(tf):
+    """Keras 3's SGD on the IndexedSlices gradient of TF's CPU lookup (duplicate ids included)."""
+    keras = pytest.importorskip("keras", reason="keras 3 is needed for its sparse SGD update")
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("keras runs another backend here; the IndexedSlices update needs its TensorFlow backend")
+    table = me.tpu.TableConfig(vocabulary_size=12, dim=3, name="t", combiner="sqrtn")
+    config = (me.tpu.FeatureConfig(table), me.tpu.FeatureConfig(table))
+    emb = me.tpu.TPUEmbedding(config, me.tpu.SGD(0.2))
+    ids = (me.RaggedIds.from_lists([[1, 1, 2], [4], [], [2, 9]]), np.array([1, 4, 4, 11]))
+    emb.enqueue(ids)
+    start = emb.embedding_tables[table]
+    acts = emb.dequeue()
+    w = tuple(np.random.default_rng(k).standard_normal((B, 3)).astype(np.float32) for k in range(2))
+    emb.apply_gradients(w)
+    var = tf.Variable(start)
+    with tf.GradientTape() as tape:
+        first = tf.nn.safe_embedding_lookup_sparse(var, _to_tf(tf, ids[0]).to_sparse(), combiner="sqrtn")
+        second = tf.nn.embedding_lookup(var, ids[1])
+        loss = tf.reduce_sum(first * w[0]) + tf.reduce_sum(second * w[1])
+    np.testing.assert_allclose(first.numpy(), acts[0], rtol=1e-6)
+    (grad,) = tape.gradient(loss, [var])
+    keras.optimizers.SGD(0.2).apply_gradients([(grad, var)])
+    np.testing.assert_allclose(emb.embedding_tables[table], var.numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_same_numbers_on_every_backend(backend):
+    if backend not in me.available_backends():
+        pytest.skip(f"backend {backend!r} is not installed here")
+    runs = {}
+    for be in ("numpy", backend):
+        embedding, _, (t1, t2) = _doc_example(me.tpu.Adagrad(0.5))
+        embedding = me.tpu.TPUEmbedding(embedding._feature_config, me.tpu.Adagrad(0.5), backend=be, num_shards=2)
+        for step, batch in enumerate(_batches(2)):
+            embedding.enqueue(batch)
+            acts = embedding.dequeue()
+            assert isinstance(acts, dict)
+            embedding.apply_gradients(_loss_grads({k: np.asarray(v) for k, v in acts.items()}, step))
+        runs[be] = [embedding.embedding_tables[t] for t in (t1, t2)]
+    for a, b in zip(runs["numpy"], runs[backend]):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
