@@ -115,6 +115,9 @@ def build_layout(config: Any) -> Layout:
                 "default `optimizer=` on the EmbeddingConfig (e.g. me.embedding.SGD(0.1))."
             )
         _check_quantization(t.name, t.optimizer)
+        check_domain = getattr(t.optimizer, "check_domain", None)
+        if check_domain is not None:  # specs read from a proto are checked here, not when parsed
+            check_domain(table=t.name)
         combiner = str(getattr(t, "combiner", "mean") or "mean").lower()
         tables.append(
             TableSpec(
