@@ -677,3 +677,45 @@ def test_random_corruptions_are_refused_or_harmless(tmp_path_factory, name, wher
         data[(int(where * len(data)) + 7 * j) % len(data)] ^= mask
     (path / name).write_bytes(bytes(data))
     assert _restore_or_refuse(path, original)
+
+
+# ------------------------------------------------------------------------------- a real SIGKILL
+_CHILD = """
+import sys
+import meshembed as me
+cfg = me.EmbeddingConfig(tables=[me.TableConfig("t", 100_000, 16, optimizer=me.embedding.Adadelta(0.1, rho=0.9, epsilon=1e-6))],
+                         features=[me.FeatureConfig("t", (4,), name="f")])
+emb = me.TPUEmbedding(cfg, num_shards=1, seed=11)
+emb.save(sys.argv[1])
+print("ready", flush=True)
+while True:
+    emb.save(sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_during_saves_keeps_a_checkpoint_and_the_next_save_cleans_up(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "ckpt"
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            time.sleep(float(rng.uniform(0.05, 0.6)))
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the kill may have come between the two renames
+        emb = me.TPUEmbedding.restore(path)
+    fresh = me.TPUEmbedding(emb.config, num_shards=1, seed=11)
+    assert_same(state(emb), state(fresh))
+    left = [n for n in os.listdir(tmp_path) if n != "ckpt"]
+    assert all(n.startswith(("ckpt.tmp-", "ckpt.old-")) for n in left)
+    emb.save(path)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"], left
