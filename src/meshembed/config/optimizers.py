@@ -114,7 +114,8 @@ def _check_learning_rate(value: Any, where: str = "") -> Any:
     return as_float("learning_rate", value, where)
 
 
-#: A constant learning rate is stored (and applied) as float32: 1e39 rounds to inf there.
+#: A constant learning rate is finite (as_float already refuses 1e39, inf in float32; a proto
+#: can still carry inf, which the engine's check refuses).
 LEARNING_RATE = FINITE.citing("an infinite learning rate writes inf into the table")
 #: Decoupled weight decay shrinks weights; PyTorch's optimizers also refuse weight_decay < 0.
 WEIGHT_DECAY = NON_NEGATIVE.citing("decay shrinks weights, as PyTorch's weight_decay >= 0")
