@@ -102,7 +102,7 @@ def test_crash_between_renames_falls_back_to_previous(tmp_path, monkeypatch):
 
     def replace(src, dst):
         calls.append((src, dst))
-        if len(calls) == 2:  # old moved aside, new not yet in place: "power cut"
+        if len(calls) >= 2:  # old moved aside, new not yet in place: "power cut", nothing after runs
             raise OSError("power cut (injected)")
         return real_replace(src, dst)
 
@@ -128,3 +128,25 @@ def test_corrupt_checkpoint_is_refused(tmp_path):
         me.TPUEmbedding.restore(tmp_path / "ckpt")
     with pytest.raises(me.CheckpointError, match="No checkpoint"):
         me.TPUEmbedding.restore(tmp_path / "missing")
+
+
+def test_failed_second_rename_puts_the_previous_checkpoint_back(tmp_path, monkeypatch):
+    emb = me.TPUEmbedding(config())
+    emb.save(tmp_path / "ckpt")
+    saved = snapshot(emb)
+    run(emb, steps=1)
+    real_replace = checkpoint.os.replace
+    calls = []
+
+    def replace(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:  # moving the new checkpoint into place fails (e.g. EXDEV, EBUSY)
+            raise OSError("rename failed (injected)")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    with pytest.raises(OSError, match="rename failed"):
+        emb.save(tmp_path / "ckpt")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert_same_state(saved, snapshot(me.TPUEmbedding.restore(tmp_path / "ckpt")))

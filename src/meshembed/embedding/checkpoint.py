@@ -370,6 +370,11 @@ def _write_atomically(engine: Any, path: Any, collected: tuple) -> None:
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except BaseException:
+        if old is not None and not os.path.lexists(path):
+            try:  # the second rename failed: put the previous checkpoint back at path
+                os.replace(old, path)
+            except OSError:
+                pass  # restore(path) falls back to path.old-*
         _remove_ours(tmp)
         raise
     if old is not None:
