@@ -14,6 +14,8 @@ docs/tpu.md, "Porting from tf.tpu.experimental.embedding", for what maps and wha
 
 from __future__ import annotations
 
+from typing import Any
+
 from meshembed.tpu._config import OPTIMIZERS, FeatureConfig, QuantizationConfig, RowIdInitializer, TableConfig
 from meshembed.tpu._embedding import TPUEmbedding
 from meshembed.tpu._serving import TPUEmbeddingForServing, serving_embedding_lookup
@@ -37,10 +39,21 @@ ProximalAdagrad = OPTIMIZERS["ProximalAdagrad"]
 ProximalYogi = OPTIMIZERS["ProximalYogi"]
 RMSProp = OPTIMIZERS["RMSProp"]
 
+
+
+def __getattr__(name: str) -> Any:
+    """``TPUEmbeddingConfiguration``: the generated proto class (package ``meshembed.tpu``)."""
+    if name == "TPUEmbeddingConfiguration":
+        from meshembed._proto.tpu_embedding_configuration_pb2 import TPUEmbeddingConfiguration
+
+        return TPUEmbeddingConfiguration
+    raise AttributeError(f"module 'meshembed.tpu' has no attribute {name!r}")
+
+
 __all__ = [
     "FTRL", "SGD", "Adadelta", "Adagrad", "AdagradMomentum", "Adam", "Assign", "BoundedAdagrad",
     "CenteredRMSProp", "FeatureConfig", "FrequencyAwareAdagrad", "FrequencyEstimator", "Lion",
     "MDLAdagradLight", "Momentum", "OnlineYogi", "ProximalAdagrad", "ProximalYogi", "QuantizationConfig",
     "RMSProp", "RowIdInitializer", "TPUEmbedding", "TPUEmbeddingForServing", "TableConfig",
-    "serving_embedding_lookup",
+    "TPUEmbeddingConfiguration", "serving_embedding_lookup",
 ]

@@ -9,13 +9,14 @@ does not depend on how the engine orders or returns its features.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from meshembed.config import EmbeddingConfig
 from meshembed.config import FeatureConfig as _EngineFeature
-from meshembed.config._common import invalid
+from meshembed.config._common import as_bool, invalid
 from meshembed.config.optimizers import OptimizerSpec
 from meshembed.embedding import RaggedIds, SparseIds
 from meshembed.embedding import TPUEmbedding as _Engine
@@ -151,7 +152,8 @@ class TPUEmbedding:
         self._table_names = dict(zip(map(id, tables), names))
         self._engine_tables = [t._engine(n, optimizer) for t, n in zip(tables, names)]
         self._optimizer = optimizer
-        self._pipeline = bool(pipeline_execution_with_tensor_core)
+        self._pipeline = as_bool("pipeline_execution_with_tensor_core", pipeline_execution_with_tensor_core,
+                                 "TPUEmbedding")
         self._engine_args = dict(backend=backend, num_shards=num_shards, mesh=mesh, seed=seed)
         self._output_shapes: list[tuple[int, ...] | None] = [f.output_shape for f in self._features]
         self._engine: _Engine | None = None
@@ -270,7 +272,7 @@ class TPUEmbedding:
         """The activations in feature_config's nest, each ``output_shape + [dim]``."""
         engine = self._require_built("dequeue")
         acts = engine.dequeue()
-        flat = [acts[p] for p in self._paths] if isinstance(acts, dict) else list(acts)
+        flat = [acts[p] for p in self._paths] if isinstance(acts, Mapping) else list(acts)
         if self._tf_io:
             flat = [to_tf(engine.backend.to_numpy(a)) for a in flat]
         return self._pack(flat)

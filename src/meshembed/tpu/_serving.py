@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from meshembed.backend import get_backend
+from meshembed.config import SGD
 from meshembed.embedding import RaggedIds, SparseIds
 from meshembed.embedding import TPUEmbedding as _Engine
 from meshembed.embedding import combiners, inputs
@@ -149,7 +150,8 @@ class TPUEmbeddingForServing:
     live arrays; calling the object (or ``embedding_lookup``) looks features up."""
 
     def __init__(self, feature_config: Any, optimizer: Any = None, *, seed: int = 0) -> None:
-        probe = TPUEmbedding(feature_config, optimizer if optimizer is not None else _SERVING_OPT)
+        # the optimizer only fills in tables that have none (serving never updates them)
+        probe = TPUEmbedding(feature_config, optimizer if optimizer is not None else SGD(0.0))
         self._feature_config = feature_config
         self._names = {t: probe.table_name(t) for t in probe._tables}
         self._tables: dict[TableConfig, np.ndarray] = {}
@@ -191,8 +193,3 @@ class TPUEmbeddingForServing:
         return serving_embedding_lookup(features, weights, self._tables, self._feature_config)
 
     __call__ = embedding_lookup
-
-
-from meshembed.config import SGD as _SGD  # noqa: E402 - only names the slots-free probe's optimizer
-
-_SERVING_OPT = _SGD(0.0)
