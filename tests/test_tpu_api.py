@@ -388,7 +388,18 @@ def test_serving_from_a_checkpoint(tmp_path):
     batch = _batches(1)[0]
     embedding.enqueue(batch)
     embedding.apply_gradients(_loss_grads(embedding.dequeue(), 0))
-    embedding.engine.save(tmp_path / "ckpt")
+    embedding.save(tmp_path / "ckpt")
+    resumed, _, (r1, _) = _doc_example(me.tpu.SGD(0.1))
+    resumed.build(per_replica_batch_size=B)
+    resumed.restore(tmp_path / "ckpt")
+    np.testing.assert_array_equal(resumed.embedding_tables[r1], embedding.embedding_tables[t1])
+    assert resumed.engine.step == 1
+    other = me.tpu.TPUEmbedding(me.tpu.FeatureConfig(me.tpu.TableConfig(vocabulary_size=13, dim=5)), me.tpu.SGD())
+    other.build(B)
+    before = other.embedding_tables
+    with pytest.raises(me.InputError, match="table 'table_0'.*shape"):
+        other.restore(tmp_path / "ckpt")
+    np.testing.assert_array_equal(other.embedding_tables[other._tables[0]], before[other._tables[0]])
     serving = me.tpu.TPUEmbeddingForServing(config)
     serving.load_from(tmp_path / "ckpt")
     np.testing.assert_array_equal(serving.embedding_tables[t1], embedding.embedding_tables[t1])

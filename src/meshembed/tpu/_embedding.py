@@ -296,5 +296,31 @@ class TPUEmbedding:
         """``{TableConfig: {"parameters": ..., <slot>: ...}}`` (TF's slot names are the TPU's)."""
         return {t: self.engine.retrieve_parameters(self._table_names[id(t)]) for t in self._tables}
 
+    # -- checkpoints (TF's tf.train.Checkpoint has no meshembed counterpart) --------------------
+    def save(self, path: Any) -> Any:
+        """Write the tables, slots and step as the engine's checkpoint directory."""
+        return self.engine.save(path)
+
+    def restore(self, path: Any) -> None:
+        """Load tables, slots and step from a checkpoint of the same tables (any backend or
+        shard count wrote it). Every table is checked before any is written."""
+        engine = self.engine
+        saved = _Engine.restore(path, backend="numpy", num_shards=1)
+        values = {}
+        for t in self._tables:
+            name = self._table_names[id(t)]
+            if name not in saved.table_names:
+                raise InputError(f"Invalid checkpoint {str(path)!r}: it has no table '{name}' "
+                                 f"(it has {saved.table_names}).")
+            got, want = saved.retrieve_parameters(name), ("parameters",) + engine.table_slot_names(name)
+            if tuple(got) != want or got["parameters"].shape != (t.vocabulary_size, t.dim):
+                raise InputError(f"Invalid checkpoint {str(path)!r} for table '{name}': expected "
+                                 f"{list(want)} of shape {(t.vocabulary_size, t.dim)}. Received: {list(got)} of "
+                                 f"shape {got['parameters'].shape}.")
+            values[name] = got
+        for name, got in values.items():
+            engine.load_parameters(name, **got)
+        engine.step = saved.step
+
     def __repr__(self) -> str:
         return f"meshembed.tpu.TPUEmbedding(features={self._paths}, tables={list(self._table_names.values())})"
