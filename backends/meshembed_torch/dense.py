@@ -115,18 +115,20 @@ class TorchDenseMixin:
 
     def value_and_grad(self, fn: Callable[..., Any], values: Sequence[Any]) -> tuple[Any, list[Any]]:
         """Loss and d loss / d values by torch autograd, on detached copies so the caller's
-        tensors never join a graph. Values the loss does not use get zero gradients."""
+        tensors never join a graph. Values the loss does not use get zero gradients. A
+        non-scalar loss is summed first (what tf.GradientTape and tf_keras do)."""
         import torch
 
         leaves = [v.detach().requires_grad_(True) for v in values]
         with torch.enable_grad():
             loss = fn(*leaves)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
                 raise InputError(
-                    "Invalid `loss`. Expected a callable returning a scalar tensor. "
-                    f"Received: loss value of type {type(loss).__name__}"
-                    + (f" with shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                    "Invalid `loss`. Expected a callable returning a floating tensor (a non-scalar one is "
+                    f"summed). Received: loss value of type {type(loss).__name__}"
+                    + (f" with dtype {loss.dtype}" if isinstance(loss, torch.Tensor) else "")
                 )
-            grads = torch.autograd.grad(loss.sum() if loss.dim() else loss, leaves, allow_unused=True)
+            loss = loss.sum() if loss.dim() else loss
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         out = [torch.zeros_like(v) if g is None else g.detach() for v, g in zip(leaves, grads)]
         return loss.detach(), out

@@ -29,6 +29,7 @@ import copy
 import inspect
 import math
 import numbers
+import re
 import warnings
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
@@ -40,7 +41,7 @@ from meshembed.math.common import decay_weights
 from meshembed.optimizers import schedules
 from meshembed.optimizers.options import EMAOption, GradientsClipOption, sum_squares
 from meshembed.sharding.mesh import Layout, Mesh
-from meshembed.variable import IndexedSlices, Variable, _Fresh, dtype_name
+from meshembed.variable import IndexedSlices, Variable, _Fresh, _to_backend, dtype_name
 
 __all__ = ["Optimizer"]
 
@@ -274,10 +275,8 @@ class Optimizer:
     def _check_trainable(v: Variable) -> None:
         """Only real floating variables: an integer one would truncate every update, and a
         complex one has no Adadelta of its own (torch.optim runs it on the real view)."""
-        try:
-            kind = np.dtype(v.dtype).kind
-        except TypeError:
-            kind = "f" if "float" in v.dtype else "?"
+        name = v.dtype
+        kind = "f" if "float" in name else "c" if "complex" in name else "i"
         if kind != "f":
             fix = ("optimize torch.view_as_real / the real and imaginary parts as float variables"
                    if kind == "c" else "create it with a float dtype (e.g. dtype='float32')")
@@ -566,7 +565,7 @@ class Optimizer:
         try:
             if native:
                 return backend.xp.astype(value, variable.value.dtype)
-            host = backend.asarray(np.asarray(arr, dtype=np.float64) if arr.dtype.kind in "iu" else arr)
+            host = _to_backend(backend, np.asarray(arr, dtype=np.float64) if arr.dtype.kind in "iu" else arr, None)
             return backend.xp.astype(host, variable.value.dtype)
         except (TypeError, ValueError) as exc:
             raise InputError(
@@ -724,12 +723,31 @@ class Optimizer:
         return [IndexedSlices(c, g.indices, g.dense_shape) if isinstance(g, IndexedSlices) else c
                 for g, c in zip(grads, clipped)]
 
+    def exclude_from_weight_decay(self, var_list: Sequence[Variable] | None = None,
+                                  var_names: Sequence[str] | None = None) -> None:
+        """Keras: no weight decay for these variables, or for variables whose name contains
+        one of ``var_names`` (a regular-expression search). Call before the first step."""
+        if self.built:
+            raise StateError("Invalid call: exclude_from_weight_decay() after the optimizer was built. Call it first.")
+        self._wd_excluded = {id(v) for v in self._check_var_list(var_list or [], "var_list")}
+        names = list(var_names or [])
+        if any(not isinstance(n, str) for n in names):
+            raise ConfigError(f"Invalid `var_names`. Expected strings. Received: var_names={var_names!r}")
+        self._wd_pattern = re.compile("|".join(sorted(set(names)))) if names else None
+
+    def _uses_weight_decay(self, v: Variable) -> bool:
+        if id(v) in getattr(self, "_wd_excluded", ()):
+            return False
+        pattern = getattr(self, "_wd_pattern", None)
+        return pattern is None or pattern.search(v.name) is None
+
     def _decay_weights(self, variables: Sequence[Variable], lr: float) -> None:
         """Keras' decoupled weight decay ``w ← w − w·(wd·lr)`` before the update (core math)."""
         if not self.weight_decay:
             return
         for v in variables:
-            self._write(v, decay_weights(self._xp, self._read(v), self.weight_decay * lr))
+            if self._uses_weight_decay(v):
+                self._write(v, decay_weights(self._xp, self._read(v), self.weight_decay * lr))
 
     def _update_averages(self, variables: Sequence[Variable]) -> None:
         """tf_keras: ``avg ← m·avg + (1−m)·var`` from an average built at the variable.

@@ -172,8 +172,11 @@ def serialize(schedule: Any) -> dict[str, Any]:
             "PiecewiseConstantDecay), which can be written to a config; a plain callable cannot. "
             f"Received: learning_rate={schedule!r}"
         )
-    return {"module": _MODULE, "class_name": type(schedule).__name__, "config": dict(schedule.get_config()),
-            "registered_name": None}
+    name = type(schedule).__name__
+    if _BUILTIN.get(name) is type(schedule):
+        return {"module": _MODULE, "class_name": name, "config": dict(schedule.get_config()), "registered_name": None}
+    # a user's schedule: tf_keras' form (no module; found by name in custom_objects on load)
+    return {"module": None, "class_name": name, "config": dict(schedule.get_config()), "registered_name": name}
 
 
 def deserialize(config: dict[str, Any], custom_objects: dict[str, Any] | None = None) -> LearningRateSchedule:
