@@ -212,8 +212,20 @@ class JaxDenseMixin:
         """Loss and gradients of ``fn(*values)`` by ``jax.value_and_grad`` over all values;
         gradients keep the values' shardings under SPMD propagation."""
         import jax
+        import jax.numpy as jnp
 
-        loss, grads = jax.value_and_grad(lambda vals: fn(*vals))(list(values))
+        from meshembed.errors import InputError
+
+        def summed(vals: Any) -> Any:  # a non-scalar loss is summed, as tf.GradientTape does
+            loss = fn(*vals)
+            if not hasattr(loss, "dtype") or not jnp.issubdtype(loss.dtype, jnp.floating):
+                raise InputError(
+                    "Invalid `loss`. Expected a callable returning a floating array (a non-scalar one is "
+                    f"summed). Received: loss value of type {type(loss).__name__}"
+                )
+            return jnp.sum(loss)
+
+        loss, grads = jax.value_and_grad(summed)(list(values))
         return loss, list(grads)
 
 
