@@ -285,6 +285,18 @@ class RanksBackend(Backend):
         w = None if grad_weights is None else self._part(self.inner.asarray(grad_weights).reshape(-1))
         return self.inner.update_rows(tables, self._part(ids), grads, fn, grad_index=index, grad_weights=w)
 
+    # ``update_rows_in_order`` is the protocol's own (occurrence rounds through the split
+    # ``update_rows`` above): every rank computes the same rounds from the same whole input.
+
+    # -- processes: the wrapped backend's collectives --------------------------------------------
+    @property
+    def processes(self) -> int:
+        return self.inner.processes
+
+    def agree(self, status: int = 0) -> tuple[int, ...]:
+        COLLECTIVE_CALLS[0] += 1
+        return self.inner.agree(status)
+
     # -- compilation and the dense side: passed through ----------------------------------------
     def compile(self, fn: Callable, **options: Any) -> Callable:
         return self.inner.compile(fn, **options)

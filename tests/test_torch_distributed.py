@@ -266,13 +266,23 @@ SCENARIOS = {"protocol": _scenario_protocol, "engine": _scenario_engine, "kill":
              "checkpoint": _scenario_checkpoint}
 
 
+def _scenario(name: str):
+    """A scenario of this file by name, or any module's as ``"package.module:function"``."""
+    if ":" not in name:
+        return SCENARIOS[name]
+    import importlib
+
+    module, func = name.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
 def _worker(rank: int, world: int, port: int, scenario: str, tmp: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)  # several ranks share 2 cores
     out_dir = pathlib.Path(tmp)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=PG_TIMEOUT_S))
-        result = SCENARIOS[scenario](rank, world, out_dir)
+        result = _scenario(scenario)(rank, world, out_dir)
         np.savez(out_dir / f"rank{rank}.npz", **result)
     except BaseException:
         (out_dir / f"rank{rank}.err").write_text(traceback.format_exc())

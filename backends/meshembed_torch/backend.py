@@ -389,11 +389,56 @@ class TorchBackend(TorchDenseMixin, Backend):
         g = self._k.sum_segments(seg, g_src, weights=w, rows=rows_of)
         uids = seg.unique
         if first.group is not None:  # owners sum the contributions of every rank
-            route = self._dist.Route(first.group, self._owner_rank(first, uids))
-            g = route.send("gradients", g.reshape(uids.shape[0], first.data.shape[1]))
-            uids = route.send("ids", uids)
+            uids, g = self._to_owners(first, uids, g)
             seg = self._k.segments(uids)
             uids, g = seg.unique, self._k.sum_segments(seg, g)
+        self._update_held(tables, uids, g, fn)
+        return list(tables)
+
+    def update_rows_in_order(self, tables: Sequence[TorchShardedTable], ids: Any, grads: Any,
+                             fn: Callable[..., tuple[Any, ...]], *, groups: Any = None,
+                             guard: Any = None) -> list[TorchShardedTable]:
+        """Gradient accumulation off. Distributed, every (id, row, group) goes to its owner
+        unsummed (one route, the same collectives on every rank whatever its ids); the owner
+        receives them grouped by source rank, each in input order, sorts them stably by group
+        — the order of the batch concatenated feature by feature, then rank — and applies them
+        in occurrence rounds on its own, so the number of rounds (which differs per rank)
+        needs no agreement. One process: the protocol's rounds."""
+        if not tables or tables[0].group is None:
+            return super().update_rows_in_order(tables, ids, grads, fn, groups=groups, guard=guard)
+        torch = self._torch
+        first = tables[0]
+        ids = self._ids(ids, first)
+        g = self.asarray(grads).to(first.data.device)
+        keys = torch.zeros_like(ids) if groups is None else self.asarray(groups).to(ids).reshape(-1)
+        if g.shape[0] != ids.shape[0] or keys.shape[0] != ids.shape[0]:
+            raise InputError(
+                f"Invalid `grads`/`groups`: expected one row and one group per id ({ids.shape[0]}). "
+                f"Received: shapes {tuple(g.shape)}, {tuple(keys.shape)}"
+            )
+        route = self._dist.Route(first.group, self._owner_rank(first, ids))
+        g = route.send("gradients", g.reshape(ids.shape[0], first.data.shape[1]))
+        ids, keys = route.send("ids", ids), route.send("groups", keys)
+        order = torch.sort(keys, stable=True)[1]  # by group; source rank, then position, within it
+        ids, g = ids.index_select(0, order), g.index_select(0, order)
+        from meshembed.embedding.updates import occurrence_rounds
+
+        rounds = torch.from_numpy(occurrence_rounds(ids.cpu().numpy())).to(ids.device)
+        for r in range(int(rounds.max()) + 1 if rounds.numel() else 0):
+            pick = (rounds == r).nonzero().reshape(-1)
+            self._update_held(tables, ids.index_select(0, pick), g.index_select(0, pick), fn)
+        return list(tables)
+
+    def _to_owners(self, table: TorchShardedTable, ids: Any, g: Any) -> tuple[Any, Any]:
+        """``(ids, rows)`` that every rank sent to this one (the rows it owns), grouped by
+        source rank in each rank's order. Collective (three all-to-alls), even with no ids."""
+        route = self._dist.Route(table.group, self._owner_rank(table, ids))
+        g = route.send("gradients", g.reshape(ids.shape[0], table.data.shape[1]))
+        return route.send("ids", ids), g
+
+    def _update_held(self, tables: Sequence[TorchShardedTable], uids: Any, g: Any, fn: Callable) -> None:
+        """``fn`` on the rows of *unique* ids held here: gather → fn → scatter in place."""
+        first = tables[0]
         index = first.rowmap.local_index(uids)
         datas = [t.data for t in tables]
         fused = self._fused_update(fn, index.shape[0] * first.data.shape[1], first.data.device,
@@ -402,9 +447,19 @@ class TorchBackend(TorchDenseMixin, Backend):
             _gather_update_scatter(fn, g, index, *datas)
         else:
             self._run_compiled(fused, _gather_update_scatter, fn, g, index, *datas)
-        return list(tables)
 
     # -- processes -------------------------------------------------------------------------------
+    @property
+    def processes(self) -> int:
+        """The process group's size (1 when ``torch.distributed`` is not initialised)."""
+        return self._torch.distributed.get_world_size() if self._dist.is_initialized() else 1
+
+    def agree(self, status: int = 0) -> tuple[int, ...]:
+        """Every rank's status, by rank: one ``all_reduce`` of a ``[world]`` vector. Collective."""
+        if not self._dist.is_initialized():
+            return (int(status),)
+        return self._rank_group().statuses(int(status), self.device)
+
     @property
     def is_writer(self) -> bool:
         """Rank 0 writes shared files (checkpoints); True in a single process."""

@@ -87,6 +87,14 @@ class RankGroup:
         self._run("all_reduce (barrier)", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pg))
         return bool(int(flag.item()))
 
+    def statuses(self, status: int, device: Any) -> tuple[int, ...]:
+        """Every rank's ``status``, in rank order (one all-reduce of a ``[world]`` vector in
+        which each rank fills its own entry)."""
+        flags = torch.zeros(self.world, dtype=torch.int64, device=device)
+        flags[self.rank] = status
+        self._run("all_reduce (agree)", lambda: dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.pg))
+        return tuple(int(v) for v in flags.tolist())
+
     def all_gather_rows(self, what: str, local: torch.Tensor, rows: int) -> list[torch.Tensor]:
         """Every rank's ``local`` (padded to ``rows`` rows so sizes match)."""
         if local.shape[0] < rows:

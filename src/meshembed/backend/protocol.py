@@ -87,6 +87,11 @@ class Backend(abc.ABC):
         """Whether ``x`` is already this backend's array type."""
         return isinstance(x, np.ndarray)
 
+    def is_traced(self, x: Any) -> bool:
+        """Whether ``x`` is an abstract value of a trace (a JAX tracer inside ``jax.jit``):
+        the stateful engine refuses it rather than storing it. Eager backends: never."""
+        return False
+
     # -- sharded row tables ------------------------------------------------------------
     @abc.abstractmethod
     def create_table(self, values: np.ndarray, placement: Placement) -> ShardedTable:
@@ -191,7 +196,55 @@ class Backend(abc.ABC):
         new_rows = fn(g, *rows)
         return [self.scatter(t, uids, r) for t, r in zip(tables, new_rows)]
 
+    def update_rows_in_order(
+        self,
+        tables: Sequence[ShardedTable],
+        ids: np.ndarray,
+        grads: Array,
+        fn: Callable[..., tuple[Array, ...]],
+        *,
+        groups: np.ndarray | None = None,
+        guard: Array | None = None,
+    ) -> list[ShardedTable]:
+        """Apply ``fn`` once per *occurrence* of every id, unsummed (gradient accumulation off):
+        an id's contributions go in one after another in input order and, with several
+        processes, ordered by ``groups`` (non-decreasing host ints, e.g. the feature of each
+        id; default all 0), then by process, then by position — the order of every process's
+        batch concatenated group by group (feature by feature), as in one process.
+
+        ``ids`` are host int64 ids (``[n]``), ``grads`` their ``[n, D]`` rows. The default runs
+        rounds in which each id occurs at most once (round r: the r-th occurrence of every id)
+        through :meth:`update_rows`, which is right for one process (or for processes that all
+        pass the same ids). A multi-process backend routes the contributions to the owners and
+        runs the rounds there, so the number of rounds never has to match across processes."""
+        from meshembed.embedding.updates import occurrence_rounds
+
+        guarded = {} if guard is None else {"guard": guard}
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        rounds = occurrence_rounds(ids)
+        state = list(tables)
+        for r in range(int(rounds.max()) + 1 if rounds.size else 0):
+            pick = np.flatnonzero(rounds == r)
+            sel = self.xp.take(grads, self.asarray(pick, dtype="int64"), axis=0)
+            state = list(self.update_rows(state, self.asarray(ids[pick], dtype="int64"), sel, fn, **guarded))
+        return state
+
     # -- processes -----------------------------------------------------------------------
+    @property
+    def processes(self) -> int:
+        """How many processes share the tables (1 here). Above 1, every call that may run a
+        collective — ``gather``, ``gather_combine``, ``scatter``, ``update_rows``,
+        ``update_rows_in_order``, ``unshard``, :meth:`agree`, :meth:`barrier` — must be made by
+        every process, in the same order, whatever its local ids (an empty batch included)."""
+        return 1
+
+    def agree(self, status: int = 0) -> tuple[int, ...]:
+        """Every process's ``status`` (0: its input is valid; else an error code), in process
+        order: one tiny all-gather, so that an input rejected on one process is known to all
+        of them before any collective that moves rows (validate, then agree: see
+        ``meshembed.embedding.agreement``). Single process: ``(status,)``, no communication."""
+        return (int(status),)
+
     @property
     def is_writer(self) -> bool:
         """Whether this process writes files that every process shares (checkpoints).

@@ -21,6 +21,7 @@ import numpy as np
 
 from meshembed.backend import Backend, get_backend
 from meshembed.embedding import combiners, inputs
+from meshembed.embedding.agreement import agreed, validated
 from meshembed.embedding.initializers import Constant, default_initializer, initial_blocks, table_rng
 from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec, build_layout
 from meshembed.embedding.updates import apply_table, is_non_lazy, make_update_fn, uses_accumulation
@@ -242,6 +243,7 @@ class TPUEmbedding:
                 "batches with `training=False`."
             )
 
+    @agreed("enqueue")
     def enqueue(
         self,
         features: Any,
@@ -267,6 +269,7 @@ class TPUEmbedding:
         ]
         self._enqueue_batches(batches, mode)
 
+    @agreed("enqueue")
     def _enqueue_batches(
         self, batches: Sequence[inputs.FeatureBatch], mode: str, combiners_override: Sequence[str] | None = None
     ) -> None:
@@ -293,6 +296,7 @@ class TPUEmbedding:
                     unit_scale=unit,
                 )
             )
+        validated(self.backend)  # every process's batch is valid: only then is it stored
         self._pending = _Pending(mode, device)
 
     # -- dequeue ---------------------------------------------------------------------------
@@ -407,6 +411,7 @@ class TPUEmbedding:
             "`allow_nonfinite=True` to apply them anyway."
         )
 
+    @agreed("apply_gradients")
     def apply_gradients(
         self,
         gradients: Any,
@@ -441,6 +446,7 @@ class TPUEmbedding:
                     self.backend.check_update(self._state[t.index], np.concatenate(ids))
                 except CapacityError as exc:
                     raise CapacityError(f"Table {t.name!r}: {exc}") from None
+        validated(self.backend)  # every process's input is valid: now the row exchange
         new_state = {}
         for t in self.layout.tables:
             parts = per_table[t.index]
@@ -474,7 +480,8 @@ class TPUEmbedding:
             if row_grads is None:
                 row_grads = self.backend.asarray(np.zeros((0, t.dimension), np.float32))
             new_state[t.index] = apply_table(self.backend, self._state[t.index], t, host_ids, row_grads, lrs,
-                                             fns[t.index], guard=guard)
+                                             fns[t.index], guard=guard,
+                                             part_sizes=[int(d.host_ids.shape[0]) for d, _ in parts])
         if guard is not None and not bool(guard):  # every update wrote nothing
             bad = [f for f, g in zip(self.layout.features, grads) if not self.backend.all_finite(g)]
             raise self._nonfinite_error(bad[0] if bad else self.layout.features[0])

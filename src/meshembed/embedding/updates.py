@@ -6,7 +6,11 @@
 * Non-lazy Adam / Lion: every row of the table is updated, with g = 0 where not looked up.
 * Gradient accumulation OFF: contributions are applied one after another, unsummed. We apply
   them in rounds where each id occurs at most once (round r holds the r-th occurrence of
-  every id, in enqueue order), which is one valid order of the unspecified hardware order.
+  every id, in enqueue order; with several processes, in rank order after that: the
+  concatenated batch), which is one valid order of the unspecified hardware order
+  (``Backend.update_rows_in_order``).
+* Several processes: every process calls the backend for every table of a step, also when
+  it has no ids (the backend's calls are collective; ``Backend.processes``).
 
 The optimizer itself is ``meshembed.math.apply_update`` bound to this table's
 hyper-parameters and learning rate; the backend's ``update_rows`` gathers, calls it and
@@ -218,11 +222,14 @@ def apply_table(
     learning_rates: Sequence[float],
     fn: Callable[..., tuple] | None = None,
     guard: Any = None,
+    part_sizes: Sequence[int] | None = None,
 ) -> list[Any]:
     """Run the optimizer on ``table``'s rows; returns the new ``[params, *slots]``.
 
     ``fn`` is ``make_update_fn``'s result when the caller built (and so validated) it first;
-    ``guard`` goes to every ``update_rows`` (false: nothing is written)."""
+    ``guard`` goes to every ``update_rows`` (false: nothing is written). ``part_sizes``: how
+    many of ``host_ids`` each feature contributed, in order (gradient accumulation off with
+    several processes orders an id's contributions by feature, then rank)."""
     xp = backend.xp
     guarded = {} if guard is None else {"guard": guard}
     if fn is None:
@@ -235,13 +242,9 @@ def apply_table(
         )
         ids = backend.asarray(np.concatenate([host_ids, every]), dtype="int64")
         return list(backend.update_rows(state, ids, xp.concat([row_grads, zeros], axis=0), fn, **guarded))
-    if host_ids.size == 0:
-        return state
+    if host_ids.size == 0 and backend.processes == 1:
+        return state  # with several processes an empty rank still takes part in the update
     if uses_accumulation(table):
         return list(backend.update_rows(state, backend.asarray(host_ids, dtype="int64"), row_grads, fn, **guarded))
-    rounds = occurrence_rounds(host_ids)
-    for r in range(int(rounds.max()) + 1):
-        pick = np.flatnonzero(rounds == r)
-        sel = xp.take(row_grads, backend.asarray(pick, dtype="int64"), axis=0)
-        state = list(backend.update_rows(state, backend.asarray(host_ids[pick], dtype="int64"), sel, fn, **guarded))
-    return state
+    groups = None if part_sizes is None else np.repeat(np.arange(len(part_sizes)), part_sizes)
+    return list(backend.update_rows_in_order(state, host_ids, row_grads, fn, groups=groups, **guarded))

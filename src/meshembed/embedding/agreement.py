@@ -1,0 +1,120 @@
+"""Validate, then agree: one process's bad input fails the call on every process.
+
+With several processes (torch.distributed ranks) every engine call runs the same collectives
+on every rank. If one rank rejected its input (an id out of range, a NaN gradient, a wrong
+shape) and returned while the others went on into the row exchange, they would wait there
+for the process group's timeout (gloo's default: 30 minutes) or pair up with the wrong
+collective. So an engine method decorated with :func:`agreed` runs its local validation,
+then calls :func:`validated` before its first collective: one tiny all-gather of a status
+code (``Backend.agree``) tells every rank whether any rank failed. The failing rank raises
+its own error; the others raise the same type naming the failing rank; none has changed
+anything. A single-process backend answers at once, without communication.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+from meshembed.errors import (
+    BackendUnavailableError,
+    CapacityError,
+    CheckpointError,
+    ConfigError,
+    InputError,
+    MeshembedError,
+    StateError,
+)
+
+#: Status codes: 0 is success, k > 0 an error of type ``KINDS[k - 1]`` (the most specific
+#: one in this tuple that the error is an instance of; anything else counts as the base class).
+KINDS: tuple[type[MeshembedError], ...] = (
+    MeshembedError, InputError, CapacityError, StateError, ConfigError, CheckpointError, BackendUnavailableError,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass
+class _Call:
+    backend: Any
+    what: str
+    agreed: bool = False
+
+
+_CURRENT: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("meshembed_agreement", default=None)
+
+
+def status_of(exc: BaseException) -> int:
+    """The status code of an error (see :data:`KINDS`)."""
+    best = 0
+    for k, kind in enumerate(KINDS):
+        if isinstance(exc, kind) and issubclass(kind, KINDS[best]):
+            best = k
+    return best + 1
+
+
+def peer_error(what: str, statuses: tuple[int, ...]) -> MeshembedError:
+    """The error a process whose own input was valid raises when another's was not."""
+    bad = [r for r, s in enumerate(statuses) if s]
+    kind = KINDS[statuses[bad[0]] - 1] if 0 < statuses[bad[0]] <= len(KINDS) else MeshembedError
+    ranks = ", ".join(str(r) for r in bad)
+    return kind(
+        f"`{what}` failed on rank {ranks} of {len(statuses)} ({kind.__name__}): that rank rejected its "
+        f"input. This rank's input was valid, but no rank changed anything, so that the ranks stay in "
+        f"step. Fix: correct the input on rank {bad[0]} (its own error says what is wrong) and call "
+        f"`{what}` again on every rank."
+    )
+
+
+def agreed(what: str) -> Callable[[F], F]:
+    """Decorate an engine method (``self.backend`` is its backend) whose validation ends at a
+    :func:`validated` call: an error raised before that point is agreed with the other
+    processes (they raise :func:`peer_error`), and a call that returns without reaching it
+    still takes part in the agreement. Nested decorated calls share the outer one's."""
+
+    def decorate(method: F) -> F:
+        @functools.wraps(method)
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if _CURRENT.get() is not None:
+                return method(self, *args, **kwargs)
+            call = _Call(self.backend, what)
+            token = _CURRENT.set(call)
+            try:
+                out = method(self, *args, **kwargs)
+            except Exception as exc:
+                if not call.agreed:
+                    call.agreed = True
+                    try:
+                        call.backend.agree(status_of(exc))
+                    except Exception:  # noqa: BLE001 - a dead peer: the local error is the one to report
+                        pass
+                raise
+            finally:
+                _CURRENT.reset(token)
+            if not call.agreed:
+                _agree(call)
+            return out
+
+        return run  # type: ignore[return-value]
+
+    return decorate
+
+
+def validated(backend: Any) -> None:
+    """The end of a decorated call's validation: agree that every process's input is valid,
+    or raise :func:`peer_error`. Outside an :func:`agreed` call it agrees on its own."""
+    call = _CURRENT.get()
+    if call is None:
+        _agree(_Call(backend, "this call"))
+    elif not call.agreed:
+        _agree(call)
+
+
+def _agree(call: _Call) -> None:
+    call.agreed = True
+    statuses = tuple(call.backend.agree(0))
+    if any(statuses):
+        raise peer_error(call.what, statuses)
