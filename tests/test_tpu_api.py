@@ -580,3 +580,24 @@ def test_same_numbers_on_every_backend(backend):
         runs[be] = [embedding.embedding_tables[t] for t in (t1, t2)]
     for a, b in zip(runs["numpy"], runs[backend]):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_flatten_order_and_table_names_follow_tf_nest():
+    t_b, t_a = me.tpu.TableConfig(vocabulary_size=3, dim=2), me.tpu.TableConfig(vocabulary_size=4, dim=2)
+    config = {"b": me.tpu.FeatureConfig(t_b), "a": [me.tpu.FeatureConfig(t_a), {"z": me.tpu.FeatureConfig(t_b)}]}
+    emb = me.tpu.TPUEmbedding(config, me.tpu.SGD())
+    assert emb._paths == ["a/0", "a/1/z", "b"]  # sorted keys, as tf.nest.flatten
+    assert (emb.table_name(t_a), emb.table_name(t_b)) == ("table_0", "table_1")  # first use in that order
+    assert t_a.name is None  # the user's object is left alone
+
+
+def test_paths_equal_tf_nest_paths(tf):
+    from tensorflow.python.util import nest  # the joined-path flatten TF's TPUEmbedding uses
+
+    config, _ = _nested_configs()["namedtuple"]
+    emb = me.tpu.TPUEmbedding(config, me.tpu.SGD())
+    theirs = [p for p, _ in nest.flatten_with_joined_string_paths(config)]
+    assert emb._paths == theirs
+    config, _ = _nested_configs()["dict_of_dicts"]
+    emb = me.tpu.TPUEmbedding(config, me.tpu.SGD())
+    assert emb._paths == [p for p, _ in nest.flatten_with_joined_string_paths(config)]

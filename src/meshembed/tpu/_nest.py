@@ -20,7 +20,7 @@ __all__ = ["flatten_with_paths", "match", "pack", "is_container"]
 
 
 def is_container(x: Any) -> bool:
-    return isinstance(x, Mapping) or (isinstance(x, (list, tuple)))
+    return isinstance(x, (Mapping, list, tuple))
 
 
 def _sorted_keys(m: Mapping) -> list:
@@ -32,8 +32,11 @@ def _sorted_keys(m: Mapping) -> list:
 
 
 def _children(x: Any) -> list[tuple[Any, Any]]:
+    """``(path label, child)``: sorted keys, namedtuple field names (as tf.nest), or indices."""
     if isinstance(x, Mapping):
         return [(k, x[k]) for k in _sorted_keys(x)]
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return list(zip(x._fields, x))
     return list(enumerate(x))
 
 
@@ -56,8 +59,7 @@ def _kind(x: Any) -> str:
     return "a dict" if isinstance(x, Mapping) else f"a {type(x).__name__}"
 
 
-def match(config: Any, value: Any, what: str, is_config_leaf: Callable[[Any], bool],
-          allow_none_leaves: bool = True, path: str = "") -> list[Any]:
+def match(config: Any, value: Any, what: str, is_config_leaf: Callable[[Any], bool], path: str = "") -> list[Any]:
     """The leaves of ``value`` in the flattened order of ``config``; raises InputError naming
     the first path where ``value``'s structure differs from ``config``'s."""
     if is_config_leaf(config):
@@ -86,8 +88,9 @@ def match(config: Any, value: Any, what: str, is_config_leaf: Callable[[Any], bo
                 f"Invalid {where}: expected {len(config)} entries, as in feature_config. "
                 f"Received: {len(value)} entries.")
     out: list[Any] = []
-    for key, child in _children(config):
-        out.extend(match(child, value[key], what, is_config_leaf, allow_none_leaves, _join(path, key)))
+    for i, (key, child) in enumerate(_children(config)):
+        sub = value[key] if isinstance(config, Mapping) else value[i]
+        out.extend(match(child, sub, what, is_config_leaf, _join(path, key)))
     return out
 
 
