@@ -601,3 +601,18 @@ def test_paths_equal_tf_nest_paths(tf):
     config, _ = _nested_configs()["dict_of_dicts"]
     emb = me.tpu.TPUEmbedding(config, me.tpu.SGD())
     assert emb._paths == [p for p, _ in nest.flatten_with_joined_string_paths(config)]
+
+
+def test_quantization_config_matches_the_engine():
+    q = me.tpu.QuantizationConfig(num_buckets=5, lower=-0.5, upper=0.5)
+    t = me.tpu.TableConfig(vocabulary_size=6, dim=4, quantization_config=q, name="q")
+    emb = me.tpu.TPUEmbedding({"f": me.tpu.FeatureConfig(t)}, me.tpu.SGD(0.1))
+    ref_table = me.TableConfig("q", 6, 4, quantization=q)
+    ref = me.TPUEmbedding(me.EmbeddingConfig(features={"f": me.FeatureConfig(ref_table, (B,))},
+                                             optimizer=me.embedding.SGD(0.1)))
+    ids = np.array([0, 1, 2, 5])
+    emb.enqueue({"f": ids})
+    ref.enqueue({"f": ids})
+    got, want = emb.dequeue()["f"], _flat(ref.dequeue(), ref.feature_names)["f"]
+    np.testing.assert_array_equal(got, want)
+    assert set(np.round(np.unique(got), 6)) <= {-0.5, -0.25, 0.0, 0.25, 0.5}
