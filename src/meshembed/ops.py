@@ -303,13 +303,16 @@ def recv_tpu_embedding_activations(num_outputs: int, config: Any = b"") -> list[
             f"Invalid `num_outputs`: the config has {expected} "
             f"{'tables' if engine.layout.per_table_layout else 'features'}. Received: {num_outputs}"
         )
-    return engine.dequeue()
+    return engine._dequeue_list()  # the op's positional list, even for a dict of features
 
 
 def send_tpu_embedding_gradients(inputs: Sequence[Any], learning_rates: Sequence[Any] = (), config: Any = b"") -> None:
     """SendTPUEmbeddingGradients: ``∂loss/∂activation`` in Recv's layout; learning_rates[k]
     is the value of dynamic tag k."""
-    current_embedding(config).apply_gradients(list(inputs), learning_rates)
+    engine = current_embedding(config)
+    per = "table" if engine.layout.per_table_layout else "feature"
+    grads = _count(inputs, len(engine.layout.features), "inputs", per)
+    engine.apply_gradients(engine._structured(grads), learning_rates)
 
 
 # -- Load / Retrieve -------------------------------------------------------------------------
@@ -425,7 +428,7 @@ def load_all_tpu_embedding_parameters(
     aux = [auxiliary1, auxiliary2, auxiliary3, auxiliary4, auxiliary5, auxiliary6, auxiliary7]
     parameters = _count(parameters, n, "parameters", "table")
     aux = [_count(a, n, f"auxiliary{k + 1}", "table") for k, a in enumerate(aux)]
-    plan = []
+    plans = []
     for i, t in enumerate(engine.layout.tables):
         slots = tuple(t.optimizer.slot_names)
         given = {}
@@ -438,19 +441,11 @@ def load_all_tpu_embedding_parameters(
                     f"Invalid `auxiliary{k + 1}` for table {t.name!r}: its optimizer has "
                     f"{len(slots)} slot(s), so it must be empty. Received: shape={arr.shape}"
                 )
-        plan.append((t.name, parameters[i], given))
-    rows = {t.name: engine._shard_ids(t, num_shards, shard_id) for t in engine.layout.tables}
-    for t in engine.layout.tables:  # check every shape before writing any table
-        name, params, given = plan[t.index]
-        expected = (rows[name].shape[0], t.dimension)
-        for label, arr in [("parameters", params), *given.items()]:
-            if tuple(np.shape(_host(arr))) != expected:
-                raise InputError(
-                    f"Invalid `{label}` for table {name!r}: expected shape {expected}. "
-                    f"Received: shape={tuple(np.shape(_host(arr)))}"
-                )
-    for name, params, given in plan:
-        engine.load_parameters(name, params, num_shards=num_shards, shard_id=shard_id, **given)
+        # every table's arrays are checked (shape, dtype, NaN policy) before any is written
+        plans.append(engine._plan_load(t.name, _host(parameters[i]), num_shards, shard_id, None, given))
+    new_states = [engine._loaded_state(plan) for plan in plans]
+    for index, state in new_states:
+        engine._state[index] = state
 
 
 def retrieve_all_tpu_embedding_parameters(num_shards: int, shard_id: int, config: Any = b"") -> tuple[list[np.ndarray], ...]:

@@ -13,6 +13,7 @@ touches any table, slot or pending batch: a rejected call leaves the state bit-i
 from __future__ import annotations
 
 import inspect
+import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
@@ -45,9 +46,13 @@ class _DeviceFeature:
     _arrays: dict = field(default_factory=dict)
 
     def _array(self, name: str, host: np.ndarray, dtype: str) -> Any:
-        if name not in self._arrays:
-            self._arrays[name] = self.backend.asarray(host, dtype=dtype)
-        return self._arrays[name]
+        if name in self._arrays:
+            return self._arrays[name]
+        arr = self.backend.asarray(host, dtype=dtype)
+        if self.backend.is_traced(arr):  # made inside jax.jit: never kept past the trace
+            raise _traced_call_error("dequeue")
+        self._arrays[name] = arr
+        return arr
 
     @property
     def ids(self) -> Any:
@@ -84,6 +89,45 @@ def _load_config(config: Any) -> Any:
     )
 
 
+def _traced_call_error(call: str) -> StateError:
+    return StateError(
+        f"Cannot call `{call}()` inside `jax.jit` (or another JAX transformation): the stateful "
+        "TPUEmbedding runs eagerly and would store tracers. Nothing was changed. Fix: call it "
+        "outside the traced function, or use the functional JAX API `me.jax` (`me.jax.init`, "
+        "`prepare`, `lookup`, `apply_gradients`), which is made for jax.jit."
+    )
+
+
+def _check_bool(value: Any, name: str, error: type = ConfigError) -> bool:
+    """``True``/``False`` only: ``bool("False")`` is True, so strings are refused."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise error(f"Invalid `{name}`. Expected True or False. Received: {name}={value!r} "
+                      f"({type(value).__name__})")
+
+
+def _check_int(value: Any, name: str, minimum: int, fix: str) -> int:
+    """An integer (Python or NumPy) >= ``minimum``; floats, bools and strings are refused."""
+    try:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError
+        out = operator.index(value)
+    except TypeError:
+        raise ConfigError(f"Invalid `{name}`. Expected an integer. Received: {name}={value!r} "
+                          f"({type(value).__name__}). Fix: {fix}") from None
+    if out < minimum:
+        raise ConfigError(f"Invalid `{name}`. Expected an integer >= {minimum}. Received: {name}={out}. Fix: {fix}")
+    return out
+
+
+def _allocation_failed(exc: BaseException) -> bool:
+    """MemoryError, torch's allocator RuntimeError, XLA's RESOURCE_EXHAUSTED."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(k in text for k in ("alloc", "out of memory", "resource_exhausted"))
+
+
 class TPUEmbedding:
     """Embedding tables with their optimizer slots, sharded over ``num_shards`` by the
     config's ``sharding_strategy`` (MOD or DIV) on one backend.
@@ -113,9 +157,22 @@ class TPUEmbedding:
         allow_nonfinite: bool = False,
     ) -> None:
         self.config = _load_config(config)
+        allow_nonfinite = _check_bool(allow_nonfinite, "allow_nonfinite")
+        seed = _check_int(seed, "seed", 0, "pass a non-negative integer seed.")
+        if num_shards is not None:
+            num_shards = _check_int(num_shards, "num_shards", 1, "pass a positive integer, or None for the device count.")
+        if mesh is not None and not hasattr(mesh, "size"):
+            raise ConfigError(f"Invalid `mesh`. Expected a me.Mesh. Received: {type(mesh).__name__}")
+        mesh_backend = getattr(mesh, "backend", None)
         if backend is None and mesh is not None:
-            backend = getattr(mesh, "backend", None)
+            backend = mesh_backend
         self.backend: Backend = get_backend(backend)
+        if mesh_backend is not None and getattr(mesh_backend, "name", mesh_backend) != self.backend.name:
+            raise ConfigError(
+                f"Invalid `mesh`: it is a {getattr(mesh_backend, 'name', mesh_backend)!r} mesh but "
+                f"backend={self.backend.name!r}. Fix: build the mesh with "
+                f"me.Mesh(..., backend={self.backend.name!r}), or leave `backend` out to use the mesh's."
+            )
         self.layout: Layout = build_layout(self.config)
         # Backends written before update_rows grew grad_index/grad_weights get expanded rows.
         self._fused_backward = "grad_index" in inspect.signature(self.backend.update_rows).parameters
@@ -148,10 +205,31 @@ class TPUEmbedding:
             init = overrides.get(t.name, t.initializer)
             if init is None:
                 init = default_initializer(t.optimizer)
-            self._state[t.index] = self._fresh_state(
-                t, initial_blocks(init, (t.vocabulary_size, t.dimension), table_rng(self.seed, t.index), t.name))
+            blocks = initial_blocks(init, (t.vocabulary_size, t.dimension), table_rng(self.seed, t.index), t.name)
+            try:
+                self._state[t.index] = self._fresh_state(t, blocks)
+            except (MemoryError, RuntimeError) as exc:
+                if not _allocation_failed(exc):
+                    raise
+                raise self._too_big(t, exc) from exc
+        # A dict of features (EmbeddingConfig(features={...})): activations come back as a dict
+        # with the same keys, and gradients are taken by key, never by position.
+        self._keys: tuple[Any, ...] = tuple(getattr(self.config, "feature_keys", ()) or ())
+        self._key_index = {k: i for i, k in enumerate(sorted(self._keys))}
 
     # -- construction helpers ---------------------------------------------------------------
+    def _too_big(self, table: TableSpec, exc: BaseException) -> ConfigError:
+        n = 1 + len(self._slot_names(table))
+        total = table.vocabulary_size * table.dimension * 4 * n
+        shards = self._placements[table.index].num_shards
+        return ConfigError(
+            f"Table {table.name!r} could not be allocated on backend {self.backend.name!r}: it asks "
+            f"for {total:,} bytes ({table.vocabulary_size:,} rows x {table.dimension} x 4 bytes x "
+            f"{n} array(s): parameters and {n - 1} slot(s)), {total // shards:,} bytes on each of "
+            f"{shards} shard(s). The backend said: {type(exc).__name__}: {str(exc)[:200]}. Fix: a "
+            "smaller `vocabulary_size` or `dimension`, or more shards (devices/ranks)."
+        )
+
     def _slot_names(self, table: TableSpec) -> tuple[str, ...]:
         return tuple(table.optimizer.slot_names)
 
@@ -200,10 +278,32 @@ class TPUEmbedding:
 
     # -- enqueue ---------------------------------------------------------------------------
     def _by_feature(self, values: Any, what: str, allow_none: bool = False) -> list[Any]:
-        """A list in config order from a sequence or a ``{feature_name: value}`` mapping."""
+        """A list in config order from a sequence or a ``{feature_name: value}`` mapping.
+
+        A config whose features were a dict takes a dict only (by its keys, or by feature
+        name): a list would be matched by position and could silently swap features."""
         names = self.feature_names
         if values is None and allow_none:
             return [None] * len(names)
+        if self._keys:
+            if not isinstance(values, Mapping):
+                raise InputError(
+                    f"Invalid `{what}`: the config's features were given as a dict, so pass a dict "
+                    f"keyed by {list(self._keys)}. Received: {type(values).__name__}. Fix: e.g. "
+                    f"{{{self._keys[0]!r}: ...}}; a list is not accepted because it would be matched by "
+                    "position, not by name."
+                )
+            if set(values) == set(self._keys):
+                return [values[k] for k in sorted(self._keys)]
+            if not set(values) <= set(names):  # by feature name otherwise (names differ from keys)
+                extra = [k for k in values if k not in self._key_index]
+                missing = [k for k in self._keys if k not in values]
+                if not allow_none or extra:
+                    raise InputError(
+                        f"Invalid `{what}`: expected one entry per feature key {list(self._keys)}. "
+                        f"Missing: {missing}; unknown: {extra}"
+                    )
+                return [values.get(k) for k in sorted(self._keys)]
         if isinstance(values, Mapping):
             extra = sorted(set(values) - set(names))
             missing = [n for n in names if n not in values]
@@ -299,9 +399,27 @@ class TPUEmbedding:
         validated(self.backend)  # every process's batch is valid: only then is it stored
         self._pending = _Pending(mode, device)
 
+    def _structured(self, values: list[Any]) -> list[Any] | dict[Any, Any]:
+        """Config-order values in the structure the features were given in: a dict with the
+        config's keys (in the order given) for a dict of features, else the list."""
+        if not self._keys:
+            return values
+        return {k: values[self._key_index[k]] for k in self._keys}
+
+    def discard(self) -> bool:
+        """Drop the pending batch, if any, without applying anything (e.g. to recover after
+        a step that failed between ``enqueue`` and ``apply_gradients``). Returns whether one
+        was pending. Tables, slots and ``step`` are unchanged."""
+        pending, self._pending = self._pending, None
+        return pending is not None
+
     # -- dequeue ---------------------------------------------------------------------------
-    def dequeue(self) -> list[Any]:
-        """Activations, one backend array per feature, shape ``input_shape + [dimension]``."""
+    def dequeue(self) -> list[Any] | dict[Any, Any]:
+        """Activations, one backend array per feature, shape ``input_shape + [dimension]``:
+        a list in config order, or a dict with the config's keys when its features were a dict."""
+        return self._structured(self._dequeue_list())
+
+    def _dequeue_list(self) -> list[Any]:
         p = self._pending
         if p is None:
             raise StateError("Cannot dequeue: nothing was enqueued. Fix: call `enqueue(features)` first.")
@@ -328,6 +446,8 @@ class TPUEmbedding:
                 act = self.backend.gather_combine(table, d.ids, d.slots, d.num_slots, weights)
             shape = f.output_shape + (t.dimension,)
             outs.append(act if tuple(act.shape) == shape else xp.reshape(act, shape))
+        if any(self.backend.is_traced(a) for a in outs):
+            raise _traced_call_error("dequeue")  # the pending batch stays as it was
         p.dequeued = True
         return outs
 
@@ -352,12 +472,42 @@ class TPUEmbedding:
             )
         return p
 
+    def _learning_rate_list(self, learning_rates: Any) -> list[Any]:
+        """``learning_rates`` as a list in tag order: a sequence (or rank-1 array) with one
+        value per tag, or a mapping with exactly the tags ``0..n-1`` as keys."""
+        n = self.layout.num_dynamic_inputs
+        if learning_rates is None:
+            return []
+        if isinstance(learning_rates, Mapping):
+            keys = list(learning_rates)
+            ints = [k for k in keys if isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_))]
+            if len(ints) != len(keys) or sorted(int(k) for k in keys) != list(range(n)):
+                raise InputError(
+                    f"Invalid `learning_rates`: a mapping must have exactly the dynamic tags "
+                    f"{list(range(n))} as keys ({{tag: value}}). Received keys: {keys!r}"
+                )
+            by_tag = {int(k): v for k, v in learning_rates.items()}
+            return [by_tag[k] for k in range(n)]
+        if isinstance(learning_rates, (list, tuple)):
+            return list(learning_rates)
+        if not isinstance(learning_rates, (str, bytes)) and hasattr(learning_rates, "shape"):
+            arr = inputs.to_host(learning_rates, self.backend, "`learning_rates`")
+            if arr.ndim == 1:
+                return list(arr)
+        raise InputError(
+            f"Invalid `learning_rates`: expected a sequence with one value per dynamic tag (tag "
+            f"order) or a mapping {{tag: value}}. Received: {learning_rates!r} "
+            f"({type(learning_rates).__name__}). Fix: e.g. learning_rates=[0.1] for tag 0."
+        )
+
     def _check_learning_rates(self, learning_rates: Any) -> list[float]:
         n = self.layout.num_dynamic_inputs
-        lrs = [] if learning_rates is None else list(learning_rates)
+        lrs = self._learning_rate_list(learning_rates)
         fns = getattr(self.config, "learning_rate_fns", ())
+        source = "learning_rates"
         if not lrs and n and len(fns) >= n and all(fn is not None for fn in fns[:n]):
-            lrs = [float(fn()) for fn in fns[:n]]  # TF2: callables are evaluated every step
+            lrs = [fn() for fn in fns[:n]]  # TF2: callables are evaluated every step
+            source = "learning-rate callable of tag"
         if len(lrs) != n:
             raise InputError(
                 f"Invalid `learning_rates`: the config uses {n} dynamic tag(s), so expected {n} "
@@ -365,13 +515,19 @@ class TPUEmbedding:
             )
         out = []
         for k, v in enumerate(lrs):
-            arr = inputs.to_host(v, self.backend)
+            what = f"`learning_rates[{k}]`" if source == "learning_rates" else f"the {source} {k}"
+            arr = inputs.to_host(v, self.backend, what)
             if arr.ndim != 0:
+                raise InputError(f"Invalid {what}: expected a scalar (rank 0). Received: shape={arr.shape}")
+            if arr.dtype.kind not in "fiu":
+                raise InputError(f"Invalid {what}: expected a real number. Received: {v!r} ({type(v).__name__})")
+            with np.errstate(over="ignore"):
+                finite32 = bool(np.isfinite(arr.astype(np.float32)))
+            if not finite32:  # the update runs in float32: 1e39 would be inf there
                 raise InputError(
-                    f"Invalid `learning_rates[{k}]`: expected a scalar (rank 0). Received: shape={arr.shape}"
+                    f"Invalid {what}: expected a finite number in float32, the dtype of the update. "
+                    f"Received: {arr!r}"
                 )
-            if arr.dtype.kind not in "fiu" or not np.isfinite(arr):
-                raise InputError(f"Invalid `learning_rates[{k}]`: expected a finite number. Received: {arr!r}")
             out.append(float(arr))
         return out
 
@@ -390,18 +546,46 @@ class TPUEmbedding:
                     stacklevel=3,
                 )
                 g = np.zeros(shape, dtype=np.float32)
+            where = f"gradient for feature {f.name!r} (table {t.name!r})"
+            if self.backend.is_traced(g):
+                raise inputs.traced_error(where)
             if not self.backend.is_native(g):
-                g = inputs.to_host(g)
+                g = inputs.to_host(g, None, where)
+            if not self._is_real(g):
+                raise InputError(
+                    f"Invalid {where}: expected a real (float or integer) array. Received: "
+                    f"dtype={g.dtype}. Fix: pass float32 gradients (complex, bool, string and "
+                    "object arrays are not gradients)."
+                )
             if tuple(g.shape) != shape:
                 raise InputError(
                     f"Invalid gradient for feature {f.name!r} (table {t.name!r}): expected shape "
                     f"{shape} (input_shape + [dimension]). Received: shape={tuple(g.shape)}"
                 )
             g = self.backend.asarray(g, dtype="float32")
+            if self.backend.is_traced(g):
+                raise _traced_call_error("apply_gradients")
             if check_now and not self.backend.all_finite(g):
                 raise self._nonfinite_error(f)
             out.append(xp.reshape(g, (int(np.prod(f.output_shape)), t.dimension)))
         return out
+
+    def _is_real(self, g: Any) -> bool:
+        """A real float or integer dtype, on the host or on the backend (no cast, no copy)."""
+        if isinstance(g, np.ndarray):
+            return g.dtype.kind in "fiu"
+        try:
+            return bool(self.backend.xp.isdtype(g.dtype, ("real floating", "integral")))
+        except Exception:  # a namespace without isdtype: judge the dtype's name
+            name = str(g.dtype).lower()
+            return not any(k in name for k in ("complex", "bool", "str", "object"))
+
+    def _refuse_if_tracing(self, call: str) -> None:
+        """Under jax.jit even concrete arrays become tracers in the backend's kernels: a
+        backend that can trace is asked with one scalar (eager backends skip this)."""
+        if type(self.backend).is_traced is not Backend.is_traced:
+            if self.backend.is_traced(self.backend.xp.zeros(())):
+                raise _traced_call_error(call)
 
     def _nonfinite_error(self, feature: Any) -> InputError:
         t = self.layout.tables[feature.table]
@@ -422,12 +606,14 @@ class TPUEmbedding:
         """SendTPUEmbeddingGradients: one gradient per feature (``∂loss/∂activation``, the
         shape of its activation), and ``learning_rates[k]`` for dynamic tag k."""
         p = self._check_can_apply()
-        allow = self.allow_nonfinite if allow_nonfinite is None else bool(allow_nonfinite)
+        allow = self.allow_nonfinite if allow_nonfinite is None else _check_bool(
+            allow_nonfinite, "allow_nonfinite", InputError)
         # A backend with guarded updates checks NaN/Inf on its devices while the updates
         # run (each writes nothing unless the guard holds); the others check first.
         deferred = not allow and self.backend.capabilities.guarded_updates
         grads = self._check_gradients(gradients, check_now=not allow and not deferred)
         lrs = self._check_learning_rates(learning_rates)
+        self._refuse_if_tracing("apply_gradients")  # e.g. concrete gradients inside jax.jit
         guard = self.backend.finite_guard(grads) if deferred and grads else None
         guarded = {} if guard is None else {"guard": guard}
         xp = self.backend.xp
@@ -496,7 +682,15 @@ class TPUEmbedding:
             return None
         if num_shards is None or shard_id is None:
             raise InputError("Pass both `num_shards` and `shard_id`, or neither.")
-        num_shards, shard_id = int(num_shards), int(shard_id)
+        try:
+            if any(isinstance(v, (bool, np.bool_)) for v in (num_shards, shard_id)):
+                raise TypeError
+            num_shards, shard_id = operator.index(num_shards), operator.index(shard_id)
+        except TypeError:
+            raise InputError(
+                f"Invalid `num_shards`/`shard_id`: expected integers. Received: num_shards={num_shards!r}, "
+                f"shard_id={shard_id!r}"
+            ) from None
         if num_shards < 1 or not 0 <= shard_id < num_shards:
             raise InputError(
                 f"Invalid `shard_id`. Expected 0 <= shard_id < num_shards. Received: shard_id={shard_id}, "
@@ -531,12 +725,24 @@ class TPUEmbedding:
         *,
         num_shards: int | None = None,
         shard_id: int | None = None,
+        allow_nonfinite: bool | None = None,
         **slots: Any,
     ) -> None:
         """Overwrite a table's parameters and/or slots (whole table or one host shard).
 
-        Arrays not passed are left as they are. All shapes are checked before any write."""
+        Arrays not passed are left as they are. Every array is checked (shape, a real dtype,
+        finite unless ``allow_nonfinite``, default the engine's) before any write."""
+        plan = self._plan_load(table, parameters, num_shards, shard_id, allow_nonfinite, slots)
+        index, state = self._loaded_state(plan)
+        self._state[index] = state
+
+    def _plan_load(self, table: str | int, parameters: Any, num_shards: Any, shard_id: Any,
+                   allow_nonfinite: Any, slots: Mapping[str, Any]) -> tuple[TableSpec, Any, dict[str, np.ndarray]]:
+        """Validate one table's Load: (table, shard ids or None, {name: private float32 copy})."""
+        self._refuse_if_tracing("load_parameters")
         t = self.layout.table(table)
+        allow = self.allow_nonfinite if allow_nonfinite is None else _check_bool(
+            allow_nonfinite, "allow_nonfinite", InputError)
         ids = self._shard_ids(t, num_shards, shard_id)
         names = ("parameters",) + self._slot_names(t)
         unknown = sorted(set(slots) - set(names[1:]))
@@ -552,13 +758,32 @@ class TPUEmbedding:
             v = given.get(name)
             if v is None:
                 continue
-            arr = np.asarray(inputs.to_host(v, self.backend), dtype=np.float32)
+            what = f"`{name}` for table {t.name!r}"
+            arr = inputs.to_host(v, self.backend, what)
+            if arr.dtype.kind not in "fiu":
+                raise InputError(
+                    f"Invalid {what}: expected a real (float or integer) array. Received: dtype={arr.dtype}. "
+                    "Fix: pass float32 values (strings, None, bool and complex are not parameters)."
+                )
             if arr.shape != (rows, t.dimension):
                 raise InputError(
-                    f"Invalid `{name}` for table {t.name!r}: expected shape {(rows, t.dimension)}. "
-                    f"Received: shape={arr.shape}"
+                    f"Invalid {what}: expected shape {(rows, t.dimension)}. Received: shape={arr.shape}"
                 )
-            values[name] = np.array(arr, copy=True)
+            with np.errstate(over="ignore", invalid="ignore"):
+                arr = np.array(arr, dtype=np.float32)  # a private copy, in the tables' dtype
+            if not allow and not np.all(np.isfinite(arr)):
+                k = np.argwhere(~np.isfinite(arr))[0].tolist()
+                raise InputError(
+                    f"Invalid {what}: it contains NaN or Inf in float32 (first at {k}: {arr[tuple(k)]}). "
+                    "Nothing was loaded. Fix: load finite values, or pass `allow_nonfinite=True`."
+                )
+            values[name] = arr
+        return t, ids, values
+
+    def _loaded_state(self, plan: tuple[TableSpec, Any, dict[str, np.ndarray]]) -> tuple[int, list[Any]]:
+        """The table's new state lists with a validated plan written (not yet committed)."""
+        t, ids, values = plan
+        names = ("parameters",) + self._slot_names(t)
         state = list(self._state[t.index])
         for k, name in enumerate(names):
             if name not in values:
@@ -569,7 +794,7 @@ class TPUEmbedding:
                 state[k] = self.backend.scatter(
                     state[k], self.backend.asarray(ids, dtype="int64"), self.backend.asarray(values[name], dtype="float32")
                 )
-        self._state[t.index] = state
+        return t.index, state
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, path: Any) -> Any:

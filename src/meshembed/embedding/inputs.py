@@ -98,17 +98,45 @@ def _where(info: FeatureInfo) -> str:
     return f"feature {info.name!r} (table {info.table!r})"
 
 
-def to_host(x: Any, backend: Any = None) -> np.ndarray:
-    """A NumPy view of user data (NumPy, lists, or any backend's arrays)."""
-    if backend is not None and not isinstance(x, np.ndarray) and backend.is_native(x):
-        return np.asarray(backend.to_numpy(x))
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor given to another backend
-        return x.detach().cpu().numpy()
-    return np.asarray(x)
+def _untraced(x: Any) -> bool:
+    return False
+
+
+def traced_error(what: str) -> InputError:
+    """A JAX tracer reached the stateful engine (it runs on the host, outside any trace)."""
+    return InputError(
+        f"Invalid {what}: it is a JAX tracer (the call is inside `jax.jit`/`jax.grad`/`vmap`). "
+        "The stateful `TPUEmbedding` runs eagerly on the host and cannot be traced. Fix: call "
+        "it outside the transformed function, or use the functional JAX API `me.jax` "
+        "(`me.jax.init` / `prepare` / `lookup` / `apply_gradients`), which is jit-able."
+    )
+
+
+def to_host(x: Any, backend: Any = None, what: str = "input") -> np.ndarray:
+    """A NumPy view of user data (NumPy, lists, or any backend's arrays).
+
+    May alias the caller's buffer: callers that keep the result copy it."""
+    if backend is not None and getattr(backend, "is_traced", _untraced)(x):
+        raise traced_error(what)
+    try:
+        if backend is not None and not isinstance(x, np.ndarray) and backend.is_native(x):
+            return np.asarray(backend.to_numpy(x))
+        if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor given to another backend
+            return x.detach().cpu().numpy()
+        return np.asarray(x)
+    except Exception as exc:  # e.g. a JAX tracer given to a non-JAX engine, a ragged list
+        if type(x).__name__.endswith("Tracer") or "Tracer" in type(exc).__name__:
+            raise traced_error(what) from None
+        raise InputError(
+            f"Invalid {what}: cannot read it as an array ({type(x).__name__}: {exc}). Fix: pass "
+            "a NumPy array, a backend array or a (rectangular) nested list of numbers."
+        ) from None
 
 
 def _int_array(x: Any, what: str, info: FeatureInfo, backend: Any, ndim: int | None = None) -> np.ndarray:
-    arr = to_host(x, backend)
+    """A private int64 copy: what was validated is what the engine uses, even if the caller
+    refills its buffer after enqueue (a prefetching loader does)."""
+    arr = to_host(x, backend, f"`{what}` for {_where(info)}")
     if arr.size == 0 and arr.dtype.kind not in "iu":
         arr = arr.astype(np.int64)
     if arr.dtype.kind not in "iu":
@@ -120,16 +148,18 @@ def _int_array(x: Any, what: str, info: FeatureInfo, backend: Any, ndim: int | N
         raise InputError(
             f"Invalid `{what}` for {_where(info)}: expected rank {ndim}. Received: shape={arr.shape}"
         )
-    return arr.astype(np.int64, copy=False)
+    return np.array(arr, dtype=np.int64)  # always a copy, never a view of the caller's buffer
 
 
 def _float_weights(x: Any, n: int, info: FeatureInfo, backend: Any) -> np.ndarray:
-    arr = to_host(x, backend)
+    """A private float32 copy of the weights (``astype`` copies)."""
+    arr = to_host(x, backend, f"`weights` for {_where(info)}")
     if arr.dtype.kind not in "fiu":
         raise InputError(
             f"Invalid `weights` for {_where(info)}: expected a float array. Received: dtype={arr.dtype}"
         )
-    arr = arr.reshape(-1).astype(np.float32)
+    with np.errstate(over="ignore"):  # 1e39 becomes inf in float32: refused just below
+        arr = arr.reshape(-1).astype(np.float32)
     if arr.shape[0] != n:
         raise InputError(
             f"Invalid `weights` for {_where(info)}: expected one weight per id ({n}). "
@@ -333,9 +363,9 @@ def from_ragged(rg: Any, weights: Any, info: FeatureInfo, backend: Any = None) -
             weights = weights.values
         w = _float_weights(weights, ids.shape[0], info, backend)  # a fresh array
         w = w if keep is None else w[keep]
-    # a copy either way: the pending batch must not alias the caller's buffer. The slots are
-    # row numbers (or row * M + position < M) of the checked splits: in range by construction.
-    return make_batch(ids.copy() if keep is None else ids[keep], slots, w, info, slots_in_range=True)
+    # ids is already a private copy (_int_array). The slots are row numbers (or
+    # row * M + position < M) of the checked splits: in range by construction.
+    return make_batch(ids if keep is None else ids[keep], slots, w, info, slots_in_range=True)
 
 
 def normalize(x: Any, weights: Any, info: FeatureInfo, backend: Any = None) -> FeatureBatch:

@@ -159,6 +159,14 @@ def build_layout(config: Any) -> Layout:
             shape = tuple(int(d) for d in getattr(f, "input_shape", getattr(f, "output_shape", ())))
             name = getattr(f, "name", None) or f"feature_{i}"
             features.append(FeatureSpec(i, name, tid, shape))
+    seen: dict[str, int] = {}
+    for f in features:  # a dict-keyed gradient would otherwise reach two features
+        if f.name in seen:
+            raise ConfigError(
+                f"Duplicate feature name {f.name!r} (features {seen[f.name]} and {f.index}). Fix: give "
+                "every FeatureConfig a unique `name`; gradients and ids are matched to features by name."
+            )
+        seen[f.name] = f.index
     tables_t = tuple(tables)
     return Layout(
         tables=tables_t,
