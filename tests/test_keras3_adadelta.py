@@ -592,3 +592,118 @@ def test_torch_optim_adadelta_cases_match():
             topt.step()
             opt.apply_gradients([(g, w)])
         np.testing.assert_allclose(w.numpy(), p.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_stateless_apply_inside_jax_jit():
+    """The JAX front end's use: pure under ``jax.jit`` (float lr, no EMA/accumulation/norm
+    clipping, which need host values); those raise a StateError with the fix."""
+    pytest.importorskip("jax")
+    import jax
+    import jax.numpy as jnp
+
+    w = me.Variable(np.ones(3, np.float32), name="w", backend="jax")
+    opt = me.optimizers.Adadelta(1.0, rho=0.9, epsilon=1e-3, weight_decay=0.1, clipvalue=0.5)
+    opt.build([w])
+    args = ([v.value for v in opt.variables], [jnp.full(3, 2.0)], [w.value])
+    jitted = jax.jit(opt.stateless_apply)(*args)
+    eager = opt.stateless_apply(*args)
+    for a, b in zip(jax.tree_util.tree_leaves(jitted), jax.tree_util.tree_leaves(eager)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    ema = me.optimizers.Adadelta(1.0, use_ema=True)
+    ema.build([w])
+    with pytest.raises(StateError, match="EMA.*outside jit"):
+        jax.jit(ema.stateless_apply)([v.value for v in ema.variables], [jnp.ones(3)], [w.value])
+
+
+# -- docs/optimizers.md: every cell of the Adadelta mapping table -----------------------------
+
+def _docs_table() -> dict:
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "optimizers.md").read_text()
+    block = text[text.index("| | TPU (meshembed tables) |"):]
+    rows = [line for line in block.splitlines()[2:] if line.startswith("|")][:5]
+    table = {}
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        table[cells[0]] = dict(zip(["tpu", "keras", "optax", "torch"], cells[1:]))
+    return table
+
+
+def _codes(cell: str) -> list:
+    import re
+
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def test_docs_adadelta_table_matches_the_frameworks():
+    import inspect
+
+    table = _docs_table()
+    assert set(table) == {"E[g²] slot", "E[Δx²] slot", "learning rate", "ρ", "ε"}
+    from meshembed.math import OPTIMIZERS
+
+    assert OPTIMIZERS["adadelta"].slot_names == (_codes(table["E[g²] slot"]["tpu"])[0],
+                                                   _codes(table["E[Δx²] slot"]["tpu"])[0])
+    sig = inspect.signature(me.optimizers.Adadelta)
+    keras_defaults = (float(table["learning rate"]["keras"]), float(table["ρ"]["keras"]), float(table["ε"]["keras"]))
+    assert (sig.parameters["learning_rate"].default, sig.parameters["rho"].default,
+            sig.parameters["epsilon"].default) == keras_defaults
+    checked = []
+    if importlib.util.find_spec("optax") is not None:
+        import jax.numpy as jnp
+        import optax
+
+        osig = inspect.signature(optax.adadelta)
+        assert _codes(table["learning rate"]["optax"]) == [str(osig.parameters["learning_rate"].default)]
+        assert (osig.parameters["rho"].default, osig.parameters["eps"].default) == (
+            float(table["ρ"]["optax"]), float(table["ε"]["optax"]))
+        fields = optax.ScaleByAdaDeltaState._fields
+        assert [_codes(table["E[g²] slot"]["optax"])[0], _codes(table["E[Δx²] slot"]["optax"])[0]] == list(fields)
+        # the sign: optax.adadelta(learning_rate=1.0) is meshembed's lr=1.0; learning_rate=None ascends
+        w = me.Variable(np.ones(3, np.float32), name="w")
+        me.optimizers.Adadelta(1.0, rho=0.9, epsilon=1e-6).apply_gradients([(np.ones(3, np.float32), w)])
+        for lr, sign in ((1.0, 1.0), (None, -1.0)):
+            tx = optax.adadelta(learning_rate=lr)
+            updates, _ = tx.update(jnp.ones(3), tx.init(jnp.ones(3)), jnp.ones(3))
+            moved = np.asarray(optax.apply_updates(jnp.ones(3), updates))
+            np.testing.assert_allclose(1.0 + sign * (moved - 1.0), w.numpy(), rtol=1e-6)
+        checked.append("optax")
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        tsig = inspect.signature(torch.optim.Adadelta)
+        assert (tsig.parameters["lr"].default, tsig.parameters["rho"].default, tsig.parameters["eps"].default) == (
+            float(table["learning rate"]["torch"]), float(table["ρ"]["torch"]), float(table["ε"]["torch"]))
+        p = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.Adadelta([p])
+        p.grad = torch.ones(2)
+        opt.step()
+        state = set(opt.state[p])
+        assert {_codes(table["E[g²] slot"]["torch"])[0], _codes(table["E[Δx²] slot"]["torch"])[0]} <= state
+        checked.append("torch")
+    if importlib.util.find_spec("tensorflow") is not None and importlib.util.find_spec("keras") is not None:
+        import keras
+
+        ksig = inspect.signature(keras.optimizers.Adadelta)
+        assert (ksig.parameters["learning_rate"].default, ksig.parameters["rho"].default,
+                ksig.parameters["epsilon"].default) == keras_defaults
+        v = keras.Variable(np.ones(2, np.float32), name="v")
+        kopt = keras.optimizers.Adadelta()
+        kopt.build([v])
+        names = [x.name for x in kopt.variables]
+        for row in ("E[g²] slot", "E[Δx²] slot"):
+            assert any(n.endswith(_codes(table[row]["keras"])[0]) for n in names), names
+        checked.append("keras")
+    if importlib.util.find_spec("tf_keras") is not None:
+        import tensorflow as tf
+        import tf_keras
+
+        tsig = inspect.signature(tf_keras.optimizers.Adadelta)
+        assert (tsig.parameters["learning_rate"].default, tsig.parameters["rho"].default,
+                tsig.parameters["epsilon"].default) == keras_defaults
+        legacy = tf_keras.optimizers.legacy.Adadelta()
+        v = tf.Variable(np.ones(2, np.float32))
+        legacy.apply_gradients([(tf.ones(2), v)])
+        assert legacy.get_slot_names() == [_codes(table["E[g²] slot"]["keras"])[1], _codes(table["E[Δx²] slot"]["keras"])[1]]
+        checked.append("tf_keras")
+    if not checked:
+        pytest.skip("none of optax, torch, keras, tf_keras installed: only meshembed's cells checked")

@@ -170,6 +170,7 @@ class Optimizer:
         self._averages: list[Variable] = []
         self._accumulators: list[Variable] = []
         self._stateless = False  # inside stateless_apply: never write into the given arrays
+        self._traced = False  # stateless_apply under jax.jit: no host checks of values
         self._pending: dict[int, tuple[Variable, Any]] | None = None
         self._deferred: list[_InPlace] = []  # in-place updates staged for the commit
         self._lr_arrays: dict[tuple, Any] = {}  # this step's learning rate as 0-d arrays
@@ -706,7 +707,7 @@ class Optimizer:
         values = [g.values if isinstance(g, IndexedSlices) else g for g in grads]
         sums = [sum_squares(xp, x) for x in values] if option.uses_norm else None
         clipped = option.clip(xp, values, sums) if option.active else values
-        if not self.allow_nonfinite:
+        if not self.allow_nonfinite and not self._traced:  # traced: values unknown, NaN propagates
             if sums is not None and all(math.isfinite(x) for x in sums):
                 bad = []  # Σg² finite: every element finite, and so is the clipped gradient
             else:
@@ -958,9 +959,21 @@ class Optimizer:
                 f"Invalid `trainable_variables`/`grads`. Expected {len(self._trainable)} of each (the variables "
                 f"the optimizer was built with). Received: {len(train)} values and {len(grads)} gradients"
             )
+        traced = not all(_concrete(x) for x in [*train, *opt_vars, *grads] if x is not None)
+        if traced:  # inside jax.jit: only what needs no host value of the step or the norms
+            needs = [k for k, on in (("a learning-rate schedule", callable(self._learning_rate)),
+                                     ("EMA", self.use_ema), ("gradient accumulation", self.gradient_accumulation_steps),
+                                     ("norm clipping", self.gradients_clip_option.uses_norm)) if on]
+            if needs:
+                raise StateError(
+                    f"Invalid call: stateless_apply() under tracing (jax.jit) with {', '.join(needs)}, which "
+                    "need host values of the step counter or the gradient norms. Fix: call it outside jit, "
+                    "or use me.jax.adadelta (an optax transformation) inside jit."
+                )
         targets = [*self._trainable, *self.variables]
         saved = [v._value for v in targets]
         self._stateless = True
+        self._traced = traced
         try:
             for v, x in zip(targets, [*train, *opt_vars]):
                 v._value = v._prepare(x, copy=False)
@@ -970,6 +983,7 @@ class Optimizer:
             for v, x in zip(targets, saved):
                 v._value = x
             self._stateless = False
+            self._traced = False
 
     def __deepcopy__(self, memo: dict) -> "Optimizer":
         """A copy with its own variables; the backend, mesh and compiled kernels are shared
@@ -1002,6 +1016,15 @@ def _all_finite(xp: Any, x: Any) -> bool:
         return bool(full() if callable(full) else v)
 
     return host(xp.isfinite(xp.sum(x))) or host(xp.all(xp.isfinite(x)))
+
+
+def _concrete(x: Any) -> bool:
+    """Whether ``x`` has values on the host now (False for a tracer inside ``jax.jit``)."""
+    try:
+        np.asarray(x) if not hasattr(x, "aval") else x.__array__()  # noqa: B018
+        return True
+    except Exception:  # noqa: BLE001 - a tracer's conversion error (jax's own exception types)
+        return False
 
 
 def _check_schedule_value(value: Any, schedule: Any) -> float:
