@@ -707,3 +707,112 @@ def test_docs_adadelta_table_matches_the_frameworks():
         checked.append("tf_keras")
     if not checked:
         pytest.skip("none of optax, torch, keras, tf_keras installed: only meshembed's cells checked")
+
+
+# -- tf_keras optimizer_test.py / dtensor optimizers_test.py / legacy adadelta_test.py ---------
+
+def test_tf_keras_clip_global_norm():
+    """tf_keras ``optimizer_test.py::testClipGlobalNorm``."""
+    xp = me.get_backend("numpy").xp
+    g = [np.array([100.0, 100.0], np.float32), np.array([100.0, 100.0], np.float32)]
+    np.testing.assert_allclose(GradientsClipOption(global_clipnorm=1).clip(xp, g)[0], [0.5, 0.5])
+
+
+def test_tf_keras_set_learning_rate_iterations_and_weights(bk):
+    """tf_keras ``testSetLearningRate`` (incl. the legacy ``lr``), ``testSetIterations``,
+    ``testSetWeights``, ``testNoGradients``."""
+    opt = me.optimizers.Adadelta(learning_rate=1.0)
+    opt.learning_rate = 2.0
+    assert opt.learning_rate == 2.0
+    opt.lr = 3.0
+    assert opt.learning_rate == 3.0 and opt.lr == 3.0
+    sched = me.optimizers.Adadelta(learning_rate=schedules.ExponentialDecay(1e-2, 10000, 0.9))
+    assert sched.learning_rate == 0.01 and sched.lr == 0.01
+    x = me.Variable(np.array([1.0, 2.0], np.float32), name="x", backend=bk)
+    for _ in range(2):
+        sched.apply_gradients([(np.array([1.0, 2.0], np.float32), x)])
+    assert 0.00999 < sched.learning_rate < 0.01
+    with pytest.raises(TypeError, match="This optimizer was created with"):
+        sched.learning_rate = 2.0
+
+    counted = me.optimizers.Adadelta()
+    counted.iterations = me.Variable(np.int32(2), name="it", backend=bk)
+    assert int(counted.iterations.numpy()) == 2
+    vs = [me.Variable(np.float32(2.0), name=f"v{i}", backend=bk) for i in range(2)]
+    it = counted.apply_gradients([(np.float32(1.0), v) for v in vs])
+    assert int(it.numpy()) == 3 and int(counted.iterations.numpy()) == 3
+    with pytest.raises(RuntimeError, match="Cannot set"):
+        counted.iterations = 2
+    assert int(counted.apply_gradients([]).numpy()) == 3  # no pairs: nothing happens
+
+    w = me.Variable(np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), name="w", backend=bk)
+    first = me.optimizers.Adadelta()
+    first.apply_gradients([(np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), w)])
+    second = me.optimizers.Adadelta()
+    with pytest.raises(StateError, match="You are calling"):
+        second.set_weights(first.variables)
+    second.build([w])
+    second.set_weights(first.variables)
+    _assert_same(second.get_weights(), first.get_weights())
+
+
+@pytest.mark.parametrize("bk", _backends(("numpy", "torch")))
+def test_tf_keras_sparse_gradients_work_as_expected(bk):
+    """tf_keras ``testSparseGradientsWorkAsExpected`` (Adadelta with EMA, float64): a dense
+    gradient with zeros and the IndexedSlices of its non-zero rows move the variable alike."""
+    o1 = me.optimizers.Adadelta(0.002, ema_option=EMAOption(use_ema=True))
+    o2 = me.optimizers.Adadelta(0.002, ema_option=EMAOption(use_ema=True))
+    x1 = me.Variable(np.ones(5), name="x1", backend=bk)
+    x2 = me.Variable(np.ones(5), name="x2", backend=bk)
+    dense = np.array([0, 1.0, 1.5, 0, 0])
+    sparse = me.IndexedSlices(np.array([1.0, 1.5]), np.array([1, 2]), (5,))
+    for _ in range(5):
+        o1.apply_gradients([(dense, x1)])
+        o2.apply_gradients([(sparse, x2)])
+        np.testing.assert_allclose(x1.numpy(), x2.numpy())
+
+
+@pytest.mark.parametrize("bk", _backends(("numpy", "torch")))
+def test_tf_keras_regression_against_the_legacy_numbers(bk):
+    """tf_keras ``OptimizerRegressionTest.testAdadelta`` shape (float64, defaults, duplicate
+    sparse ids); expected numbers from tf_keras' legacy Adadelta where installed."""
+    x = me.Variable(np.ones(10), name="x", backend=bk)
+    opt = me.optimizers.Adadelta()
+    grads = np.arange(0.1, 1.1, 0.1)[:10]
+    sparse = me.IndexedSlices(np.array([0, 0.2, 0.4, 0.8, 0.8]), np.array([0, 2, 4, 6, 6]), (10,))
+    steps = [np.full(10, 0.01)] + [grads] * 5 + [sparse] * 5
+    mine = []
+    for g in steps:
+        opt.apply_gradients([(g, x)])
+        mine.append(x.numpy())
+    if importlib.util.find_spec("tf_keras") is None:
+        pytest.skip("tf_keras not installed: the legacy optimizer's numbers are not available")
+    import tensorflow as tf
+    import tf_keras
+
+    legacy = tf_keras.optimizers.legacy.Adadelta()
+    y = tf.Variable(np.ones(10), dtype=tf.float64)
+    for g, expected in zip(steps, mine):
+        if isinstance(g, me.IndexedSlices):
+            g = tf.IndexedSlices(tf.constant(g.values), tf.constant(g.indices), tf.constant([10]))
+        legacy.apply_gradients([(g, y)])
+        np.testing.assert_allclose(expected, y.numpy(), rtol=5e-4, atol=5e-4)
+
+
+def test_dtensor_add_variable_from_reference_and_apply_gradients():
+    """tf_keras ``dtensor/optimizers_test.py``: slot name, zeros and the reference's layout;
+    iterations replicated; one step counts; the slot names (``Adadelta/`` prefix in tf_keras,
+    none here: the documented difference (e))."""
+    mesh = me.Mesh(["X", "Y"], shape=(2, 2), backend="numpy")
+    replicated = me.Layout.replicated(mesh, 2)
+    opt = me.optimizers.Adadelta(mesh=mesh)
+    tmp = me.Variable(np.ones((4, 4), np.float32), name="tmp", layout=replicated)
+    slot = opt.add_variable_from_reference(tmp, "test")
+    assert slot.name == "test/tmp" and slot.layout == tmp.layout and not slot.numpy().any()
+    opt = me.optimizers.Adadelta(mesh=mesh)
+    assert int(opt.iterations.numpy()) == 0 and opt.iterations.layout == me.Layout.replicated(mesh, 0)
+    v = me.Variable(np.ones((4, 4), np.float32), name="Variable", layout=replicated)
+    opt.apply_gradients([(np.ones((4, 4), np.float32), v)])
+    assert int(opt.iterations.numpy()) == 1
+    assert sorted(x.name for x in opt.variables) == ["accumulated_delta_var/Variable", "accumulated_grad/Variable",
+                                                     "iteration"]

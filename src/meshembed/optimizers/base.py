@@ -198,6 +198,22 @@ class Optimizer:
                             name="iteration", trainable=False, backend=it.backend, dtype="int64")
         return it
 
+    @iterations.setter
+    def iterations(self, value: Any) -> None:
+        """tf_keras: a start value (an int or a scalar integer variable) before the first step."""
+        if self.built or (self._iterations is not None and self._calls() != 0):
+            raise StateError("Cannot set `iterations` after the optimizer was built (tf_keras refuses it too).")
+        start = value.numpy() if isinstance(value, Variable) else np.asarray(value)
+        if start.shape != () or start.dtype.kind not in "iu" or int(start) < 0:
+            raise InputError(f"Invalid `iterations`. Expected a non-negative integer scalar. Received: {value!r}")
+        from meshembed.backend import get_backend
+
+        self._iterations = self._make_iterations(get_backend(self._backend), int(start))
+
+    lr = property(lambda self: self.learning_rate,
+                  lambda self, value: setattr(self, "learning_rate", value),
+                  doc="tf_keras' legacy alias of ``learning_rate``.")
+
     @property
     def _counter(self) -> Variable:
         """The step-counter variable (apply_gradients calls; what ``variables[0]`` holds)."""
@@ -935,6 +951,19 @@ class Optimizer:
             v.assign(values[k])
         if lr_value is not None and not callable(self._learning_rate):
             self._learning_rate = lr_value
+
+    def get_weights(self) -> list[np.ndarray]:
+        """NumPy copies of ``variables`` (tf_keras / Keras 3)."""
+        return [v.numpy() for v in self.variables]
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        """Assign ``variables`` from arrays in their order (checked first, as ``load_own_variables``)."""
+        if not self.built:
+            raise StateError(
+                "You are calling `set_weights()` on an optimizer that has not yet been built. Call "
+                "`optimizer.build(trainable_variables)` first."
+            )
+        self.load_own_variables({str(i): w for i, w in enumerate(weights)})
 
     def stateless_apply(self, optimizer_variables: Sequence[Any], grads: Sequence[Any],
                         trainable_variables: Sequence[Any]) -> tuple[list[Any], list[Any]]:
