@@ -160,6 +160,18 @@ def test_refilling_after_raw_op_integer_batch_changes_nothing():
     assert_same(snapshot(engines[0]), snapshot(engines[1]))
 
 
+@pytest.mark.parametrize("weights,match", [(["1", "2", "3", "4"], "expected a float array"),
+                                           ([1e39, 1, 1, 1], "finite")])
+def test_raw_op_weights_are_checked_not_parsed(weights, match):
+    emb = me.ops.configure_tpu_embedding(config(), num_shards=1)
+    try:
+        refused(emb, lambda: me.ops.enqueue_tpu_embedding_arbitrary_tensor_batch(
+            [[], [], []], [np.array([1, 2, 3, 4]), np.arange(8), np.array([1, 2, 3, 4])],
+            [np.array(weights), [], []]), me.InputError, "aggregation_weights", "'fa'", match)
+    finally:
+        me.ops.shutdown_tpu_embedding()
+
+
 def test_pending_ids_never_alias_the_callers_buffer():
     """The copy is made at enqueue: nothing the pending batch holds shares the caller's memory."""
     emb = engine("numpy")
@@ -190,6 +202,8 @@ def test_learning_rates_mapping_equals_sequence(backend):
 @pytest.mark.parametrize("lrs,match", [
     (0.1, "expected a sequence"),
     ("0.1", "expected a sequence"),
+    (np.float32(0.1), "expected a sequence"),
+    ((x for x in [0.1]), "expected a sequence"),
     ({1: 0.5}, "exactly the dynamic tags [0]"),
     ({"0": 0.5}, "exactly the dynamic tags [0]"),
     ({0: 0.5, 1: 0.5}, "exactly the dynamic tags [0]"),
@@ -405,6 +419,25 @@ def test_apply_gradients_under_jit_is_refused(jax_emb):
     refused(emb, lambda: jax.jit(traced_grads)(1.0), me.InputError, "JAX tracer", "feature 'fa'")
     refused(emb, lambda: jax.jit(concrete_grads)(1.0), me.StateError, "apply_gradients", "me.jax")
     check_recovers(emb, "jax")
+
+
+def test_tracers_given_to_a_numpy_engine():
+    jax = pytest.importorskip("jax")
+    emb = engine("numpy")
+    refused(emb, lambda: jax.jit(lambda x: emb.enqueue([x, *ids()[1:]]) or x)(np.array([1, 2, 3, 4])),
+            me.InputError, "JAX tracer", "feature 'fa'")
+    pending_step(emb)
+    g = grads(emb)
+    refused(emb, lambda: jax.jit(lambda x: emb.apply_gradients([x, *g[1:]]) or x)(g[0]), me.InputError,
+            "JAX tracer", "gradient for feature 'fa'")
+    check_recovers(emb, "numpy")
+
+
+def test_training_flag_must_be_a_bool():
+    emb = engine("numpy")
+    refused(emb, lambda: emb.enqueue(ids(), training="False"), me.InputError, "training")
+    emb.enqueue(ids(), training=np.bool_(False))
+    assert emb._pending.mode == "inference"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

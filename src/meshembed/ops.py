@@ -101,10 +101,19 @@ def _count(values: Sequence[Any], n: int, what: str, per: str) -> list[Any]:
 
 def _weights(w: Any) -> np.ndarray | None:
     arr = _host(w) if w is not None else np.zeros(0)
-    return None if arr.size == 0 else arr.reshape(-1).astype(np.float32)
+    return None if arr.size == 0 else arr.reshape(-1)
 
 
 def _check_weights(w: np.ndarray | None, ids: np.ndarray, info: inputs.FeatureInfo) -> np.ndarray | None:
+    """The weights as a private float32 copy (``astype`` copies), checked."""
+    if w is not None and w.dtype.kind not in "fiu":
+        raise InputError(
+            f"Invalid `aggregation_weights` for feature {info.name!r}: expected a float array. "
+            f"Received: dtype={w.dtype}"
+        )
+    if w is not None:
+        with np.errstate(over="ignore"):  # 1e39 is inf in float32: refused below
+            w = w.astype(np.float32)
     if w is not None and w.shape[0] != ids.shape[0]:
         raise InputError(
             f"Invalid `aggregation_weights` for feature {info.name!r}: expected {ids.shape[0]} "

@@ -330,6 +330,8 @@ class TPUEmbedding:
 
     def _resolve_mode(self, training: bool | None, mode_override: Any) -> str:
         mode = inputs.parse_mode(mode_override)
+        if training is not None:
+            training = _check_bool(training, "training", InputError)  # "False" would train
         if mode is None and training is not None:
             mode = "training" if training else "inference"
         return mode or self.layout.mode
@@ -488,7 +490,7 @@ class TPUEmbedding:
                 )
             by_tag = {int(k): v for k, v in learning_rates.items()}
             return [by_tag[k] for k in range(n)]
-        if isinstance(learning_rates, (list, tuple)):
+        if isinstance(learning_rates, Sequence) and not isinstance(learning_rates, (str, bytes)):
             return list(learning_rates)
         if not isinstance(learning_rates, (str, bytes)) and hasattr(learning_rates, "shape"):
             arr = inputs.to_host(learning_rates, self.backend, "`learning_rates`")
@@ -562,7 +564,8 @@ class TPUEmbedding:
                     f"Invalid gradient for feature {f.name!r} (table {t.name!r}): expected shape "
                     f"{shape} (input_shape + [dimension]). Received: shape={tuple(g.shape)}"
                 )
-            g = self.backend.asarray(g, dtype="float32")
+            with np.errstate(over="ignore"):  # float64 beyond float32's range: inf, refused below
+                g = self.backend.asarray(g, dtype="float32")
             if self.backend.is_traced(g):
                 raise _traced_call_error("apply_gradients")
             if check_now and not self.backend.all_finite(g):
