@@ -816,3 +816,26 @@ def test_dtensor_add_variable_from_reference_and_apply_gradients():
     assert int(opt.iterations.numpy()) == 1
     assert sorted(x.name for x in opt.variables) == ["accumulated_delta_var/Variable", "accumulated_grad/Variable",
                                                      "iteration"]
+
+
+def test_store_moves_onto_a_multi_device_jax_mesh():
+    """The store round trip onto a real 2-device JAX mesh: the mesh cases above, run in a
+    child process given four CPU devices (the flag is set for the child only)."""
+    pytest.importorskip("jax")
+    import os
+    import subprocess
+    import sys
+
+    import jax
+
+    if len(jax.devices()) >= 2:
+        pytest.skip("this process already has several JAX devices: the mesh cases ran above")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_keras3_adadelta.py",
+         "-k", "load_on_another_backend_and_mesh and jax"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "skipped" not in out.stdout.splitlines()[-1], out.stdout[-1000:]
