@@ -494,3 +494,17 @@ def test_dict_config_refuses_a_list_at_enqueue_and_the_raw_ops_stay_positional()
         assert emb.step == 1
     finally:
         me.ops.shutdown_tpu_embedding()
+
+
+@pytest.mark.skipif("torch" not in me.available_backends(), reason="torch not installed")
+def test_torch_front_end_with_a_dict_config():
+    """me.torch.EmbeddingCollection feeds the engine its own config-order lists: a dict config
+    must keep working there (its output is keyed by feature name)."""
+    import torch
+
+    ec = me.torch.EmbeddingCollection(dict_config())
+    out = ec({"user": torch.tensor([1, 2, 3, 19]), "item": torch.tensor([0, 1, 11, 11])})
+    assert {k: tuple(v.shape) for k, v in out.items()} == {"item": (B, 3), "user": (B, 4)}
+    before = ec.engine.retrieve_parameters("b")["parameters"]
+    out["item"].sum().backward()
+    assert not np.array_equal(ec.engine.retrieve_parameters("b")["parameters"], before)

@@ -373,8 +373,10 @@ class EmbeddingCollection(torch.nn.Module):
         saved = engine._pending
         engine._pending = None
         try:
-            engine.enqueue(feats, None if all(w is None for w in weights) else weights, training=training)
-            acts = engine.dequeue()
+            # config-order lists, in the engine's structure (a dict when the config's features were)
+            engine.enqueue(engine._structured(feats),
+                           None if all(w is None for w in weights) else engine._structured(weights), training=training)
+            acts = engine._dequeue_list()
             pending = engine._pending
         finally:
             engine._pending = saved
@@ -406,7 +408,7 @@ class EmbeddingCollection(torch.nn.Module):
         saved = engine._pending
         engine._pending = pending
         try:
-            engine.apply_gradients(grads, lrs)
+            engine.apply_gradients(engine._structured(list(grads)), lrs)
         finally:
             if engine._pending is pending:  # the call failed: nothing was applied
                 engine._pending = saved
