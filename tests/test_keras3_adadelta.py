@@ -839,3 +839,67 @@ def test_store_moves_onto_a_multi_device_jax_mesh():
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and "skipped" not in out.stdout.splitlines()[-1], out.stdout[-1000:]
+
+
+# -- Keras 3 optimizer_test.py -------------------------------------------------------------------
+
+def test_keras3_empty_gradients_and_clip_args(bk):
+    """Keras 3 ``test_empty_gradients`` / ``test_clip_args`` / ``test_global_clip_norm``."""
+    v = me.Variable(np.array([[3.0, 4.0], [5.0, 6.0]], np.float32), name="v", backend=bk)
+    v2 = me.Variable(np.array([[3.0, 4.0], [5.0, 6.0]], np.float32), name="v2", backend=bk)
+    opt = me.optimizers.Adadelta(learning_rate=1.0)
+    with pytest.raises(InputError, match="No gradients provided for any variable"):
+        opt.apply_gradients([(None, v)])
+    with pytest.warns(UserWarning, match="Gradients do not exist for variables \\['v'\\]"):
+        opt.apply_gradients([(None, v), (np.ones((2, 2), np.float32), v2)])
+    np.testing.assert_array_equal(v.numpy(), [[3.0, 4.0], [5.0, 6.0]])
+    assert not np.array_equal(v2.numpy(), [[3.0, 4.0], [5.0, 6.0]])
+    for key in ("clipnorm", "clipvalue", "global_clipnorm"):
+        assert getattr(me.optimizers.Adadelta(**{key: 0.1}), key) == 0.1
+    g = np.array([50.0, 100.0], np.float32)
+    xp = me.get_backend("numpy").xp
+    np.testing.assert_allclose(GradientsClipOption(global_clipnorm=1).clip(xp, [g])[0], g / np.linalg.norm(g),
+                               rtol=1e-6)
+    assert me.optimizers.Adadelta(loss_scale_factor=1024.0).scale_loss(1.0) == 1024.0
+
+
+def test_keras3_gradient_accumulation_with_weight_decay(bk):
+    """Keras 3 ``test_gradient_accumulation_with_weigth_decay`` ("adadelta"): 3 accumulated
+    calls equal one call with their mean, weight decay included."""
+    rng = np.random.default_rng(7)
+    opt1 = me.optimizers.Adadelta.from_config({"weight_decay": 0.05, "loss_scale_factor": None})
+    opt3 = me.optimizers.Adadelta.from_config({"weight_decay": 0.05, "gradient_accumulation_steps": 3})
+    v1 = me.Variable(np.array([[0.9], [0.5]], np.float32), name="v", backend=bk)
+    v3 = me.Variable(np.array([[0.9], [0.5]], np.float32), name="v", backend=bk)
+    for _ in range(8):
+        grads3 = rng.random((3, 2, 1)).astype(np.float32)
+        opt1.apply_gradients([(grads3.mean(axis=0), v1)])
+        for batch in range(3):
+            opt3.apply_gradients([(grads3[batch], v3)])
+    np.testing.assert_allclose(v1.numpy(), v3.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_keras3_pickleable_optimizers(bk):
+    """Keras 3 ``test_pickleable_optimizers`` ("adadelta"), and (b): a built optimizer with
+    its variables pickles, and the copy trains on as the original."""
+    import pickle
+
+    opt = me.optimizers.Adadelta()
+    assert pickle.loads(pickle.dumps(opt)).get_config() == opt.get_config()
+    w = me.Variable(np.ones(3, np.float32), name="w", backend=bk)
+    opt = me.optimizers.Adadelta(1.0, use_ema=True)
+    opt.apply_gradients([(np.ones(3), w)])
+    w2, opt2 = pickle.loads(pickle.dumps((w, opt)))
+    assert w2.backend is w.backend
+    opt.apply_gradients([(np.ones(3), w)])
+    opt2.apply_gradients([(np.ones(3), w2)])
+    _assert_same(_state(opt, [w]), _state(opt2, [w2]))
+
+
+def test_keras3_callable_learning_rate(bk):
+    """Keras 3 ``test_callable_learning_rate``: a zero-argument callable is read each step."""
+    v = me.Variable(np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), name="v", backend=bk)
+    ref = me.Variable(v.numpy(), name="v", backend=bk)
+    me.optimizers.Adadelta(learning_rate=lambda: 0.1).apply_gradients([(np.ones((2, 2), np.float32), v)])
+    me.optimizers.Adadelta(learning_rate=0.1).apply_gradients([(np.ones((2, 2), np.float32), ref)])
+    np.testing.assert_array_equal(v.numpy(), ref.numpy())

@@ -199,6 +199,22 @@ class Variable:
         new._value = backend.xp.asarray(value, copy=True) if backend.sharding_of(value) is None else value * 1
         return new
 
+    def __getstate__(self) -> dict:
+        """Pickle the value as NumPy and the backend by name (a backend holds modules)."""
+        state = dict(self.__dict__)
+        state["_value"] = self.numpy()
+        state["_backend"] = self._backend.name
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        from meshembed.backend import get_backend
+
+        value = state.pop("_value")
+        self.__dict__.update(state)
+        self._backend = get_backend(state["_backend"])
+        self._value = None
+        self._value = self._prepare(value, dtype=dtype_name(value.dtype), copy=False, check_shape=False)
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = self.numpy()
         return out if dtype is None else out.astype(dtype)

@@ -639,6 +639,9 @@ class Optimizer:
         given = [(g, v) for g, v in pairs if g is not None]
         if not given:
             raise InputError("No gradients provided for any variable (every gradient is None).")
+        if len(given) < len(pairs):
+            warnings.warn(f"Gradients do not exist for variables {[v.name for g, v in pairs if g is None]} when "
+                          "minimizing the loss; they are not updated (Keras' behaviour).", stacklevel=2)
         if not self.built:  # build checks the variables (dtype) before any gradient is read
             self._check_var_list([v for _, v in pairs], "grads_and_vars")
             for _, v in pairs:
@@ -951,6 +954,25 @@ class Optimizer:
             v.assign(values[k])
         if lr_value is not None and not callable(self._learning_rate):
             self._learning_rate = lr_value
+
+    def scale_loss(self, loss: Any) -> Any:
+        """Keras 3: ``loss · loss_scale_factor`` (the gradients are divided by it again)."""
+        return loss if self.loss_scale_factor is None else loss * self.loss_scale_factor
+
+    def __getstate__(self) -> dict:
+        """Pickle by backend name (a backend holds modules); compiled kernels are rebuilt."""
+        state = dict(self.__dict__)
+        state["_backend"] = getattr(self._backend, "name", self._backend)
+        state["_compile_cache"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if isinstance(self._backend, str):
+            from meshembed.backend import get_backend
+
+            self._backend = get_backend(self._backend)
+        self._index = {id(v): i for i, v in enumerate(self._trainable)}
 
     def get_weights(self) -> list[np.ndarray]:
         """NumPy copies of ``variables`` (tf_keras / Keras 3)."""
