@@ -361,6 +361,14 @@ def test_duplicate_feature_names_never_reach_the_engine():
         me.TPUEmbedding(duck, backend="numpy")
 
 
+def test_duplicate_feature_names_in_a_proto_are_refused():
+    text = config(features=[me.FeatureConfig("a", (B,), name="x"), me.FeatureConfig("b", (B,), name="y")]).to_text()
+    assert text.count('name: "y"') == 1
+    with pytest.raises(me.ConfigError, match="'x'"):
+        me.TPUEmbedding(me.EmbeddingConfig.from_proto(text.replace('name: "y"', 'name: "x"'), combiners="sum"),
+                        backend="numpy")
+
+
 def dict_feature(table: str, name: str):
     return types.SimpleNamespace(table=table, table_name=table, name=name, input_shape=(B,))
 
@@ -418,6 +426,21 @@ def test_apply_gradients_under_jit_is_refused(jax_emb):
 
     refused(emb, lambda: jax.jit(traced_grads)(1.0), me.InputError, "JAX tracer", "feature 'fa'")
     refused(emb, lambda: jax.jit(concrete_grads)(1.0), me.StateError, "apply_gradients", "me.jax")
+    check_recovers(emb, "jax")
+
+
+def test_parameters_under_jit(jax_emb):
+    import jax
+    import jax.numpy as jnp
+
+    emb = jax_emb
+    good = np.ones((20, 4), np.float32)
+    refused(emb, lambda: jax.jit(lambda x: emb.load_parameters("a", x) or 0)(jnp.asarray(good)), me.InputError,
+            "JAX tracer", "`parameters` for table 'a'")
+    refused(emb, lambda: jax.jit(lambda x: emb.load_parameters("a", good) or x)(1.0), me.StateError,
+            "load_parameters")
+    refused(emb, lambda: jax.jit(lambda x: emb.retrieve_parameters("a")["parameters"].sum() + x)(1.0),
+            me.StateError, "retrieve_parameters")
     check_recovers(emb, "jax")
 
 

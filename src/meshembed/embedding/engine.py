@@ -710,6 +710,7 @@ class TPUEmbedding:
         self, table: str | int, num_shards: int | None = None, shard_id: int | None = None
     ) -> dict[str, np.ndarray]:
         """``{"parameters": ..., <slot>: ...}`` as NumPy, the whole table or one host shard."""
+        self._refuse_if_tracing("retrieve_parameters")
         t = self.layout.table(table)
         ids = self._shard_ids(t, num_shards, shard_id)
         names = ("parameters",) + self._slot_names(t)
@@ -742,7 +743,6 @@ class TPUEmbedding:
     def _plan_load(self, table: str | int, parameters: Any, num_shards: Any, shard_id: Any,
                    allow_nonfinite: Any, slots: Mapping[str, Any]) -> tuple[TableSpec, Any, dict[str, np.ndarray]]:
         """Validate one table's Load: (table, shard ids or None, {name: private float32 copy})."""
-        self._refuse_if_tracing("load_parameters")
         t = self.layout.table(table)
         allow = self.allow_nonfinite if allow_nonfinite is None else _check_bool(
             allow_nonfinite, "allow_nonfinite", InputError)
@@ -781,6 +781,7 @@ class TPUEmbedding:
                     "Nothing was loaded. Fix: load finite values, or pass `allow_nonfinite=True`."
                 )
             values[name] = arr
+        self._refuse_if_tracing("load_parameters")  # concrete values inside jax.jit
         return t, ids, values
 
     def _loaded_state(self, plan: tuple[TableSpec, Any, dict[str, np.ndarray]]) -> tuple[int, list[Any]]:
