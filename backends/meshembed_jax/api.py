@@ -67,8 +67,8 @@ class EmbeddingState:
         """``{"parameters": [V, D], <slot>: ...}`` as NumPy (what ``retrieve_parameters`` gives)."""
         t = self._static.layout.table(table)
         sl = self._static.shard_layouts[t.index]
-        return {k: self._static.backend.unshard(JaxShardedTable(v, sl, t.dimension))
-                for k, v in self.tables[t.name].items()}
+        return {k: self._static.backend.unshard(JaxShardedTable(self.tables[t.name][k], sl, t.dimension))
+                for k in self._static.names[t.index]}
 
     def __repr__(self) -> str:
         return f"EmbeddingState(tables={list(self.tables)}, step={self.step})"
@@ -438,7 +438,8 @@ def adadelta(learning_rate: Any = 0.001, rho: float = 0.95, epsilon: float = 1e-
              gradients_clip_option: Any = None, ema_option: Any = None) -> Any:
     """``me.optimizers.Adadelta`` (Keras' defaults: lr 1e-3, rho 0.95, eps 1e-7, tf_keras' clip
     and EMA options) as an ``optax.GradientTransformation``: pure, jit-able, state sharded
-    like the params. ``learning_rate`` may be a float or an optax schedule of the step.
+    like the params (``init`` outside jit puts each slot on its param's sharding; a jitted
+    ``init`` needs ``out_shardings``). ``learning_rate`` may be a float or an optax schedule.
 
     The step is the core's ``meshembed.math.adadelta`` (``a' = ρa + (1−ρ)g²``,
     ``d = √(u+ε)/√(a'+ε)·g``, ``u' = ρu + (1−ρ)d²``, ``p' = p − lr·d``); the update returned is
@@ -459,7 +460,10 @@ def adadelta(learning_rate: Any = 0.001, rho: float = 0.95, epsilon: float = 1e-
             raise ConfigError(f"Invalid `{name}`. Expected a finite number. Received: {name}={v!r}")
 
     def init_fn(params: Any) -> AdadeltaState:
-        zeros = lambda p: jnp.zeros_like(p)  # noqa: E731 - zeros_like keeps each param's sharding
+        def zeros(p: Any) -> Any:  # each slot on its param's sharding (inside jit: XLA propagates it)
+            where = None if isinstance(p, jax.core.Tracer) else getattr(p, "sharding", None)
+            return jnp.zeros(jnp.shape(p), jnp.result_type(p), device=where)
+
         average = jax.tree.map(lambda p: jnp.array(p, copy=True), params) if ema.use_ema else ()
         return AdadeltaState(jnp.zeros((), _int()), jax.tree.map(zeros, params), jax.tree.map(zeros, params), average)
 

@@ -1,0 +1,277 @@
+"""me.jax: the functional API inside jax.jit against TPUEmbedding(backend="jax") (bits), no
+recompilation, the same input checks, portable checkpoints, and the optax Adadelta.
+
+Runs on 1 device here and on 8 CPU devices (a user Mesh) in a subprocess
+(``test_eight_devices`` sets ``MESHEMBED_JAX_EXPECT_DEVICES=8``).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+
+import jax.numpy as jnp  # noqa: E402
+
+import meshembed as me  # noqa: E402
+from meshembed.errors import CapacityError, InputError  # noqa: E402
+from tests.test_jax_backend import CompileCounter  # noqa: E402
+
+E = me.embedding
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXPECT = int(os.environ.get("MESHEMBED_JAX_EXPECT_DEVICES", "0") or 0)
+
+
+def _config(sharding: str = "mod") -> me.EmbeddingConfig:
+    """Tables on the fused CPU kernels (Adagrad, Adadelta, SGD) and on the core functions
+    (Adam, FTRL, non-lazy Adam, clipped Adagrad), dynamic and constant learning rates, pooled
+    and sequence features, two features on one table, all three combiners."""
+    dyn0, dyn1 = E.DynamicLearningRate(0), E.DynamicLearningRate(1)
+    tables = [
+        me.TableConfig(name="ada", vocabulary_size=97, dimension=8, optimizer=E.Adagrad(learning_rate=dyn0), combiner="mean"),
+        me.TableConfig(name="adam", vocabulary_size=50, dimension=4, optimizer=E.Adam(learning_rate=0.01), combiner="sum"),
+        me.TableConfig(name="ftrl", vocabulary_size=40, dimension=4, optimizer=E.FTRL(learning_rate=dyn1), combiner="sqrtn"),
+        me.TableConfig(name="delta", vocabulary_size=33, dimension=4,
+                       optimizer=E.Adadelta(learning_rate=dyn1, rho=0.9, epsilon=1e-6), combiner="sum"),
+        me.TableConfig(name="sgd", vocabulary_size=30, dimension=4, optimizer=E.SGD(learning_rate=0.3), combiner="mean"),
+        me.TableConfig(name="dense_adam", vocabulary_size=24, dimension=4,
+                       optimizer=E.Adam(learning_rate=dyn0, lazy_adam=False), combiner="sum"),
+        me.TableConfig(name="clipped", vocabulary_size=26, dimension=4,
+                       optimizer=E.Adagrad(learning_rate=0.2, clipvalue=0.5), combiner="mean"),
+    ]
+    features = [
+        me.FeatureConfig(table="ada", input_shape=(16,), name="ada1"),
+        me.FeatureConfig(table="ada", input_shape=(16, 3), name="ada_seq"),
+        me.FeatureConfig(table="adam", input_shape=(16,), name="adam"),
+        me.FeatureConfig(table="ftrl", input_shape=(16,), name="ftrl"),
+        me.FeatureConfig(table="delta", input_shape=(16,), name="delta"),
+        me.FeatureConfig(table="sgd", input_shape=(16,), name="sgd"),
+        me.FeatureConfig(table="dense_adam", input_shape=(16,), name="dense_adam"),
+        me.FeatureConfig(table="clipped", input_shape=(16,), name="clipped"),
+    ]
+    return me.EmbeddingConfig(tables=tables, features=features, sharding_strategy=sharding)
+
+
+def _features(cfg: me.EmbeddingConfig, rng: np.random.Generator, sparse: bool) -> dict:
+    """One batch; ``sparse``: ragged ids (a varying number per sample) for the pooled features."""
+    out = {}
+    vocab = {t.name: t.vocabulary_size for t in cfg.tables}
+    for f in cfg.features:
+        v = vocab[f.table]
+        if sparse and len(f.input_shape) == 1:
+            lengths = rng.integers(0, 4, f.input_shape[0])
+            out[f.name] = me.RaggedIds(np.concatenate([[0], np.cumsum(lengths)]), rng.integers(0, v, lengths.sum()))
+        else:
+            out[f.name] = rng.integers(0, v, f.input_shape)
+    return out
+
+
+def _mesh():
+    """A user's 2-D mesh over every device (8 here: 2 x 4)."""
+    from jax.sharding import Mesh
+
+    n = len(jax.devices())
+    shape = (2, n // 2) if n % 2 == 0 and n > 1 else (1, n)
+    return Mesh(np.asarray(jax.devices(), dtype=object).reshape(shape), ("data", "model"))
+
+
+def _loss(acts: dict) -> jax.Array:
+    return sum(jnp.sum(jnp.sin(a) * a) for a in acts.values())
+
+
+def _step(state, batch, lrs):
+    acts = me.jax.lookup(state, batch)
+    loss, grads = jax.value_and_grad(_loss)(acts)
+    return me.jax.apply_gradients(state, batch, grads, lrs), acts, grads, loss
+
+
+def _same(got, want, what: str) -> None:
+    """Bit for bit; FTRL on several devices within the backends' float32 tolerance: its pow
+    is compiled by XLA in a different program there, a few ulps apart after 5 steps (the
+    engine's own FTRL is 1 ulp from NumPy's after one step, on any device count)."""
+    if what.startswith("ftrl") and len(jax.devices()) > 1:
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-7, err_msg=what)
+    else:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=what)
+
+
+def test_devices_as_expected():
+    if EXPECT:
+        assert len(jax.devices()) == EXPECT
+
+
+@pytest.mark.parametrize("sharding", ["mod", "div"])
+@pytest.mark.parametrize("use_mesh", [False, True])
+def test_jitted_steps_are_bit_identical_to_the_engine(sharding, use_mesh):
+    """Five jitted me.jax steps (donated state, changing learning rates, dense and ragged
+    batches) against TPUEmbedding(backend="jax"): activations and every table and slot equal
+    bit for bit, on the fused CPU kernels and on the core functions."""
+    cfg = _config(sharding)
+    emb = me.TPUEmbedding(cfg, backend="jax", seed=3)
+    state = me.jax.init(cfg, mesh=_mesh() if use_mesh else None, seed=3)
+    step = jax.jit(_step, donate_argnums=0)
+    rng = np.random.default_rng(1)
+    for i in range(5):
+        feats = _features(cfg, rng, sparse=i % 2 == 1)
+        lrs = [0.1 / (i + 1), 0.05 * (i + 1)]
+        state, acts, grads, _ = step(state, me.jax.prepare(cfg, feats, capacity=64), lrs)
+        emb.enqueue(feats)
+        expected = emb.dequeue()
+        for k, f in enumerate(cfg.features):
+            _same(acts[f.name], expected[k], f.name)
+        emb.apply_gradients([grads[f.name] for f in cfg.features], learning_rates=lrs)
+    assert int(state.step) == emb.step == 5
+    for t in cfg.tables:
+        got, want = state.parameters(t.name), emb.retrieve_parameters(t.name)
+        assert list(got) == list(want)
+        for k in want:
+            _same(got[k], want[k], f"{t.name}/{k}")
+    if use_mesh:  # tables sharded over the user's devices; slots co-sharded with their table
+        leaf = state.tables["ada"]
+        assert leaf["parameters"].sharding == leaf["accumulators"].sharding
+        assert leaf["parameters"].sharding.device_set == set(jax.devices())
+
+
+def test_twenty_steps_compile_once():
+    """Changing ids (within capacity) and a learning rate changing every step: one trace,
+    and no XLA compilation after the first step."""
+    cfg = _config()
+    state = me.jax.init(cfg)
+    step = jax.jit(lambda *a: _step(*a), donate_argnums=0)  # its own trace cache
+    rng = np.random.default_rng(2)
+    counter = CompileCounter()
+    for i in range(20):
+        batch = me.jax.prepare(cfg, _features(cfg, rng, sparse=True), capacity=64)
+        with counter:
+            state, *_ = step(state, batch, [jnp.float32(0.1 + 0.01 * i), 0.02 * (i + 1)])
+            jax.block_until_ready(state)
+        if i == 0:
+            assert counter.count > 0
+        else:
+            assert counter.count == 0, f"step {i} compiled"
+    assert step._cache_size() == 1
+    assert int(state.step) == 20
+
+
+def test_prepare_checks_inputs_like_enqueue():
+    cfg = _config()
+    emb = me.TPUEmbedding(cfg, backend="numpy")
+    feats = _features(cfg, np.random.default_rng(0), sparse=False)
+    bad = dict(feats, adam=np.full(16, 50))
+    with pytest.raises(InputError) as engine_error:
+        emb.enqueue(bad)
+    with pytest.raises(InputError) as api_error:
+        me.jax.prepare(cfg, bad)
+    assert str(api_error.value) == str(engine_error.value)
+    with pytest.raises(InputError, match="Missing"):
+        me.jax.prepare(cfg, {k: v for k, v in feats.items() if k != "sgd"})
+    with pytest.raises(CapacityError, match=r"Feature 'ada_seq'.*48 ids.*capacity 32"):
+        me.jax.prepare(cfg, feats, capacity=32)
+    batch = me.jax.prepare(cfg, feats, capacity={"ada_seq": 48})
+    assert batch.ids[1].shape == (48,) and batch.ids[0].shape == (16,)
+    state = me.jax.init(cfg)
+    grads = {k: jnp.zeros_like(v) for k, v in me.jax.lookup(state, batch).items()}
+    with pytest.raises(InputError, match="expected 2 value"):
+        me.jax.apply_gradients(state, batch, grads, [0.1])
+    with pytest.raises(InputError, match="Invalid gradient for feature 'sgd'"):
+        me.jax.apply_gradients(state, batch, dict(grads, sgd=jnp.zeros((3, 4))), [0.1, 0.1])
+    assert int(state.step) == 0
+
+
+def test_save_restore_through_torch_and_back(tmp_path):
+    """A state trained here restores on torch (the portable checkpoint) and back."""
+    pytest.importorskip("torch")
+    cfg = _config()
+    state = me.jax.init(cfg, seed=5)
+    step = jax.jit(_step, donate_argnums=0)
+    rng = np.random.default_rng(3)
+    for i in range(2):
+        state, *_ = step(state, me.jax.prepare(cfg, _features(cfg, rng, sparse=False)), [0.1, 0.2])
+    saved = {t.name: state.parameters(t.name) for t in cfg.tables}
+    me.jax.save(state, tmp_path / "ckpt")
+    on_torch = me.TPUEmbedding.restore(tmp_path / "ckpt", backend="torch")
+    assert on_torch.step == 2
+    for t in cfg.tables:
+        for k, v in on_torch.retrieve_parameters(t.name).items():
+            np.testing.assert_array_equal(v, saved[t.name][k])
+    on_torch.save(tmp_path / "back")
+    back = me.jax.restore(tmp_path / "back", mesh=_mesh())
+    assert int(back.step) == 2
+    for t in cfg.tables:
+        for k, v in back.parameters(t.name).items():
+            np.testing.assert_array_equal(v, saved[t.name][k])
+    state, *_ = step(back, me.jax.prepare(cfg, _features(cfg, rng, sparse=False)), [0.1, 0.2])  # trains on
+    assert int(state.step) == 3
+
+
+def _dense_reference(params: dict, grads: list, **kw) -> dict:
+    """me.optimizers.Adadelta on the JAX backend, one apply_gradients per step."""
+    variables = {k: me.Variable(np.asarray(v), name=k, backend="jax") for k, v in params.items()}
+    opt = me.optimizers.Adadelta(**kw)
+    for g in grads:
+        opt.apply_gradients([(jnp.asarray(g[k]), variables[k]) for k in sorted(variables)])
+    return {k: np.asarray(v.numpy()) for k, v in variables.items()}
+
+
+@pytest.mark.parametrize("options", ["plain", "clipnorm", "global_clipnorm", "clipvalue", "ema"])
+def test_optax_adadelta_matches_the_dense_optimizer(options):
+    O = me.optimizers
+    kw = {"plain": {}, "clipnorm": dict(gradients_clip_option=O.GradientsClipOption(clipnorm=0.5)),
+          "global_clipnorm": dict(gradients_clip_option=O.GradientsClipOption(global_clipnorm=0.7)),
+          "clipvalue": dict(gradients_clip_option=O.GradientsClipOption(clipvalue=0.1)),
+          "ema": dict(ema_option=O.EMAOption(use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=3))}[options]
+    rng = np.random.default_rng(4)
+    params = {"w": rng.standard_normal((8, 5)).astype(np.float32), "b": rng.standard_normal(5).astype(np.float32)}
+    grads = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()} for _ in range(7)]
+    tx = me.jax.adadelta(learning_rate=0.5, rho=0.9, epsilon=1e-6, **kw)
+
+    @jax.jit
+    def update(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    p = {k: jnp.asarray(v) for k, v in params.items()}
+    s = tx.init(p)
+    for g in grads:
+        p, s = update(p, s, g)
+    want = _dense_reference(params, grads, learning_rate=0.5, rho=0.9, epsilon=1e-6, **kw)
+    for k in params:  # optax adds p' - p to p: within an ulp or two of p'
+        np.testing.assert_allclose(np.asarray(p[k]), want[k], rtol=2e-6, atol=1e-6)
+    assert int(s.iteration) == 7
+
+
+def test_optax_adadelta_state_is_sharded_like_the_params():
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = _mesh()
+    sharding = NamedSharding(mesh, PartitionSpec(None, "model"))
+    w = jax.device_put(jnp.ones((4, 8 * mesh.shape["model"])), sharding)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), me.jax.adadelta(learning_rate=0.1))
+    state = tx.init({"w": w})  # eager init: each slot on its param's sharding
+    _, state = jax.jit(tx.update)({"w": w}, state, {"w": w})  # and still there after a jitted step
+    ada = state[1]
+    for slot in (ada.accumulated_grad["w"], ada.accumulated_delta_var["w"]):
+        assert slot.sharding.is_equivalent_to(sharding, 2), slot.sharding
+
+
+@pytest.mark.skipif(bool(EXPECT), reason="already the 8-device run")
+def test_eight_devices():
+    """This module with 8 CPU devices: tables over a 2 x 4 user mesh, same bits as the engine."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["MESHEMBED_JAX_EXPECT_DEVICES"] = "8"
+    env.pop("MESHEMBED_JAX_CAPACITY", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+         "-k", "bit_identical or devices_as_expected or sharded or save_restore"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout
