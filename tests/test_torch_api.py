@@ -368,3 +368,35 @@ def test_adadelta_defaults_state_dict_maximize_and_errors():
         me.torch.Adadelta(_params(), rho=1.5)
     with pytest.raises(me.InputError, match="floating"):
         me.torch.Adadelta([torch.zeros(3, dtype=torch.int64)])
+
+
+def test_compiled_jagged_input_and_compiled_autograd_equal_eager():
+    """torch.nested jagged ids compile whole; torch's compiled autograd also takes the backward
+    (the update op runs inside the compiled backward graph; with (values, offsets) inputs:
+    torch 2.13's compiled autograd fails on jagged tensors' nested ints). Sparse COO tensors
+    cannot enter torch.compile at all (dynamo refuses them): an eager-only form."""
+    from torch._dynamo import compiled_autograd
+
+    torch._dynamo.reset()
+    rng = np.random.default_rng(9)
+    cfg = config("adagrad", "sqrtn")
+    eager, compiled = Tower(me.torch.EmbeddingCollection(cfg)), Tower(me.torch.EmbeddingCollection(cfg))
+    step = torch.compile(compiled, fullgraph=True, backend="aot_eager")
+    target = torch.linspace(-1, 1, BATCH)
+    for k in range(4):
+        values, offsets, weights, seq = batch(rng)
+        le = eager(*module_inputs(values, offsets, weights, seq), target)
+        le.backward()
+        if k % 2 == 0:
+            v, o = torch.from_numpy(values), torch.from_numpy(offsets)
+            feats = {"bag": torch.nested.nested_tensor_from_jagged(v, o), "seq": torch.from_numpy(seq)}
+            ws = {"bag": torch.nested.nested_tensor_from_jagged(torch.from_numpy(weights), o)}
+            lc = step(feats, ws, target)
+            lc.backward()
+        else:
+            with compiled_autograd._enable(torch.compile(backend="aot_eager", fullgraph=True)):
+                lc = step(*module_inputs(values, offsets, weights, seq), target)
+                lc.backward()
+        torch.testing.assert_close(lc, le)
+        assert_same_tables(compiled.ec, eager.ec.engine)
+    assert compiled.ec._batches == {}

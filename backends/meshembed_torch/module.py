@@ -148,14 +148,14 @@ def _flatten(name: str, batch: int, x: Any, w: Any) -> tuple[str, list[torch.Ten
     return kind, ts
 
 
-def _engine_input(kind: str, ts: Sequence[torch.Tensor], copy: bool) -> tuple[Any, Any]:
-    """Rebuild the engine's input form from a spec entry and its tensors."""
+def _engine_input(kind: str, ts: Sequence[torch.Tensor]) -> tuple[Any, Any]:
+    """Rebuild the engine's input form from a spec entry and its tensors. (The engine keeps
+    private copies of what it validated, so a buffer the compiled graph reuses is safe.)"""
     # NumPy: the engine duck-types COO weights by an `indices` attribute, which every tensor has
     weights = ts[-1].detach().cpu().numpy() if kind.endswith("w") else None
     kind = kind.rstrip("w")
     if kind == "d":
-        # a training batch lives until backward: never alias a buffer the graph may reuse
-        return (ts[0].clone() if copy else ts[0]), weights
+        return ts[0], weights
     if kind == "o":
         return RaggedIds(ts[1], ts[0]), weights
     if kind == "l":
@@ -361,7 +361,7 @@ class EmbeddingCollection(torch.nn.Module):
         feats, weights, k = [], [], 0
         for kind in kinds.split(";"):
             n = (1 if kind.startswith("d") else 2) + kind.endswith("w")
-            x, w = _engine_input(kind, tensors[k:k + n], copy=training)
+            x, w = _engine_input(kind, tensors[k:k + n])
             feats.append(x)
             weights.append(w)
             k += n
