@@ -45,6 +45,7 @@ _LAZY = {
     "math": "meshembed.math",
     "config": "meshembed.config",
     "sharding": "meshembed.sharding",
+    "interop": "meshembed.interop",
     # front ends, one per framework idiom (the JAX and torch ones live in their backend packages)
     "tpu": "meshembed.tpu",
     "jax": "meshembed_jax.api",

@@ -1,0 +1,220 @@
+"""Differential conformance: the same config, ids and gradients through meshembed and a
+foreign implementation for a few CPU steps; per table and slot the largest difference in
+ulps and relative terms, next to the gap report that should explain it.
+
+A row is ``exact`` (0 ulp), ``explained`` (nonzero, and the translation reported a gap for
+that table's optimizer) or ``FINDING`` (nonzero with no gap to explain it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from meshembed.errors import ConfigError
+from meshembed.interop._gaps import GapReport
+
+#: A difference with no gap whose size, relative to the largest value of the array, is at
+#: most 2**-20 (8 float32 ulps of that value) is float32 operation order (the order a bag's
+#: rows or a row's gradients are summed in), not semantics: status ``rounding``.
+ROUNDING = 2.0 ** -20
+
+__all__ = ["ROUNDING", "ConformanceReport", "ConformanceRow", "compare_torchrec", "run_conformance", "ulp_distance"]
+
+
+def ulp_distance(a: Any, b: Any) -> np.ndarray:
+    """Elementwise distance in units in the last place (float32 or float64): the number of
+    representable values between ``a`` and ``b``. Equal NaNs are 0 apart, NaN vs a number is
+    the largest distance; +0 and -0 are 0 apart."""
+    a, b = np.asarray(a), np.asarray(b)
+    dtype = np.result_type(a.dtype, b.dtype)
+    if dtype not in (np.float32, np.float64):
+        dtype = np.dtype(np.float64)
+    a, b = np.broadcast_arrays(a.astype(dtype), b.astype(dtype))
+    ints = np.int32 if dtype == np.float32 else np.int64
+
+    def ordered(x: np.ndarray) -> np.ndarray:
+        i = x.view(ints).astype(np.int64) if dtype == np.float32 else x.view(ints).astype(object)
+        sign_min = np.int64(np.iinfo(ints).min)
+        return np.where(i < 0, sign_min - i, i)
+
+    d = np.abs(ordered(a) - ordered(b)).astype(np.float64)
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    d = np.where(nan_a & nan_b, 0.0, d)
+    return np.where(nan_a ^ nan_b, np.inf, d)
+
+
+@dataclass(frozen=True)
+class ConformanceRow:
+    case: str  #: e.g. ``"torchrec exact_adagrad/mean"``
+    table: str
+    slot: str  #: ``parameters``, a slot name, or ``activations``
+    max_ulp: float
+    max_rel: float
+    explained_by: tuple[str, ...]  #: gap fields that explain a difference
+    normwise: float = 0.0  #: ``max|a - b| / max|b|`` over the whole array
+
+    @property
+    def status(self) -> str:
+        if self.max_ulp == 0:
+            return "exact"
+        if self.explained_by:
+            return "explained"
+        return "rounding" if self.normwise <= ROUNDING else "FINDING"
+
+
+class ConformanceReport(tuple):
+    """A tuple of ``ConformanceRow`` with the gap reports; ``str()`` is a table."""
+
+    gaps: dict[str, GapReport]
+
+    def __new__(cls, rows: Sequence[ConformanceRow], gaps: dict[str, GapReport]) -> ConformanceReport:
+        self = super().__new__(cls, rows)
+        self.gaps = gaps
+        return self
+
+    @property
+    def findings(self) -> tuple[ConformanceRow, ...]:
+        return tuple(r for r in self if r.status == "FINDING")
+
+    def __str__(self) -> str:
+        head = f"{'case':34} {'table':8} {'slot':14} {'max ulp':>10} {'max rel':>10} {'normwise':>10}  status"
+        lines = [head, "-" * len(head)]
+        for r in self:
+            why = f" ({', '.join(r.explained_by)})" if r.status == "explained" else ""
+            lines.append(f"{r.case:34} {r.table:8} {r.slot:14} {r.max_ulp:>10.0f} {r.max_rel:>10.2e} {r.normwise:>10.2e}  {r.status}{why}")
+        for case, report in self.gaps.items():
+            lines.append(f"\n{case} gap report:\n  " + str(report).replace("\n", "\n  "))
+        return "\n".join(lines)
+
+
+def _diff(a: Any, b: Any) -> tuple[float, float, float]:
+    """(max ulp, max elementwise relative, normwise relative) difference of two arrays."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    if a.size == 0:
+        return 0.0, 0.0, 0.0
+    ulp = float(ulp_distance(a, b).max())
+    err = np.abs(a.astype(np.float64) - b)
+    scale = np.maximum(np.abs(a), np.abs(b)).astype(np.float64)
+    rel = np.where(scale > 0, err / np.where(scale > 0, scale, 1), 0.0)
+    top = float(scale.max())
+    return ulp, float(rel.max()), float(err.max() / top) if top > 0 else 0.0
+
+
+def _row(case: str, table: str, slot: str, diff: tuple[float, float, float],
+         explained: tuple[str, ...]) -> ConformanceRow:
+    return ConformanceRow(case, table, slot, diff[0], diff[1], explained if diff[0] else (), diff[2])
+
+
+# --------------------------------------------------------------------- torchrec / fbgemm
+def compare_torchrec(tables: Any, optimizer: Any, optimizer_kwargs: dict[str, Any] | None = None, *,
+                     steps: int = 3, batch_size: int = 4, max_bag_size: int = 3, seed: int = 0,
+                     backend: str = "numpy", case: str | None = None) -> ConformanceReport:
+    """Train torchrec's ``FusedEmbeddingBagCollection`` (fbgemm's CPU TBE) and a meshembed
+    engine built by ``from_torchrec`` from the same rows for ``steps`` steps of random bags
+    and output gradients; compare activations each step, then rows and accumulators."""
+    import torch
+    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    import meshembed as me
+    from meshembed.interop._torchrec import _optimizer_from, _torch_optimizer_class, from_torchrec
+
+    cfg, gaps = from_torchrec(tables, optimizer, optimizer_kwargs, batch_size=batch_size)
+    opt, kw = _optimizer_from(optimizer, optimizer_kwargs)
+    if opt not in ("exact_sgd", "exact_adagrad", "exact_row_wise_adagrad"):
+        raise ConfigError(f"compare_torchrec runs fbgemm's exact CPU optimizers. Expected exact_sgd, exact_adagrad or "
+                          f"exact_row_wise_adagrad. Received: {opt}")
+    kwargs = {k: v for k, v in kw.items() if k in (optimizer_kwargs or {}) or k == "learning_rate"}
+    kwargs = {"lr" if k == "learning_rate" else k: v for k, v in kwargs.items() if v is not None}
+    rng = np.random.default_rng(seed)
+    ebc = FusedEmbeddingBagCollection(list(tables), _torch_optimizer_class(opt), kwargs)
+    with torch.no_grad():
+        for t in tables:
+            w = ebc.embedding_bags[t.name].weight
+            w.copy_(torch.as_tensor(rng.uniform(-0.5, 0.5, size=tuple(w.shape)).astype(np.float32)))
+    engine = me.TPUEmbedding(cfg, backend=backend)
+    me.interop.import_torchrec_state(engine, ebc)
+    name = case or f"torchrec {opt}/{'+'.join(sorted({c.combiner for c in cfg.tables}))}"
+    feature_table = {f.name: f.table_name for f in cfg.features}
+    dims = {t.name: t.dimension for t in cfg.tables}
+    act = {t: (0.0, 0.0, 0.0) for t in dims}
+    for _ in range(steps):
+        keys = [f.name for f in cfg.features]
+        lengths = {k: rng.integers(1, max_bag_size + 1, size=batch_size) for k in keys}
+        values = {k: rng.integers(0, cfg.tables[[t.name for t in cfg.tables].index(feature_table[k])].vocabulary_size,
+                                  size=int(lengths[k].sum())) for k in keys}
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=keys, values=torch.as_tensor(np.concatenate([values[k] for k in keys])),
+            lengths=torch.as_tensor(np.concatenate([lengths[k] for k in keys])))
+        out = ebc(kjt)
+        grads = rng.standard_normal(size=tuple(out.values().shape)).astype(np.float32)
+        engine.enqueue([me.RaggedIds(np.concatenate([[0], np.cumsum(lengths[k])]), values[k]) for k in keys])
+        mine = engine.dequeue()
+        theirs = out.to_dict()
+        per_feature, col = [], 0
+        for k, a in zip(keys, mine):
+            t = feature_table[k]
+            d = _diff(np.asarray(engine.backend.to_numpy(a)), theirs[k].detach().numpy())
+            act[t] = tuple(max(x, y) for x, y in zip(act[t], d))
+            per_feature.append(grads[:, col:col + dims[t]])
+            col += dims[t]
+        out.values().backward(torch.as_tensor(grads))
+        engine.apply_gradients(per_feature)
+    state = ebc.fused_optimizer().state_dict()["state"]
+    rows = []
+    for t in cfg.tables:
+        explained = gaps.fields(t.name)
+        explained = tuple(f for f in explained if f.startswith("optimizer"))
+        rows.append(_row(name, t.name, "activations", act[t.name], explained))
+        mine = engine.retrieve_parameters(t.name)
+        rows.append(_row(name, t.name, "parameters",
+                         _diff(mine["parameters"], ebc.embedding_bags[t.name].weight.detach().numpy()), explained))
+        slots = engine.table_slot_names(t.name)
+        if slots:
+            theirs_acc = state[f"{t.name}.weight"][f"{t.name}.weight.momentum_1"].detach().numpy()
+            acc = mine[slots[0]]
+            if theirs_acc.ndim == 1:
+                theirs_acc = np.broadcast_to(theirs_acc[:, None], acc.shape)
+            rows.append(_row(name, t.name, slots[0], _diff(acc, theirs_acc), explained))
+    return ConformanceReport(rows, {name: gaps})
+
+
+def _torchrec_cases(backend: str, steps: int) -> ConformanceReport:
+    """SGD, Adagrad and row-wise Adagrad, each with SUM and MEAN pooling, two tables."""
+    import torch
+    import torchrec.optim as trec_optim
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+    rows, gaps = [], {}
+    for opt, kw in ((torch.optim.SGD, {"lr": 0.1}), (torch.optim.Adagrad, {"lr": 0.1, "eps": 0.0}),
+                    (torch.optim.Adagrad, {"lr": 0.1}), (trec_optim.RowWiseAdagrad, {"lr": 0.1})):
+        for pooling in (PoolingType.SUM, PoolingType.MEAN):
+            tables = [EmbeddingBagConfig(num_embeddings=20, embedding_dim=8, name="t0", feature_names=["f0", "f1"],
+                                         pooling=pooling),
+                      EmbeddingBagConfig(num_embeddings=7, embedding_dim=4, name="t1", feature_names=["f2"],
+                                         pooling=pooling)]
+            eps = f" eps={kw['eps']:g}" if "eps" in kw else ""
+            case = f"torchrec {opt.__name__}{eps}/{pooling.value.lower()}"
+            report = compare_torchrec(tables, opt, kw, steps=steps, backend=backend, case=case)
+            rows += list(report)
+            gaps.update(report.gaps)
+    return ConformanceReport(rows, gaps)
+
+
+def run_conformance(against: Sequence[str], *, backend: str = "numpy", steps: int = 3) -> ConformanceReport:
+    """The CLI's ``meshembed conformance --against torchrec,keras_rs``: every built-in case."""
+    runners = {"torchrec": _torchrec_cases, "fbgemm": _torchrec_cases}
+    unknown = [a for a in against if a not in runners]
+    if unknown or not against:
+        raise ConfigError(f"Invalid `--against` {list(against)}. Expected a comma-separated subset of "
+                          f"{sorted(runners)}.")
+    rows, gaps = [], {}
+    for name in dict.fromkeys("torchrec" if a == "fbgemm" else a for a in against):
+        report = runners[name](backend, steps)
+        rows += list(report)
+        gaps.update(report.gaps)
+    return ConformanceReport(rows, gaps)
