@@ -903,3 +903,13 @@ def test_keras3_callable_learning_rate(bk):
     me.optimizers.Adadelta(learning_rate=lambda: 0.1).apply_gradients([(np.ones((2, 2), np.float32), v)])
     me.optimizers.Adadelta(learning_rate=0.1).apply_gradients([(np.ones((2, 2), np.float32), ref)])
     np.testing.assert_array_equal(v.numpy(), ref.numpy())
+
+
+def test_nonfinite_gradient_is_not_banked_by_gradient_accumulation(bk):
+    w = me.Variable(np.ones(2, np.float32), name="w", backend=bk)
+    opt = me.optimizers.Adadelta(1.0, gradient_accumulation_steps=3)
+    opt.apply_gradients([(np.ones(2, np.float32), w)])
+    before = _state(opt, [w])
+    with pytest.raises(InputError, match="Nothing was accumulated"):
+        opt.apply_gradients([(np.array([1.0, np.nan], np.float32), w)])
+    _assert_same(before, _state(opt, [w]))

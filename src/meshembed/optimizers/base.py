@@ -711,6 +711,13 @@ class Optimizer:
         dense = [self._densify(g, v)[0] for g, v in zip(grads, variables)]
         accs = [self._accumulators[self._slot_index(v)] for v in variables]
         if (self._calls() + 1) % n != 0:
+            if not self.allow_nonfinite and not self._traced:  # never bank a NaN for a later update
+                bad = [v.name for v, g in zip(variables, dense) if not _all_finite(self._xp, g)]
+                if bad:
+                    raise InputError(
+                        f"Invalid gradients for {bad}: NaN or Inf. Nothing was accumulated. Fix: check the "
+                        "loss, lower the loss scale, or pass `allow_nonfinite=True` to apply them anyway."
+                    )
             for acc, g in zip(accs, dense):
                 self._write(acc, g + self._read(acc))
             return grads, False
