@@ -400,3 +400,61 @@ def test_compiled_jagged_input_and_compiled_autograd_equal_eager():
         torch.testing.assert_close(lc, le)
         assert_same_tables(compiled.ec, eager.ec.engine)
     assert compiled.ec._batches == {}
+
+
+def _conformance():
+    from conformance import test_engine_optimizers as conf
+
+    return conf
+
+
+def _conformance_run(name, option, compiled):
+    """The conformance optimizer case through the module, and through TPUEmbedding(torch)."""
+    conf = _conformance()
+    case = conf.CASES[name]
+    table0 = np.random.default_rng(7).uniform(-0.5, 0.5, (conf.V, conf.D)).astype(np.float32)
+    kw = dict(conf.OPTIONS[option])
+    dynamic = option == "dynamic_lr"
+    lr = me.embedding.DynamicLearningRate(0) if dynamic else conf.LRS[0]
+    if case["dynamic"]:
+        kw["_tag"] = int(dynamic)
+    cfg = conf._config(case["spec"](lr, **kw))
+    ec = me.torch.EmbeddingCollection(cfg, num_shards=2, initializers={"t": table0})
+    emb = me.TPUEmbedding(cfg, backend="torch", num_shards=2, initializers={"t": table0})
+
+    def step_fn(feats, weights, grads, lrs):
+        out = ec(feats, weights, learning_rates=lrs)
+        return (out["multi"] * grads[0]).sum() + (out["dense"] * grads[1]).sum()
+
+    step = torch.compile(step_fn, fullgraph=True, backend="aot_eager") if compiled else step_fn
+    for s in range(conf.STEPS):
+        feats, weights = conf._inputs(s)
+        grads = conf._gradients(s, case["grad_scale"])
+        lrs = ([np.float32(conf.LRS[s])] if dynamic else []) + ([np.float32(10 + s)] if case["dynamic"] else [])
+        tf = {"multi": (torch.from_numpy(np.asarray(feats[0].values)), torch.from_numpy(feats[0].row_splits)),
+              "dense": torch.from_numpy(feats[1])}
+        tw = {"multi": torch.from_numpy(np.asarray(weights[0].values))}
+        step(tf, tw, [torch.from_numpy(g) for g in grads], torch.tensor(lrs, dtype=torch.float64) if lrs else None
+             ).backward()
+        emb.enqueue(feats, weights)
+        emb.dequeue()
+        emb.apply_gradients(grads, learning_rates=lrs)
+        assert_same_tables(ec, emb)
+
+
+def _conformance_params():
+    try:
+        return _conformance().PARAMS
+    except Exception as exc:  # noqa: BLE001 - the suite's module must import here
+        pytest.fail(f"conformance.test_engine_optimizers does not import: {exc}")
+
+
+@pytest.mark.parametrize("name,option", _conformance_params(), ids=lambda v: str(v))
+def test_conformance_training_cases_through_the_module(name, option):
+    _conformance_run(name, option, compiled=False)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adadelta", "ftrl", "adam_lazy_sum_inside_sqrt"])
+def test_conformance_training_cases_through_the_compiled_module(name):
+    torch._dynamo.reset()
+    _conformance_run(name, "dynamic_lr", compiled=True)

@@ -182,16 +182,22 @@ class EmbeddingCollection(torch.nn.Module):
     to the looked-up rows; with ``False`` it keeps the gradients and ``apply_gradients()``
     sends them. In ``eval()`` mode or under ``torch.no_grad()`` lookups are inference only.
     Tables are row-sharded over ``num_shards`` (default: the ``torch.distributed`` world size)
-    exactly as ``me.TPUEmbedding(config, backend="torch")`` does.
+    exactly as ``me.TPUEmbedding(config, backend="torch")`` does; ``seed`` and
+    ``initializers`` (``{table: initializer or [V, D] array}``) are the engine's.
+
+    Under ``torch.compile`` pass tensors, ``(values, offsets|lengths)`` pairs or jagged
+    tensors: dynamo refuses sparse COO tensors (they work eagerly).
     """
 
     def __init__(self, config: Any, *, num_shards: int | None = None, process_group: Any = None,
-                 device: Any = None, seed: int = 0, fused_optimizer: bool = True) -> None:
+                 device: Any = None, seed: int = 0, fused_optimizer: bool = True,
+                 initializers: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         _check_group(process_group)
         from meshembed_torch.backend import TorchBackend
 
-        engine = TPUEmbedding(config, backend=TorchBackend(device=device), num_shards=num_shards, seed=seed)
+        engine = TPUEmbedding(config, backend=TorchBackend(device=device), num_shards=num_shards, seed=seed,
+                              initializers=initializers)
         self._attach(engine, fused_optimizer)
 
     @classmethod
