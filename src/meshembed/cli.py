@@ -19,6 +19,8 @@ def _parser() -> argparse.ArgumentParser:
     conf.add_argument("--json", default=None, help="also write the report as JSON to this file")
     conf.add_argument("--markdown", default=None, help="also write the table as Markdown to this file")
     conf.add_argument("-k", dest="select", default=None, help="only tests matching this pytest -k expression")
+    conf.add_argument("--against", default=None, help="diff against peers instead: torchrec,fbgemm (me.interop)")
+    conf.add_argument("--steps", type=int, default=3, help="training steps per --against case")
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks (W1 sparse step, W2 dense Adadelta)")
     bench.add_argument("--backends", default=None)
@@ -36,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         from meshembed import demo
 
         return demo.main(backend=args.backend, steps=args.steps) or 0
+    if args.command == "conformance" and args.against:
+        from meshembed.interop._conformance import cli_main
+
+        return cli_main(args)
     if args.command == "conformance":
         from meshembed import conformance_report
 

@@ -218,3 +218,18 @@ def run_conformance(against: Sequence[str], *, backend: str = "numpy", steps: in
         rows += list(report)
         gaps.update(report.gaps)
     return ConformanceReport(rows, gaps)
+
+
+def cli_main(args: Any) -> int:
+    """``meshembed conformance --against ...``: print the report (and ``--json``); exit 1 on a finding."""
+    import json
+
+    against = [a.strip() for a in args.against.split(",") if a.strip()]
+    report = run_conformance(against, backend=args.backends or "numpy", steps=args.steps)
+    print(report)
+    if args.json:
+        rows = [{**r.__dict__, "explained_by": list(r.explained_by), "status": r.status} for r in report]
+        gaps = {case: [g.__dict__ for g in rep] for case, rep in report.gaps.items()}
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"rows": rows, "gaps": gaps}, fh, indent=1)
+    return 1 if report.findings else 0
