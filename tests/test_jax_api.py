@@ -275,3 +275,32 @@ def test_eight_devices():
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " passed" in out.stdout
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_jitted_steps_export_for_tpu_and_gpu(platform):
+    """The jitted me.jax step (lookup + apply_gradients with dynamic learning rates) and the
+    dense Adadelta step lower for another platform on this CPU machine: the CPU FFI kernels
+    are a CPU-only branch (``lax.platform_dependent``), absent from the exported module."""
+    from jax import export
+
+    cfg = _config()
+    state = me.jax.init(cfg)
+    batch = me.jax.prepare(cfg, _features(cfg, np.random.default_rng(0), sparse=False), capacity=64)
+    spec = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)  # noqa: E731
+    lrs = [jax.ShapeDtypeStruct((), jnp.float32)] * 2
+    exported = export.export(jax.jit(lambda s, b, lr: _step(s, b, lr)[0]), platforms=(platform,))(
+        spec(state), spec(batch), lrs)
+    text = exported.mlir_module()
+    assert exported.platforms == (platform,) and "custom_call @meshembed" not in text
+    tx = me.jax.adadelta(learning_rate=0.01)
+    params = {"w": jnp.ones((64, 32)), "b": jnp.ones(32)}
+    dense = export.export(jax.jit(lambda p, s, g: tx.update(g, s, p)), platforms=(platform,))(
+        spec(params), spec(tx.init(params)), spec(params))
+    assert dense.platforms == (platform,)
+    # and on CPU the same step takes the FFI kernels
+    cpu = jax.jit(lambda s, b, lr: _step(s, b, lr)[0]).lower(state, batch, [0.1, 0.1]).as_text()
+    from meshembed_jax import cpu_kernels
+
+    if cpu_kernels.usable("cpu", np.float32):
+        assert "custom_call @meshembed" in cpu

@@ -398,17 +398,20 @@ def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learnin
             w = (jnp.concatenate([jnp.asarray(batch.scale[k]) for k, _ in parts]).astype(datas[0].dtype) if weighted
                  else jnp.zeros(1, datas[0].dtype))
             source = jnp.concatenate([rows[k] for k, _ in parts]) if len(parts) > 1 else rows[parts[0][0]]
+            key = ("update_combined", sl, dim, len(datas), nb, dedup, weighted, spec.key)
+            core = be._kernel(key, lambda: kernels.make_update_combined(sl, dim, len(datas), nb, dedup, spec.call,
+                                                                        weighted))
             code = _fused_code(be, sl, fn, len(datas), [d.dtype for d in datas])
-            if code is not None:
+            run_core = lambda: tuple(core(datas, ids, source, segs, w, guard, dyn)[0])  # noqa: E731 - capacity nb
+            if code is not None:  # the engine's registered fused kernel: on CPU only (chosen when lowering)
                 lr = dyn[spec.dyn.index(fn.update_spec.lr)] if fn.update_spec.lr in spec.dyn else fn.update_spec.lr
-                step = be._kernel(("fused_update", sl, dim, len(datas), code, True, weighted),
-                                  lambda: kernels.make_fused_update(sl, dim, len(datas), code, True, weighted))
-                new = step(datas, ids, source, segs, w, guard, _hp(fn, lr))
+                fused = be._kernel(("fused_update", sl, dim, len(datas), code, True, weighted),
+                                   lambda: kernels.make_fused_update(sl, dim, len(datas), code, True, weighted))
+                hp = _hp(fn, lr)
+                new = jax.lax.platform_dependent(cpu=lambda: tuple(fused(datas, ids, source, segs, w, guard, hp)),
+                                                 default=run_core)
             else:
-                key = ("update_combined", sl, dim, len(datas), nb, dedup, weighted, spec.key)
-                step = be._kernel(key, lambda: kernels.make_update_combined(sl, dim, len(datas), nb, dedup, spec.call,
-                                                                            weighted))
-                new, _ = step(datas, ids, source, segs, w, guard, dyn)  # capacity nb: never overflows
+                new = run_core()
         else:  # non-lazy Adam/Lion: every row, g = 0 where not looked up (as apply_table)
             per = [jnp.take(rows[k], jnp.asarray(batch.slots[k]), axis=0, mode="fill", fill_value=0)
                    * jnp.asarray(batch.scale[k])[:, None] for k, _ in parts]

@@ -69,6 +69,15 @@ def use_cpu_kernels(layout: ShardLayout, *dtypes: Any) -> bool:
     return cpu_kernels.usable(layout.mesh.devices.flat[0].platform, *dtypes)
 
 
+def on_platform(layout: ShardLayout, ffi: Callable[[], Any], xla: Callable[[], Any], *dtypes: Any) -> Any:
+    """``ffi()`` where the program runs on CPU and the FFI kernels serve the layout, else
+    ``xla()``, chosen when lowering (``lax.platform_dependent``): the CPU kernels are a CPU-only
+    specialisation, so the same traced step also lowers (``jax.export``) for TPU and GPU."""
+    if not use_cpu_kernels(layout, *dtypes):
+        return xla()
+    return lax.platform_dependent(cpu=ffi, default=xla)
+
+
 def index_dtype(layout: ShardLayout) -> Any:
     """int32 ids unless the vocabulary needs 64 bits (int32 gathers are faster on CPU/TPU)."""
     return jnp.int32 if layout.placement.vocabulary_size < 2**31 - 1 else jnp.int64
@@ -248,8 +257,6 @@ def make_gather_combine(layout: ShardLayout, dim: int, n: int, num_segments: int
     def per_device(block: jax.Array, ids: jax.Array, segs: jax.Array, w: jax.Array) -> jax.Array:
         flat = local_rows(layout, ids)
         table = block.reshape(m, dim)
-        if use_cpu_kernels(layout, table.dtype):
-            return across_devices(layout, cpu_kernels.gather_combine(table, flat, segs, w, num_segments, weighted))
         c = chunk_rows(n, dim * table.dtype.itemsize)
 
         def body(start: jax.Array, acc: jax.Array) -> jax.Array:
@@ -258,8 +265,13 @@ def make_gather_combine(layout: ShardLayout, dim: int, n: int, num_segments: int
                 rows = rows * _slice(w, start, c).astype(rows.dtype)[:, None]
             return acc.at[_slice(segs, start, c)].add(rows, mode="drop")
 
-        out = _pieces(n, c, body, jnp.zeros((num_segments, dim), table.dtype))
-        return across_devices(layout, out)
+        def xla() -> jax.Array:
+            return _pieces(n, c, body, jnp.zeros((num_segments, dim), table.dtype))
+
+        def ffi() -> jax.Array:
+            return cpu_kernels.gather_combine(table, flat, segs, w, num_segments, weighted)
+
+        return across_devices(layout, on_platform(layout, ffi, xla, table.dtype))
 
     fn = device_map(layout, per_device, in_specs=(P(AXIS), P(), P(), P()), out_specs=P())
     return jax.jit(fn)
@@ -317,24 +329,27 @@ def _update_body(layout: ShardLayout, dim: int, capacity: int, dedup: str, call:
     m = layout.rows_per_device
     k, r_max = layout.shards_per_device, layout.max_rows
     flat = local_rows(layout, ids)
-    ffi = (ffi_sum is not None and grad_dtype == blocks[0].dtype
-           and use_cpu_kernels(layout, grad_dtype, *(b.dtype for b in blocks)))
     c, padded = _pieces_of(capacity, dim, blocks[0].dtype.itemsize)
-    if ffi:  # made with whole pieces (no copy to pad them); rows past the capacity are masked
-        uniq, g, count = ffi_sum(flat, m, padded)
-    else:
-        uniq, slot, count = _DEDUP[dedup](flat, m, capacity)
-        uniq = jnp.concatenate([uniq, jnp.full((padded - capacity,), m, uniq.dtype)]) if padded > capacity else uniq
-        g = add_grads(jnp.zeros((padded + 1, dim), grad_dtype), slot)[:padded]  # slot capacity: not owned
-    # one decision for all devices: if any device overflows, no device writes (the caller
-    # redoes or refuses the whole step; a device that wrote would be stepped twice)
-    worst = across_devices(layout, count, lax.pmax)
-    ok = guard & (worst <= capacity)
-    uniq = jnp.where(ok, uniq, m)  # row m: nothing written
-    flats = [b.reshape(m, dim) for b in blocks]
-    new = _apply_unique(flats, uniq, g, c, call, dyn, ffi, jnp.where(ok, count, 0))
-    out = tuple(f.reshape(k, r_max, dim) for f in new)
-    return out, worst
+
+    def run(ffi: bool) -> tuple:
+        if ffi:  # made with whole pieces (no copy to pad them); rows past the capacity are masked
+            uniq, g, count = ffi_sum(flat, m, padded)
+        else:
+            uniq, slot, count = _DEDUP[dedup](flat, m, capacity)
+            uniq = jnp.concatenate([uniq, jnp.full((padded - capacity,), m, uniq.dtype)]) if padded > capacity else uniq
+            g = add_grads(jnp.zeros((padded + 1, dim), grad_dtype), slot)[:padded]  # slot capacity: not owned
+        # one decision for all devices: if any device overflows, no device writes (the caller
+        # redoes or refuses the whole step; a device that wrote would be stepped twice)
+        worst = across_devices(layout, count, lax.pmax)
+        ok = guard & (worst <= capacity)
+        uniq = jnp.where(ok, uniq, m)  # row m: nothing written
+        flats = [b.reshape(m, dim) for b in blocks]
+        new = _apply_unique(flats, uniq, g, c, call, dyn, ffi, jnp.where(ok, count, 0))
+        return tuple(f.reshape(k, r_max, dim) for f in new), worst
+
+    if ffi_sum is None or grad_dtype != blocks[0].dtype:
+        return run(False)
+    return on_platform(layout, lambda: run(True), lambda: run(False), grad_dtype, *(b.dtype for b in blocks))
 
 
 def make_update(
