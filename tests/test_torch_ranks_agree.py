@@ -1,7 +1,7 @@
 """Torch ranks never fall out of step (issue #17 item 4), over 2 and 4 real ``gloo`` ranks.
 
 1. Every rank takes part in every collective of a step whatever its local ids: one rank (or
-   all but one) with no ids, every id on one shard, every id the same, gradient accumulation
+   all but one, or all) with no ids, every id on one shard, every id the same, gradient accumulation
    off with a different number of occurrence rounds per rank, non-lazy Adam. The tables
    must equal the NumPy engine run in one process on the concatenated batch.
 2. Validate, then agree: one rank's bad input (an id out of range, a NaN gradient, a wrong
@@ -68,6 +68,8 @@ def _case_ids(case: str, world: int) -> list[list[list[list[int]]]]:
     def ragged(rank: int, vocab: int, salt: int) -> list[list[int]]:
         if case == "one_rank_has_ids":  # the issue's example: rank 0 has ids, the others none
             return [[1, 2], [3], [4, 5], [6]] if rank == 0 else [[] for _ in range(SAMPLES)]
+        if case == "all_empty":  # no rank has an id: every exchange is empty everywhere
+            return [[] for _ in range(SAMPLES)]
         if case == "one_rank_empty":  # only the last rank has nothing
             return [[] for _ in range(SAMPLES)] if rank == world - 1 else \
                 [[(rank + 3 * s + salt) % vocab, (7 * s + salt) % vocab] for s in range(SAMPLES)]
@@ -82,7 +84,7 @@ def _case_ids(case: str, world: int) -> list[list[list[list[int]]]]:
     return [[ragged(r, VOCAB, 0), ragged(r, VOCAB, 1), ragged(r, 11, 2)] for r in range(world)]
 
 
-CASES = ("one_rank_has_ids", "one_rank_empty", "one_shard", "all_duplicates", "rounds_differ")
+CASES = ("one_rank_has_ids", "all_empty", "one_rank_empty", "one_shard", "all_duplicates", "rounds_differ")
 
 
 def _grads(world: int, step: int) -> list[np.ndarray]:
