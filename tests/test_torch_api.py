@@ -458,3 +458,35 @@ def test_conformance_training_cases_through_the_module(name, option):
 def test_conformance_training_cases_through_the_compiled_module(name):
     torch._dynamo.reset()
     _conformance_run(name, "dynamic_lr", compiled=True)
+
+
+def test_custom_ops_schema_and_fake_kernels():
+    """torch.library.opcheck: schema and fake (meta) kernel agree with the real op (the
+    AOT checks assume a stateless op; this one updates tables, so they do not apply)."""
+    ec = me.torch.EmbeddingCollection(config())
+    values, offsets, _, seq = batch(np.random.default_rng(10))
+    tensors = [torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(seq)]
+    for spec, anchor in (("o;d|T", ec.anchor), ("o;d|I", ec.anchor.detach())):
+        torch.library.opcheck(torch.ops.meshembed.ec_forward.default, (ec._handle, spec, anchor, tensors, None),
+                              test_utils=("test_schema", "test_faketensor"))
+    assert ec._batches == {}
+
+
+def test_backward_errors_leave_the_tables_unchanged():
+    rng = np.random.default_rng(11)
+    ec = me.torch.EmbeddingCollection(config())
+    before = ec.state_dict()
+    out = ec(*module_inputs(*batch(rng)))
+    with pytest.raises(me.InputError, match="NaN or Inf"):
+        (out["bag"].sum() * float("nan") + out["seq"].sum()).backward()
+    for k, v in ec.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    out = ec(*module_inputs(*batch(rng)))
+    loss = loss_of(out.values())
+    loss.backward(retain_graph=True)
+    after_one = ec.state_dict()
+    with pytest.raises(me.StateError, match="one backward per training forward"):
+        loss.backward()
+    for k, v in ec.state_dict().items():
+        torch.testing.assert_close(v, after_one[k], rtol=0, atol=0)
+    assert not torch.equal(after_one["t.parameters"], before["t.parameters"])
