@@ -490,3 +490,15 @@ def test_backward_errors_leave_the_tables_unchanged():
     for k, v in ec.state_dict().items():
         torch.testing.assert_close(v, after_one[k], rtol=0, atol=0)
     assert not torch.equal(after_one["t.parameters"], before["t.parameters"])
+
+
+def test_benchmark_runs_tiny():
+    from benchmarks import torch_api_w1
+    from benchmarks.common import TINY_W1, TINY_W2
+
+    rows = torch_api_w1.w1(TINY_W1, repeats=1, optimizers=("sgd",), rounds=1, warmup=1)
+    med = {r.name: r.median_ms for r in rows}
+    for impl in ("module", "module+compile", "engine"):
+        assert med[torch_api_w1._NAME[impl]] > 0
+    rows = torch_api_w1.w2(TINY_W2, repeats=1, counts=(2,), warmup=1)
+    assert all(r.median_ms > 0 for r in rows)
