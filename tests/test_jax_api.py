@@ -304,3 +304,15 @@ def test_jitted_steps_export_for_tpu_and_gpu(platform):
 
     if cpu_kernels.usable("cpu", np.float32):
         assert "custom_call @meshembed" in cpu
+
+
+@pytest.mark.skipif(bool(EXPECT), reason="runs its own 8-device interpreter")
+def test_two_tower_example_on_eight_devices():
+    """examples/jax_two_tower.py: one jax.jit step (one trace), 8 CPU devices, loss falling,
+    the tables restored on torch."""
+    pytest.importorskip("torch")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "jax_two_tower.py")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "devices=8" in out.stdout and "traces=1" in out.stdout and "TWO TOWER OK" in out.stdout

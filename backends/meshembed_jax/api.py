@@ -468,7 +468,11 @@ def adadelta(learning_rate: Any = 0.001, rho: float = 0.95, epsilon: float = 1e-
             return jnp.zeros(jnp.shape(p), jnp.result_type(p), device=where)
 
         average = jax.tree.map(lambda p: jnp.array(p, copy=True), params) if ema.use_ema else ()
-        return AdadeltaState(jnp.zeros((), _int()), jax.tree.map(zeros, params), jax.tree.map(zeros, params), average)
+        first = next(iter(jax.tree.leaves(params)), None)
+        where = None if isinstance(first, jax.core.Tracer) else getattr(first, "sharding", None)
+        if isinstance(where, jax.sharding.NamedSharding):  # the counter replicated on the params' mesh
+            where = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
+        return AdadeltaState(jnp.zeros((), _int(), device=where), jax.tree.map(zeros, params), jax.tree.map(zeros, params), average)
 
     def clip_grads(grads: list) -> list:
         if clip.clipnorm is not None:
