@@ -1,0 +1,140 @@
+"""W1 through me.jax: a jitted functional step next to ``TPUEmbedding(backend="jax")``.
+
+Table 1,000,000 × 64 float32; batch 16,384 samples × 8 Zipf(1.1) ids (ragged input, sum
+combiner); the same fixed ``[16384, 64]`` activation gradient every step. Every row times a
+full step with its host work: the engine's enqueue + dequeue + apply_gradients, against
+``me.jax.prepare`` + one ``jax.jit`` (donated state) of ``lookup`` + ``apply_gradients``, with
+a constant learning rate and with a learning rate (dynamic tag) changing every step.
+fbgemm's CPU TBE row appears when ``fbgemm_gpu`` is installed (``benchmarks.jax_w1``).
+
+Run: ``python -m benchmarks.jax_api_w1 [--tiny] [--repeats N] [--optimizers sgd,adam]``.
+Prints medians and the ratios me.jax / engine and changing / constant lr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from typing import Any, Callable
+
+import numpy as np
+
+from benchmarks.common import TINY_W1, W1, timeit, zipf_ids
+
+OPTIMIZERS = ("sgd", "adagrad", "adam", "adadelta")
+LR = 0.05
+
+
+def _config(sizes: dict, optimizer: str, dynamic: bool) -> Any:
+    import meshembed as me
+
+    E = me.embedding
+    lr = E.DynamicLearningRate(0) if dynamic else LR
+    spec = {"sgd": lambda: E.SGD(learning_rate=lr), "adagrad": lambda: E.Adagrad(learning_rate=lr),
+            "adam": lambda: E.Adam(learning_rate=lr),
+            "adadelta": lambda: E.Adadelta(learning_rate=lr, rho=0.95, epsilon=1e-6)}[optimizer]()
+    return me.EmbeddingConfig(
+        tables=[me.TableConfig(name="t", vocabulary_size=sizes["vocab"], dimension=sizes["dim"], optimizer=spec)],
+        features=[me.FeatureConfig(table="t", input_shape=(sizes["batch"],), name="f")])
+
+
+def _inputs(sizes: dict) -> tuple[Any, np.ndarray]:
+    import meshembed as me
+
+    b, k = sizes["batch"], sizes["ids_per_sample"]
+    ids = zipf_ids(b * k, sizes["vocab"], sizes["zipf"], 0)
+    grad = np.random.default_rng(1).standard_normal((b, sizes["dim"])).astype(np.float32) * 0.01
+    return me.RaggedIds(np.arange(0, b * k + 1, k, dtype=np.int64), ids), grad
+
+
+def engine_step(sizes: dict, optimizer: str) -> Callable[[], Any]:
+    import jax
+
+    import meshembed as me
+
+    emb = me.TPUEmbedding(_config(sizes, optimizer, False), backend="jax", num_shards=1)
+    ragged, grad = _inputs(sizes)
+    grad = emb.backend.asarray(grad)
+
+    def step() -> Any:
+        emb.enqueue([ragged])
+        acts = emb.dequeue()
+        emb.apply_gradients([grad])
+        return acts
+
+    step.finish = lambda: jax.block_until_ready(emb._state[0][0].data)  # type: ignore[attr-defined]
+    return step
+
+
+def api_step(sizes: dict, optimizer: str, dynamic: bool) -> Callable[[], Any]:
+    import jax
+
+    import meshembed as me
+
+    cfg = _config(sizes, optimizer, dynamic)
+    holder = {"state": me.jax.init(cfg), "i": 0}
+    ragged, grad = _inputs(sizes)
+    grad = jax.device_put(grad)
+    capacity = sizes["batch"] * sizes["ids_per_sample"]
+
+    def train(state, batch, g, lr):
+        acts = me.jax.lookup(state, batch)
+        return me.jax.apply_gradients(state, batch, {"f": g}, [lr] if dynamic else ()), acts["f"]
+
+    jitted = jax.jit(train, donate_argnums=0)
+
+    def step() -> Any:
+        holder["i"] += 1
+        lr = LR * (1 + 0.01 * (holder["i"] % 7)) if dynamic else LR
+        batch = me.jax.prepare(cfg, {"f": ragged}, capacity=capacity)
+        holder["state"], acts = jitted(holder["state"], batch, grad, lr)
+        return acts
+
+    step.finish = lambda: jax.block_until_ready(holder["state"].tables)  # type: ignore[attr-defined]
+    step.traces = jitted._cache_size  # type: ignore[attr-defined]
+    return step
+
+
+def run(sizes: dict, repeats: int, optimizers: tuple[str, ...], verbose: bool = False) -> dict:
+    """{optimizer: {row: (median, min, max) ms}} plus the ratios."""
+    out: dict = {}
+    for optimizer in optimizers:
+        rows = {}
+        for name, make in (("TPUEmbedding[jax]", lambda: engine_step(sizes, optimizer)),
+                           ("me.jax jit, constant lr", lambda: api_step(sizes, optimizer, False)),
+                           ("me.jax jit, lr every step", lambda: api_step(sizes, optimizer, True))):
+            step = make()
+            rows[name] = timeit(step, repeats=repeats)
+            traces = getattr(step, "traces", None)
+            if traces is not None and traces() != 1:
+                raise AssertionError(f"{name} ({optimizer}) traced {traces()} times")
+            del step
+            gc.collect()
+            if verbose:
+                med, lo, hi = rows[name]
+                print(f"{optimizer:9s} {name:28s} {med:8.2f} ms ({lo:.2f}-{hi:.2f})", flush=True)
+        eng, const, dyn = (rows[k][0] for k in rows)
+        rows["ratio me.jax / engine"] = const / eng
+        rows["ratio changing / constant lr"] = dyn / const
+        if verbose:
+            print(f"{optimizer:9s} me.jax/engine {const / eng:.2f}x   changing/constant lr {dyn / const:.2f}x", flush=True)
+        out[optimizer] = rows
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="CI sizes")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    args = ap.parse_args(argv)
+    try:
+        import fbgemm_gpu  # noqa: F401
+    except ImportError:
+        print("fbgemm_gpu not installed: no fbgemm TBE row (python -m benchmarks.jax_w1 --against-fbgemm has it)")
+    run(TINY_W1 if args.tiny else W1, args.repeats, tuple(args.optimizers.split(",")), verbose=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
