@@ -736,6 +736,8 @@ class Optimizer:
         if not self.allow_nonfinite and not self._traced:  # traced: values unknown, NaN propagates
             if sums is not None and all(math.isfinite(x) for x in sums):
                 bad = []  # Σg² finite: every element finite, and so is the clipped gradient
+            elif self._finite(variables, clipped):
+                bad = []
             else:
                 bad = [v.name for v, c in zip(variables, clipped) if not _all_finite(xp, c)]
             if bad:
@@ -767,6 +769,14 @@ class Optimizer:
             return False
         pattern = getattr(self, "_wd_pattern", None)
         return pattern is None or pattern.search(v.name) is None
+
+    def _finite(self, variables: Sequence[Variable], values: Sequence[Any]) -> bool:
+        """All of ``values`` finite, in one backend check where the backend has one (JAX: an
+        FFI pass on XLA's threads); a torch DTensor goes through its all-reduced sums."""
+        backend = variables[0].backend
+        if all(backend.sharding_of(x) is None or backend.name == "jax" for x in values):
+            return bool(backend.finite_guard(list(values)))
+        return all(_all_finite(self._xp, x) for x in values)
 
     def _decay_weights(self, variables: Sequence[Variable], lr: float) -> None:
         """Keras' decoupled weight decay ``w ← w − w·(wd·lr)`` before the update (core math)."""
