@@ -913,3 +913,28 @@ def test_nonfinite_gradient_is_not_banked_by_gradient_accumulation(bk):
     with pytest.raises(InputError, match="Nothing was accumulated"):
         opt.apply_gradients([(np.array([1.0, np.nan], np.float32), w)])
     _assert_same(before, _state(opt, [w]))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_tf_keras_legacy_basic(bk, dtype):
+    """tf_keras ``optimizers/legacy/adadelta_test.py::testBasic``: lr 1.0/0.5/0.1, ρ 0.95,
+    ε 1e-8, four steps of constant gradients, against a float64 transcription of the rule."""
+    if bk == "jax" and dtype == "float64":
+        pytest.skip("JAX without x64 has no float64 (meshembed never turns x64 on)")
+    tol = {"float16": 2e-3, "float32": 1e-5, "float64": 1e-10}[dtype]
+    for lr in (1.0, 0.5, 0.1):
+        var0 = me.Variable(np.array([1.0, 2.0], dtype), name="var0", backend=bk)
+        var1 = me.Variable(np.array([3.0, 4.0], dtype), name="var1", backend=bk)
+        opt = me.optimizers.Adadelta(learning_rate=lr, rho=0.95, epsilon=1e-8)
+        ref = {"var0": (np.array([1.0, 2.0]), 0.1), "var1": (np.array([3.0, 4.0]), 0.01)}
+        accum = {k: 0.0 for k in ref}
+        accum_update = {k: 0.0 for k in ref}
+        for _ in range(4):
+            opt.apply_gradients([(np.full(2, 0.1, dtype), var0), (np.full(2, 0.01, dtype), var1)])
+            for k, (x, g) in ref.items():
+                accum[k] = accum[k] * 0.95 + g * g * 0.05
+                update = math.sqrt(accum_update[k] + 1e-8) / math.sqrt(accum[k] + 1e-8) * g
+                accum_update[k] = accum_update[k] * 0.95 + update * update * 0.05
+                ref[k] = (x - lr * update, g)
+        for v in (var0, var1):
+            np.testing.assert_allclose(v.numpy().astype(np.float64), ref[v.name][0], rtol=tol, atol=tol)
