@@ -133,3 +133,23 @@ def test_public_names():
                  "DynamicLearningRate", "QuantizationConfig", "CustomOptimizer", "FrequencyEstimator"):
         assert hasattr(me.embedding, name), name
     assert me.TPUEmbedding is me.embedding.TPUEmbedding
+
+
+def test_normalized_batches_never_alias_the_callers_buffers():
+    """What was validated is what the engine uses: every array of a FeatureBatch is private."""
+    dense = np.array([4, 5, 6], np.int64)
+    values, w = np.array([1, 2, 3], np.int64), np.array([0.5, 1.5, 1.0], np.float32)
+    splits, idx = np.array([0, 2, 2, 3], np.int64), np.array([[0, 0], [0, 1], [2, 0]], np.int64)
+    batches = [(inputs.normalize(dense, None, INFO), [dense]),
+               (inputs.normalize(me.RaggedIds(splits, values), me.RaggedIds(splits, w), INFO), [splits, values, w]),
+               (inputs.normalize(me.SparseIds(idx, values, [3, 2]), w, INFO), [idx, values, w])]
+    for b, given in batches:
+        for held in (b.ids, b.slots, b.weights):
+            assert not any(np.shares_memory(held, g) for g in given)
+
+
+@pytest.mark.parametrize("bad", [np.array(["1", "2", "3"]), np.array([1 + 0j, 2, 3]), np.array([None, 1, 2])])
+def test_weights_of_the_wrong_kind_are_refused(bad):
+    with pytest.raises(me.InputError, match="expected a float array") as info:
+        inputs.normalize(me.RaggedIds(np.array([0, 1, 2, 3]), np.array([1, 2, 3])), bad, INFO)
+    assert "feature 'f' (table 't')" in str(info.value)
