@@ -502,3 +502,21 @@ def test_benchmark_runs_tiny():
         assert med[torch_api_w1._NAME[impl]] > 0
     rows = torch_api_w1.w2(TINY_W2, repeats=1, counts=(2,), warmup=1)
     assert all(r.median_ms > 0 for r in rows)
+
+
+def test_deepcopy_is_an_independent_module():
+    import copy
+
+    rng = np.random.default_rng(12)
+    ec = me.torch.EmbeddingCollection(config("adagrad"), num_shards=2)
+    loss_of(ec(*module_inputs(*batch(rng))).values()).backward()
+    twin = copy.deepcopy(ec)
+    assert twin._handle != ec._handle and twin.engine is not ec.engine and twin.engine.step == ec.engine.step
+    b = batch(rng)
+    loss_of(ec(*module_inputs(*b)).values()).backward()
+    loss_of(twin(*module_inputs(*b)).values()).backward()
+    assert_same_tables(twin, ec.engine)
+    before = ec.state_dict()["t.parameters"]
+    loss_of(twin(*module_inputs(*batch(rng))).values()).backward()  # trains the copy only
+    torch.testing.assert_close(ec.state_dict()["t.parameters"], before, rtol=0, atol=0)
+    assert not torch.equal(twin.state_dict()["t.parameters"], before)

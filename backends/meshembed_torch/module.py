@@ -316,6 +316,21 @@ class EmbeddingCollection(torch.nn.Module):
         engine = TPUEmbedding.restore(path, backend=TorchBackend(device=device), num_shards=num_shards)
         return cls._from_engine(engine, fused_optimizer)
 
+    def __deepcopy__(self, memo: dict) -> "EmbeddingCollection":
+        """A copy with its own engine (and op handle): the same tables, slots, step, mode and
+        learning rates (copying the handle would route the copy's ops to this module)."""
+        e = self.engine
+        engine = TPUEmbedding(e.config, backend=e.backend, num_shards=e.num_shards, seed=e.seed,
+                              initializers={t: "zeros" for t in e.table_names})
+        for table in e.table_names:
+            values = e.retrieve_parameters(table)
+            engine.load_parameters(table, values.pop("parameters"), **values)
+        engine.step = e.step
+        new = type(self)._from_engine(engine, self.fused_optimizer)
+        new._learning_rates = None if self._learning_rates is None else list(self._learning_rates)
+        memo[id(self)] = new
+        return new.train(self.training)
+
     def extra_repr(self) -> str:
         return (f"tables={self.table_names}, features={self._names}, num_shards={self.engine.num_shards}, "
                 f"fused_optimizer={self.fused_optimizer}")
