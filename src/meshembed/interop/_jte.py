@@ -169,7 +169,7 @@ def to_jax_tpu_embedding(config: EmbeddingConfig, *, strict: bool = False) -> Tr
             gaps.add("initializer", f"{t.initializer!r} has no jax form", "jax truncated normal, stddev 1/sqrt(dim)",
                      t.name)
         q = t.quantization
-        quant = None if q is None or not q.enabled else es.QuantizationConfig(q.lower, q.upper, q.num_buckets)
+        quant = None if q is None or not q.enabled else es.QuantizationConfig(min_value=q.lower, max_value=q.upper, num_buckets=q.num_buckets)
         specs[t.name] = es.TableSpec(
             name=t.name, vocabulary_size=t.vocabulary_size, embedding_dim=t.dimension,
             initializer=jax.nn.initializers.truncated_normal(stddev=1 / math.sqrt(t.dimension)),

@@ -124,6 +124,9 @@ def optimizer_from_keras(opt: Any, table: str | None, gaps: _Gaps) -> Any:
             return Adam(lr, beta_1=float(c["beta_1"]), beta_2=float(c["beta_2"]), epsilon=float(c["epsilon"]),
                         lazy_adam=False, sum_inside_sqrt=False, **shared)
         if isinstance(opt, keras.optimizers.Ftrl):
+            gaps.add("optimizer.lazy", "Keras' dense Ftrl recomputes every row from its linear slot each step (a row "
+                     "never looked up, linear 0, becomes 0); TPU FTRL moves looked-up rows only", "lazy, as TPU "
+                     "(and keras-rs' SparseCore path)", table)
             if c["l2_shrinkage_regularization_strength"]:
                 gaps.add("optimizer.l2_shrinkage_regularization_strength", "no TPU FTRL field", "dropped", table)
             return FTRL(lr, learning_rate_power=float(c["learning_rate_power"]),
