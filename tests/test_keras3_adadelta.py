@@ -55,6 +55,13 @@ def _vars(case: dict, bk: str, values=None) -> list:
     return [me.Variable(np.asarray(x, np.float32), name=n, backend=bk) for n, x in zip("wb", values)]
 
 
+def _grad(g):
+    """A gradient of a golden file: a list (dense) or {indices, values, dense_shape}."""
+    if isinstance(g, dict):
+        return me.IndexedSlices(np.asarray(g["values"], np.float32), np.asarray(g["indices"]), g["dense_shape"])
+    return np.asarray(g, np.float32)
+
+
 def _keras_store(case: dict, key: str) -> dict:
     return {str(i): np.asarray(x) for i, x in enumerate(case[key])}
 
@@ -84,7 +91,7 @@ def test_config_of_the_library_gives_its_trajectory(bk, name):
     assert opt.keras3 == name.startswith("keras3")
     variables = _vars(case, bk)
     for step, (grads, expected) in enumerate(zip(case["grads"], case["trajectory"]), start=1):
-        opt.apply_gradients([(np.asarray(g, np.float32), v) for g, v in zip(grads, variables)])
+        opt.apply_gradients([(_grad(g), v) for g, v in zip(grads, variables)])
         for v, e in zip(variables, expected):
             np.testing.assert_allclose(v.numpy(), np.asarray(e, np.float32), rtol=2e-6, atol=2e-7,
                                        err_msg=f"{name} step {step} {v.name}")
@@ -106,7 +113,7 @@ def test_keras3_store_resumes_with_the_same_numbers(bk, name):
     opt.load_own_variables(_keras_store(case, "store_mid"))
     assert int(opt.variables[0].numpy()) == 3
     for grads, expected in zip(case["grads"][3:], case["trajectory"][3:]):
-        opt.apply_gradients([(np.asarray(g, np.float32), v) for g, v in zip(grads, variables)])
+        opt.apply_gradients([(_grad(g), v) for g, v in zip(grads, variables)])
         for v, e in zip(variables, expected):
             np.testing.assert_allclose(v.numpy(), np.asarray(e, np.float32), rtol=2e-6, atol=2e-7)
 
@@ -131,7 +138,7 @@ def test_saved_variables_load_on_another_backend_and_mesh(bk, target, name):
     opt = me.optimizers.Adadelta.from_config(dict(case["config"]))
     variables = _vars(case, bk)
     for grads in case["grads"][:3]:
-        opt.apply_gradients([(np.asarray(g, np.float32), v) for g, v in zip(grads, variables)])
+        opt.apply_gradients([(_grad(g), v) for g, v in zip(grads, variables)])
     store: dict = {}
     opt.save_own_variables(store)
     config = opt.get_config()
@@ -142,7 +149,7 @@ def test_saved_variables_load_on_another_backend_and_mesh(bk, target, name):
     other.load_own_variables(store)
     for grads in case["grads"][3:]:
         for o, vs in ((opt, variables), (other, moved)):
-            o.apply_gradients([(np.asarray(g, np.float32), v) for g, v in zip(grads, vs)])
+            o.apply_gradients([(_grad(g), v) for g, v in zip(grads, vs)])
         tol = dict(rtol=0, atol=0) if target == bk else dict(rtol=1e-6, atol=1e-7)  # 1-ulp kernels differ
         for a, b in zip(variables, moved):
             np.testing.assert_allclose(b.numpy(), a.numpy(), **tol)

@@ -33,6 +33,8 @@ KERAS3_CASES = {
     "accumulation_ema": {**ARGS, "gradient_accumulation_steps": 3, "use_ema": True, "ema_momentum": 0.5},
     "everything": {**ARGS, "weight_decay": 0.05, "global_clipnorm": 2.0, "use_ema": True, "ema_momentum": 0.9},
     "schedule": {**ARGS, "learning_rate": "exponential"},
+    "sparse": {**ARGS, "sparse": True},
+    "sparse_accumulation": {**ARGS, "sparse": True, "gradient_accumulation_steps": 2},
 }
 TF_KERAS_CASES = {
     "defaults": {},
@@ -47,12 +49,31 @@ TF_KERAS_CASES = {
 }
 
 
-def problem(seed: int = 0) -> tuple[dict, list]:
+def problem(seed: int = 0, sparse: bool = False) -> tuple[dict, list]:
+    """Two variables and STEPS gradients; ``sparse``: w's gradient is rows of some ids, as
+    ``(indices, values)`` (an IndexedSlices). No id repeats within a step: Keras 3 on
+    TensorFlow squares each slice before duplicates are summed, meshembed sums them first
+    (the documented difference in docs/optimizers.md)."""
     rng = np.random.default_rng(seed)
     initial = {"w": rng.normal(size=(3, 2)).astype(np.float32), "b": rng.normal(size=(2,)).astype(np.float32)}
     grads = [[(3.0 * rng.normal(size=(3, 2))).astype(np.float32), (3.0 * rng.normal(size=(2,))).astype(np.float32)]
              for _ in range(STEPS)]
+    if sparse:
+        ids = [np.array([0]), np.array([2]), np.array([0, 2]), np.array([1]), np.array([2, 0]), np.array([0])]
+        grads = [[(i, (3.0 * rng.normal(size=(len(i), 2))).astype(np.float32)), g[1]] for i, g in zip(ids, grads)]
     return initial, grads
+
+
+def _tf_grad(tf, x):
+    if isinstance(x, tuple):
+        return tf.IndexedSlices(tf.constant(x[1]), tf.constant(x[0]), tf.constant([3, 2]))
+    return tf.constant(x)
+
+
+def _json_grad(x):
+    if isinstance(x, tuple):
+        return {"indices": x[0].tolist(), "values": x[1].tolist(), "dense_shape": [3, 2]}
+    return x.tolist()
 
 
 def run(module, cases: dict, tag: str) -> None:
@@ -60,17 +81,18 @@ def run(module, cases: dict, tag: str) -> None:
 
     for name, kwargs in cases.items():
         kwargs = dict(kwargs)
+        sparse = kwargs.pop("sparse", False)
         if kwargs.get("learning_rate") == "exponential":
             kwargs["learning_rate"] = module.optimizers.schedules.ExponentialDecay(0.5, decay_steps=2, decay_rate=0.7)
         opt = module.optimizers.Adadelta(**kwargs)
-        initial, grads = problem()
+        initial, grads = problem(sparse=sparse)
         if tag == "keras3":
             variables = [module.Variable(initial["w"], name="w"), module.Variable(initial["b"], name="b")]
         else:
             variables = [tf.Variable(initial["w"], name="w"), tf.Variable(initial["b"], name="b")]
         trajectory, stores = [], {}
         for step, g in enumerate(grads, start=1):
-            opt.apply_gradients(list(zip([tf.constant(x) for x in g], variables)))
+            opt.apply_gradients(list(zip([_tf_grad(tf, x) for x in g], variables)))
             trajectory.append([np.asarray(v.numpy()).tolist() for v in variables])
             if step in (MID, STEPS):
                 stores["mid" if step == MID else "end"] = store_of(opt, tag)
@@ -78,7 +100,7 @@ def run(module, cases: dict, tag: str) -> None:
             "library": f"{module.__name__} {module.__version__}",
             "config": opt.get_config(),
             "initial": {k: v.tolist() for k, v in initial.items()},
-            "grads": [[x.tolist() for x in g] for g in grads],
+            "grads": [[_json_grad(x) for x in g] for g in grads],
             "trajectory": trajectory,
             "store_mid": stores["mid"],
             "store_end": stores["end"],

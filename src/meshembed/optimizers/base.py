@@ -592,11 +592,14 @@ class Optimizer:
 
     def _densify(self, grad: Any, variable: Variable) -> tuple[Any, Any]:
         """``(dense gradient, touched-row mask or None)``. Duplicate indices are summed first
-        (one update per touched row); untouched rows of the variable and slots keep their
-        values, as the TPU embedding and tf_keras' legacy optimizer do."""
+        (one update per touched row); with the DTensor options untouched rows of the variable
+        and slots keep their values, as the TPU embedding and tf_keras' legacy optimizer do;
+        with Keras 3's arguments the update is dense, as Keras 3 does."""
         if not isinstance(grad, IndexedSlices):
             return grad, None
         backend = variable.backend
+        if self.keras3:  # Keras 3 (and tf_keras' new optimizers) update every row: slots decay
+            return self._densify_rows(grad, variable), None
         xp = backend.xp
         n = variable.shape[0]
         dense = backend.segment_sum_to(grad.values, grad.indices, n)
@@ -604,6 +607,12 @@ class Optimizer:
         if variable.layout is not None:
             dense, touched = backend.place(dense, variable.layout), backend.place(touched, variable.layout)
         return dense, touched
+
+    @staticmethod
+    def _densify_rows(grad: IndexedSlices, variable: Variable) -> Any:
+        backend = variable.backend
+        dense = backend.segment_sum_to(grad.values, grad.indices, variable.shape[0])
+        return dense if variable.layout is None else backend.place(dense, variable.layout)
 
     def _prepare_pairs(self, grads_and_vars: Any) -> list[tuple[Any, Variable]]:
         try:
