@@ -18,7 +18,8 @@ W2 (16,777,216 float32 parameters, as 1 and 64 tensors): ``me.torch.Adadelta.ste
 The process settings are printed with the figures: torch threads, ``KMP_BLOCKTIME`` and
 ``MESHEMBED_TORCH_MALLOC_TUNING`` (both opt-in; ``meshembed bench`` opts its children in).
 
-Run: ``python -m benchmarks.torch_api_w1 [--tiny] [--repeats N] [--rounds R] [--optimizers sgd,adagrad]``.
+Run: ``python -m benchmarks.torch_api_w1 [--tiny] [--repeats N] [--rounds R] [--optimizers sgd,adagrad]
+[--skip-w1] [--skip-w2]``.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--optimizers", default="sgd,adagrad,adadelta")
+    ap.add_argument("--skip-w1", action="store_true")
     ap.add_argument("--skip-w2", action="store_true")
     args = ap.parse_args(argv)
     import torch
@@ -165,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, KMP_BLOCKTIME="
           f"{os.environ.get('KMP_BLOCKTIME', 'unset')}, MESHEMBED_TORCH_MALLOC_TUNING="
           f"{os.environ.get('MESHEMBED_TORCH_MALLOC_TUNING', 'unset (off)')}", flush=True)
-    w1(TINY_W1 if args.tiny else W1, args.repeats, tuple(args.optimizers.split(",")), args.rounds, verbose=True)
+    if not args.skip_w1:
+        w1(TINY_W1 if args.tiny else W1, args.repeats, tuple(args.optimizers.split(",")), args.rounds, verbose=True)
     if not args.skip_w2:
         w2(TINY_W2 if args.tiny else W2, args.repeats, verbose=True)
 
