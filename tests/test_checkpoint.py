@@ -150,3 +150,24 @@ def test_failed_second_rename_puts_the_previous_checkpoint_back(tmp_path, monkey
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert_same_state(saved, snapshot(me.TPUEmbedding.restore(tmp_path / "ckpt")))
+
+
+def test_dict_config_restores_as_a_dict_in_the_given_key_order(tmp_path):
+    """config.pb cannot hold a features dict's keys; the manifest does, so a restored engine
+    still returns activations by key (a positional list could be unpacked in another order)."""
+    import meshembed as me
+
+    table = me.TableConfig(name="t", vocabulary_size=8, dimension=2,
+                           optimizer=me.embedding.SGD(learning_rate=0.1))
+    features = {"user": me.FeatureConfig(table="t", input_shape=(2,)),
+                "item": me.FeatureConfig(table="t", input_shape=(2,))}
+    emb = me.TPUEmbedding(me.EmbeddingConfig(tables=[table], features=features), backend="numpy")
+    emb.save(tmp_path / "ckpt")
+    back = me.TPUEmbedding.restore(tmp_path / "ckpt", backend="numpy")
+    batch = {"user": np.array([1, 2]), "item": np.array([3, 4])}
+    for engine in (emb, back):
+        engine.enqueue(batch)
+    acts, restored = emb.dequeue(), back.dequeue()
+    assert list(restored) == ["user", "item"]
+    for key in acts:
+        np.testing.assert_array_equal(restored[key], acts[key])

@@ -239,6 +239,9 @@ def write_contents(engine: Any, directory: pathlib.Path,
         "saved_with": {"backend": str(engine.backend.name), "num_shards": int(engine.num_shards)},
         "tables": tables,
         "learning_rate_callables": _callable_entries(engine.config),
+        # A dict of features: its keys in the order given (config.pb has no place for them), so a
+        # restored engine still returns activations by key, never as a positional list.
+        "feature_keys": list(engine.config.feature_keys),
         "files": files,
     }
     manifest = dict(body, manifest_sha256=hashlib.sha256(_canonical(body)).hexdigest())
@@ -247,6 +250,12 @@ def write_contents(engine: Any, directory: pathlib.Path,
 
 def check_saveable(engine: Any) -> None:
     """ConfigError naming the table and the fix when the config has no proto form."""
+    keys = engine.config.feature_keys
+    if not all(isinstance(k, str) for k in keys):
+        raise ConfigError(
+            "Cannot save a checkpoint of a config whose `features` dict has non-string keys "
+            f"({[k for k in keys if not isinstance(k, str)][:3]!r}): the manifest stores the keys as JSON "
+            "strings. Nothing was written. Fix: key the features dict by strings (e.g. the feature names).")
     for t in engine.layout.tables:
         if getattr(t.optimizer, "algorithm", None) == "custom":
             raise ConfigError(
@@ -473,7 +482,10 @@ def _read_manifest(where: pathlib.Path) -> dict:
         raise _bad(where, "manifest.json", "does not match its checksum (field `manifest_sha256`): a field "
                    "such as `step`, `seed` or `tables` was changed after the checkpoint was written")
     _exact_keys(where, manifest, {"format", "version", "step", "seed", "saved_with", "tables",
-                                  "learning_rate_callables", "files", "manifest_sha256"}, "")
+                                  "learning_rate_callables", "feature_keys", "files", "manifest_sha256"}, "")
+    keys = _field(where, manifest, "feature_keys", "", "list")
+    if not all(isinstance(k, str) for k in keys) or len(set(keys)) != len(keys):
+        raise _bad(where, "manifest.json", f"field `feature_keys`: expected distinct strings. Received: {keys!r}")
     files = _field(where, manifest, "files", "", "dict")
     _exact_keys(where, files, {"arrays.npz", "config.pb"}, "files.")
     for name in ("arrays.npz", "config.pb"):
@@ -549,7 +561,7 @@ def _normalise_v1(where: pathlib.Path, manifest: dict) -> dict:
     return {
         "format": FORMAT, "version": 1, "step": manifest["step"], "seed": manifest["seed"],
         "saved_with": manifest["saved_with"], "tables": tables, "learning_rate_callables": [],
-        "files": {n: {"sha256": sums[n]} for n in ("arrays.npz", "config.pb")},
+        "feature_keys": [], "files": {n: {"sha256": sums[n]} for n in ("arrays.npz", "config.pb")},
         "config_copy": copy,
     }
 
@@ -711,6 +723,12 @@ def restore(cls: Any, path: Any, backend: Any = None, num_shards: int | None = N
     fns = _learning_rate_fns(manifest, layout, learning_rates, str(path))
     if fns is not None:
         object.__setattr__(config, "learning_rate_fns", fns)  # as EmbeddingConfig itself sets them
+    keys = manifest["feature_keys"]
+    if keys:
+        if len(keys) != len(config.features):
+            raise _bad(pathlib.Path(path), "manifest.json", f"field `feature_keys` has {len(keys)} keys, but "
+                       f"config.pb has {len(config.features)} features")
+        object.__setattr__(config, "feature_keys", tuple(keys))  # as EmbeddingConfig sets them
     engine = cls(config, backend=backend, num_shards=num_shards, mesh=mesh, seed=manifest["seed"],
                  initializers={t["name"]: "zeros" for t in manifest["tables"]})
     for entry in manifest["tables"]:
