@@ -190,9 +190,52 @@ def scenario_bad_input(rank: int, world: int, tmp: pathlib.Path) -> dict[str, np
     return out
 
 
+BACKEND_CALLS = ("gather", "gather_combine", "scatter", "update_rows", "update_rows_in_order")
+
+
+def scenario_backend_refusals(rank: int, world: int, tmp: pathlib.Path) -> dict[str, np.ndarray]:
+    """The backend's own row operations, called directly: one rank passes an id out of range
+    (or gradients of the wrong shape); its refusal travels with the first exchange's counts."""
+    from meshembed.errors import MeshembedError
+    from meshembed.sharding import Placement
+    from meshembed_torch import TorchBackend
+
+    b = TorchBackend()
+    values = (np.arange(VOCAB)[:, None] * np.ones(DIM)).astype(np.float32)
+    table = b.create_table(values, Placement(VOCAB, world, "mod"))
+    bad = rank == world - 1
+    ids = np.array([VOCAB + 2 if bad else 1, 3])
+    rows = np.ones((2, DIM), np.float32)
+
+    def fn(g, p):
+        return (p - 0.5 * g,)
+
+    calls = {
+        "gather": lambda: b.gather(table, b.asarray(ids)),
+        "gather_combine": lambda: b.gather_combine(table, b.asarray(ids), b.asarray(np.array([0, 1])), 2),
+        "scatter": lambda: b.scatter(table, b.asarray(ids), b.asarray(rows)),
+        "update_rows": lambda: b.update_rows([table], b.asarray(np.array([1, 3])),
+                                             b.asarray(rows[:1] if bad else rows), fn),
+        "update_rows_in_order": lambda: b.update_rows_in_order([table], ids, b.asarray(rows), fn),
+    }
+    out = {}
+    for what in BACKEND_CALLS:
+        start = time.monotonic()
+        try:
+            calls[what]()
+            out[f"backend/{what}/error"] = np.array("")
+        except MeshembedError as exc:
+            out[f"backend/{what}/error"] = np.array(type(exc).__name__)
+            out[f"backend/{what}/message"] = np.array(str(exc))
+        out[f"backend/{what}/elapsed"] = np.array(time.monotonic() - start)
+    out["backend/table"] = b.unshard(table)  # nothing moved; the ranks are still in step
+    return out
+
+
 def scenario_all(rank: int, world: int, tmp: pathlib.Path) -> dict[str, np.ndarray]:
-    """Both scenarios in one launch (process start-up is most of a launch's time)."""
-    return {**scenario_in_step(rank, world, tmp), **scenario_bad_input(rank, world, tmp)}
+    """Every scenario in one launch (process start-up is most of a launch's time)."""
+    return {**scenario_in_step(rank, world, tmp), **scenario_bad_input(rank, world, tmp),
+            **scenario_backend_refusals(rank, world, tmp)}
 
 
 # -- the tests --------------------------------------------------------------------------------------
@@ -389,3 +432,22 @@ def test_status_codes_name_the_most_specific_error_type():
     assert KINDS[status_of(ValueError("x")) - 1] is MeshembedError  # not ours: the base class
     err = peer_error("apply_gradients", (0, status_of(ConfigError("x"))))
     assert type(err) is ConfigError and "rank 1 of 2" in str(err)
+
+
+@pytest.mark.slow  # multi-process
+def test_a_backend_call_refused_on_one_rank_fails_on_every_rank_at_once(ranks):
+    world, results = ranks
+    bad = world - 1
+    for what in BACKEND_CALLS:
+        for r in range(world):
+            res = results[r]
+            assert str(res[f"backend/{what}/error"]) == "InputError", (what, r, res[f"backend/{what}/error"])
+            msg = str(res[f"backend/{what}/message"])
+            if r == bad:
+                assert "Invalid" in msg and "failed on rank" not in msg, (what, msg)
+            else:
+                assert f"`{what}` failed on rank {bad} of {world} (InputError)" in msg, (what, msg)
+            assert float(res[f"backend/{what}/elapsed"]) < PG_TIMEOUT_S / 2, (what, r)
+    want = (np.arange(VOCAB)[:, None] * np.ones(DIM)).astype(np.float32)
+    for r in range(world):
+        np.testing.assert_array_equal(results[r]["backend/table"], want)

@@ -14,10 +14,11 @@ without torch and :meth:`TorchBackend.unavailable_reason` says what is missing.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -259,24 +260,46 @@ class TorchBackend(TorchDenseMixin, Backend):
         owner = table.rowmap.owner(ids)
         return owner if table.placement.num_shards == table.group.world else owner % table.group.world
 
+    @contextlib.contextmanager
+    def _agreed(self, table: TorchShardedTable, what: str) -> Iterator[None]:
+        """Distributed: an error in the block (this rank's input is invalid) still takes part
+        in the call's first exchange, with a failure status, so every rank raises at once
+        instead of waiting for this one (:class:`meshembed_torch.distributed.Route`)."""
+        try:
+            yield
+        except Exception as exc:
+            if table.group is not None:
+                from meshembed.embedding.agreement import status_of
+                from meshembed.errors import MeshembedError
+
+                try:
+                    self._dist.Route(table.group, table.data.new_zeros(0, dtype=self._torch.int64), what,
+                                     status_of(exc))
+                except MeshembedError:  # the peers' view of this failure; ours is exc
+                    pass
+            raise
+
     def gather(self, table: TorchShardedTable, ids: Any) -> Any:
-        ids = self._ids(ids, table)
+        with self._agreed(table, "gather"):
+            ids = self._ids(ids, table)
         if table.group is None:
             return table.data.index_select(0, table.rowmap.local_index(ids))
         seg = self._k.segments(ids)  # send each distinct id once
-        route = self._dist.Route(table.group, self._owner_rank(table, seg.unique))
+        route = self._dist.Route(table.group, self._owner_rank(table, seg.unique), "gather")
         asked = route.send("ids", seg.unique)
         rows = route.reply("rows", table.data.index_select(0, table.rowmap.local_index(asked)))
         return rows.index_select(0, self._k.inverse(seg))
 
     def scatter(self, table: TorchShardedTable, ids: Any, rows: Any) -> TorchShardedTable:
-        ids = self._ids(ids, table)
-        rows = self.asarray(rows).to(device=table.data.device, dtype=table.data.dtype)
+        with self._agreed(table, "scatter"):
+            ids = self._ids(ids, table)
+            rows = self.asarray(rows).to(device=table.data.device, dtype=table.data.dtype)
+            rows = rows.reshape(ids.shape[0], table.data.shape[1])
         if table.group is not None:
-            route = self._dist.Route(table.group, self._owner_rank(table, ids))
+            route = self._dist.Route(table.group, self._owner_rank(table, ids), "scatter")
             rows = route.send("rows", rows)
             ids = route.send("ids", ids)
-        table.data.index_copy_(0, table.rowmap.local_index(ids), rows.reshape(ids.shape[0], table.data.shape[1]))
+        table.data.index_copy_(0, table.rowmap.local_index(ids), rows)
         return table
 
     def segment_sum(self, ids: Any, values: Any) -> tuple[Any, Any]:
@@ -294,16 +317,17 @@ class TorchBackend(TorchDenseMixin, Backend):
 
         An optional fast path for the engine's forward combiner (not in the protocol)."""
         torch = self._torch
-        ids = self._ids(ids, table)
-        seg_ids = self.asarray(segment_ids).to(torch.int64).reshape(-1)
-        w = None if weights is None else self.asarray(weights).reshape(-1).to(table.data.dtype)
+        with self._agreed(table, "gather_combine"):
+            ids = self._ids(ids, table)
+            seg_ids = self.asarray(segment_ids).to(torch.int64).reshape(-1)
+            w = None if weights is None else self.asarray(weights).reshape(-1).to(table.data.dtype)
         if w is not None and self._k.all_ones(w):
             w = None
         if table.group is None:
             source, index = table.data, table.rowmap.local_index(ids)
         else:
             seg = self._k.segments(ids)
-            route = self._dist.Route(table.group, self._owner_rank(table, seg.unique))
+            route = self._dist.Route(table.group, self._owner_rank(table, seg.unique), "gather_combine")
             asked = route.send("ids", seg.unique)
             source = route.reply("rows", table.data.index_select(0, table.rowmap.local_index(asked)))
             index = self._k.inverse(seg)
@@ -352,14 +376,15 @@ class TorchBackend(TorchDenseMixin, Backend):
         if not tables:
             return []
         first = tables[0]
-        ids, id_range = self._ids_in_range(ids, first)
-        g_src = self.asarray(grads).to(first.data.device)
-        rows_of = None if grad_index is None else self.asarray(grad_index).to(torch.int64).reshape(-1)
-        w = None if grad_weights is None else self.asarray(grad_weights).reshape(-1)
-        if rows_of is None and g_src.shape[0] != ids.shape[0]:
-            raise InputError(
-                f"Invalid `grads`: expected one row per id ({ids.shape[0]}). Received: shape={tuple(g_src.shape)}"
-            )
+        with self._agreed(first, "update_rows"):
+            ids, id_range = self._ids_in_range(ids, first)
+            g_src = self.asarray(grads).to(first.data.device)
+            rows_of = None if grad_index is None else self.asarray(grad_index).to(torch.int64).reshape(-1)
+            w = None if grad_weights is None else self.asarray(grad_weights).reshape(-1)
+            if rows_of is None and g_src.shape[0] != ids.shape[0]:
+                raise InputError(
+                    f"Invalid `grads`: expected one row per id ({ids.shape[0]}). Received: shape={tuple(g_src.shape)}"
+                )
         if first.group is None and ids.numel() and ids.numel() < 2**31:
             datas = [t.data for t in tables]
             kernel = fused_cpu.kernel_for(fn, datas, g_src, ids.numel(), rows_of, w)
@@ -408,15 +433,16 @@ class TorchBackend(TorchDenseMixin, Backend):
             return super().update_rows_in_order(tables, ids, grads, fn, groups=groups, guard=guard)
         torch = self._torch
         first = tables[0]
-        ids = self._ids(ids, first)
-        g = self.asarray(grads).to(first.data.device)
-        keys = torch.zeros_like(ids) if groups is None else self.asarray(groups).to(ids).reshape(-1)
-        if g.shape[0] != ids.shape[0] or keys.shape[0] != ids.shape[0]:
-            raise InputError(
-                f"Invalid `grads`/`groups`: expected one row and one group per id ({ids.shape[0]}). "
-                f"Received: shapes {tuple(g.shape)}, {tuple(keys.shape)}"
-            )
-        route = self._dist.Route(first.group, self._owner_rank(first, ids))
+        with self._agreed(first, "update_rows_in_order"):
+            ids = self._ids(ids, first)
+            g = self.asarray(grads).to(first.data.device)
+            keys = torch.zeros_like(ids) if groups is None else self.asarray(groups).to(ids).reshape(-1)
+            if g.shape[0] != ids.shape[0] or keys.shape[0] != ids.shape[0]:
+                raise InputError(
+                    f"Invalid `grads`/`groups`: expected one row and one group per id ({ids.shape[0]}). "
+                    f"Received: shapes {tuple(g.shape)}, {tuple(keys.shape)}"
+                )
+        route = self._dist.Route(first.group, self._owner_rank(first, ids), "update_rows_in_order")
         g = route.send("gradients", g.reshape(ids.shape[0], first.data.shape[1]))
         ids, keys = route.send("ids", ids), route.send("groups", keys)
         order = torch.sort(keys, stable=True)[1]  # by group; source rank, then position, within it
@@ -432,7 +458,7 @@ class TorchBackend(TorchDenseMixin, Backend):
     def _to_owners(self, table: TorchShardedTable, ids: Any, g: Any) -> tuple[Any, Any]:
         """``(ids, rows)`` that every rank sent to this one (the rows it owns), grouped by
         source rank in each rank's order. Collective (three all-to-alls), even with no ids."""
-        route = self._dist.Route(table.group, self._owner_rank(table, ids))
+        route = self._dist.Route(table.group, self._owner_rank(table, ids), "update_rows")
         g = route.send("gradients", g.reshape(ids.shape[0], table.data.shape[1]))
         return route.send("ids", ids), g
 

@@ -67,7 +67,8 @@ class RankGroup:
             ) from exc
 
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
-        """How many items every rank sends to this one (first all-to-all)."""
+        """How many items every rank sends to this one (first all-to-all): row r of
+        ``send_counts`` goes to rank r."""
         recv = torch.empty_like(send_counts)
         self._run("all_to_all (counts)", lambda: dist.all_to_all_single(recv, send_counts, group=self.pg))
         return recv
@@ -113,7 +114,10 @@ class Route:
     returns one answer row per received item to where it came from, in input order.
     """
 
-    def __init__(self, group: RankGroup, dest: torch.Tensor):
+    def __init__(self, group: RankGroup, dest: torch.Tensor, what: str = "route", status: int = 0):
+        """``status`` travels with the counts (no extra collective): when any rank's is not 0
+        (its input was invalid: ``meshembed.embedding.agreement`` codes) every rank raises
+        here, before any payload moves — the failing rank's caller then raises its own error."""
         self.group = group
         n = dest.numel()
         if n > 1 and not bool((dest[1:] >= dest[:-1]).all()):
@@ -121,9 +125,13 @@ class Route:
         else:  # already grouped by rank (DIV placement of sorted ids): no permutation
             self.order = None
         counts = torch.bincount(dest, minlength=group.world).to(torch.int64)
-        recv = group.exchange_counts(counts)
+        recv = group.exchange_counts(torch.stack([counts, torch.full_like(counts, int(status))], dim=1))
+        if bool(recv[:, 1].any()):
+            from meshembed.embedding.agreement import peer_error
+
+            raise peer_error(what, tuple(int(v) for v in recv[:, 1].tolist()))
         self.send_counts: list[int] = counts.tolist()
-        self.recv_counts: list[int] = recv.tolist()
+        self.recv_counts: list[int] = recv[:, 0].tolist()
         self.n = n
 
     def send(self, what: str, payload: torch.Tensor) -> torch.Tensor:
