@@ -116,5 +116,8 @@ def test_per_table_arrays_round_trip_and_training_continues():
     engine.apply_gradients([np.ones((8, 4), np.float32)])
     acc = engine.retrieve_parameters("t")["accumulators"]
     np.testing.assert_allclose(acc[:8], arrays["t"]["accumulator"][:8] + 1, rtol=1e-6)
+    bad = {"t": {"parameters": np.full((10, 4), np.inf, np.float32)}}
+    with pytest.raises(me.InputError, match="NaN or Inf"):
+        me.interop.import_table_arrays(engine, bad, source="jax_tpu_embedding")
     with pytest.raises(me.InputError, match="source"):
         me.interop.export_table_arrays(engine, source="nope")

@@ -271,6 +271,12 @@ def test_import_refuses_a_module_that_does_not_match_before_writing():
     with pytest.raises(me.InputError, match="'t1'"):
         me.interop.import_torchrec_state(engine, other)
     np.testing.assert_array_equal(engine.retrieve_parameters("t0")["parameters"], before)
+    ebc = FusedEmbeddingBagCollection(tables(), torch.optim.SGD, {"lr": 0.1})
+    with torch.no_grad():
+        ebc.embedding_bags["t1"].weight[0, 0] = float("nan")  # the second table: the first must stay as it was
+    with pytest.raises(me.InputError, match="'t1'.*NaN"):
+        me.interop.import_torchrec_state(engine, ebc)
+    np.testing.assert_array_equal(engine.retrieve_parameters("t0")["parameters"], before)
 
 
 # ------------------------------------------------------------------ differential report

@@ -20,6 +20,7 @@ from meshembed.config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Ada
 from meshembed.errors import ConfigError, InputError
 from meshembed.interop._gaps import Translation, _Gaps
 from meshembed.interop._keras_rs import _features
+from meshembed.interop._torchrec import check_finite
 
 __all__ = ["export_table_arrays", "from_jax_tpu_embedding", "import_table_arrays", "to_jax_tpu_embedding"]
 
@@ -221,6 +222,7 @@ def import_table_arrays(engine: Any, arrays: Mapping[str, Mapping[str, Any]], *,
             if value.shape != have[name].shape:
                 raise InputError(f"Table {table!r}: {key} has shape {value.shape}, the engine's {name} "
                                  f"{have[name].shape}. Unstack the table first (shapes must match).")
+            check_finite(value, table, key)
             out[name] = value
         loads.append((table, out))
     for table, out in loads:

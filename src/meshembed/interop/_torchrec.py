@@ -328,6 +328,13 @@ def to_torchrec(config: EmbeddingConfig, *, strict: bool = False) -> Translation
 
 
 # --------------------------------------------------------------------- trained state
+def check_finite(array: np.ndarray, table: str, name: str) -> None:
+    """Refuse NaN/Inf before any table is written (load_parameters would refuse it midway)."""
+    if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+        raise InputError(f"Table {table!r}: the imported {name} hold NaN or Inf. Expected finite values (load them "
+                         "with engine.load_parameters(..., allow_nonfinite=True) if that is intended).")
+
+
 def _fused_state(module: Any) -> dict[str, dict[str, Any]]:
     if not hasattr(module, "fused_optimizer"):
         return {}
@@ -369,6 +376,7 @@ def import_torchrec_state(engine: Any, module: Any) -> None:
             if tuple(v.shape) != tuple(have[k].shape):
                 raise InputError(f"Table {name!r}: torchrec {k} has shape {tuple(v.shape)}, the engine "
                                  f"{tuple(have[k].shape)}. Expected the config from_torchrec made for this module.")
+            check_finite(v, name, k)
     for name, arrays in loads:
         engine.load_parameters(name, **arrays)
 
