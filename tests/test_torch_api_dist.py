@@ -125,3 +125,18 @@ def test_dlrm_example_compiled_loss_falls(tmp_path):
     assert np.mean(losses[-15:]) < np.mean(losses[:15]) - 0.05, losses
     held_out = torch_dlrm.evaluate(ckpt)
     assert held_out < 0.66, held_out
+
+
+def test_dlrm_example_on_two_gloo_ranks(tmp_path):
+    """The example as a user launches it: 2 ranks (DDP dense part, sharded tables), the state
+    dicts saved by the ranks and restored in one process. Eager here (the compiled run is the
+    1-process test above; both were run compiled on 2 ranks by hand)."""
+    ckpt = tmp_path / "dlrm.pt"
+    env = {**os.environ, "MESHEMBED_TORCH_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "torch_dlrm.py"), "--world-size", "2", "--steps",
+                          "60", "--eager", "--checkpoint", str(ckpt)], capture_output=True, text=True, timeout=600,
+                         env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("step")]
+    assert losses[-1] < losses[0] - 0.05, out.stdout
+    assert "restored in one process" in out.stdout and ckpt.exists()
