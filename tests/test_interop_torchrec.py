@@ -153,10 +153,26 @@ def test_from_torchrec_refuses_untranslatable_optimizers(args, match):
         from_torchrec(tables(), *args, batch_size=2)
 
 
+def test_unpooled_tables_become_sequence_features_both_ways():
+    seq = [EmbeddingConfig(num_embeddings=8, embedding_dim=4, name="s", feature_names=["x", "y"])]
+    with pytest.raises(me.ConfigError, match="max_sequence_length"):
+        from_torchrec(seq, torch.optim.SGD, {"lr": 0.1}, batch_size=2)
+    cfg, gaps = from_torchrec(seq, torch.optim.SGD, {"lr": 0.1}, batch_size=2, max_sequence_length=5)
+    assert [f.input_shape for f in cfg.features] == [(2, 5), (2, 5)] and gaps.fields() == ("max_sequence_length",)
+    with pytest.raises(me.ConfigError, match="max_sequence_length"):
+        from_torchrec(seq, torch.optim.SGD, {"lr": 0.1}, batch_size=2, max_sequence_length=5, strict=True)
+    back, gaps2 = to_torchrec(cfg)
+    assert type(back.tables[0]) is EmbeddingConfig and back.tables[0].feature_names == ["x", "y"]
+    assert gaps2.fields() == ("input_shape", "input_shape")
+    mixed = me.EmbeddingConfig(tables=[me.TableConfig("t", 8, 4, optimizer=me.embedding.SGD(0.1))],
+                               features=[me.FeatureConfig("t", (2,), name="a"), me.FeatureConfig("t", (2, 3), name="b")])
+    with pytest.raises(me.ConfigError, match="pooled and sequence"):
+        to_torchrec(mixed)
+
+
 def test_from_torchrec_refuses_bad_tables_and_batch():
-    with pytest.raises(me.ConfigError, match="EmbeddingBagConfig"):
-        from_torchrec([EmbeddingConfig(num_embeddings=4, embedding_dim=4, name="s", feature_names=["x"])],
-                      torch.optim.SGD, {"lr": 0.1}, batch_size=2)
+    with pytest.raises(me.ConfigError, match="max_sequence_length"):
+        from_torchrec(tables(), torch.optim.SGD, {"lr": 0.1}, batch_size=2, max_sequence_length=0)
     with pytest.raises(me.ConfigError, match="batch_size"):
         from_torchrec(tables(), torch.optim.SGD, {"lr": 0.1}, batch_size=0)
     with pytest.raises(me.ConfigError, match="NONE"):

@@ -187,14 +187,15 @@ def _default_init(t: Any) -> bool:
 
 
 def from_torchrec(tables: Any, optimizer: Any = None, optimizer_kwargs: Mapping[str, Any] | None = None, *,
-                  batch_size: int, strict: bool = False) -> Translation:
+                  batch_size: int, max_sequence_length: int | None = None, strict: bool = False) -> Translation:
     """torchrec tables (or an EmbeddingBagCollection) + fbgemm optimizer -> ``(EmbeddingConfig, gaps)``.
 
     ``batch_size`` fixes the features' ``input_shape`` (torchrec batches are dynamic).
-    ``EmbeddingBagConfig`` features are pooled ``(batch_size,)``; ``EmbeddingConfig``
-    (unpooled) features would be jagged, which a TPU config cannot be: they are refused.
+    ``EmbeddingBagConfig`` features are pooled ``(batch_size,)``. ``EmbeddingConfig``
+    (unpooled, jagged) features become sequence features ``(batch_size, max_sequence_length)``
+    (gap ``max_sequence_length``); without ``max_sequence_length`` they are refused.
     """
-    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig as TrecEmbeddingConfig
 
     tables, optimizer, optimizer_kwargs = _tables_and_optimizer(tables, optimizer, optimizer_kwargs)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -203,16 +204,28 @@ def from_torchrec(tables: Any, optimizer: Any = None, optimizer_kwargs: Mapping[
     opt, kw = _optimizer_from(optimizer, optimizer_kwargs)
     spec = _meshembed_optimizer(opt, kw, gaps)
     me_tables, features = [], []
+    if max_sequence_length is not None and (isinstance(max_sequence_length, bool) or
+                                            not isinstance(max_sequence_length, int) or max_sequence_length < 1):
+        raise ConfigError(f"Invalid `max_sequence_length`. Expected None or an integer >= 1. Received: "
+                          f"max_sequence_length={max_sequence_length!r}")
     for t in tables:
-        if not isinstance(t, EmbeddingBagConfig):
-            raise ConfigError(f"Table {getattr(t, 'name', t)!r}: expected a torchrec EmbeddingBagConfig. An "
-                              "unpooled EmbeddingConfig returns jagged per-id embeddings, which a TPU config has no "
-                              "shape for; pool it (EmbeddingBagConfig) or build sequence FeatureConfigs yourself.")
+        sequence = isinstance(t, TrecEmbeddingConfig)
+        if not isinstance(t, EmbeddingBagConfig) and not sequence:
+            raise ConfigError(f"Table {getattr(t, 'name', t)!r}: expected a torchrec EmbeddingBagConfig or "
+                              f"EmbeddingConfig. Received: {type(t).__name__}")
+        if sequence and max_sequence_length is None:
+            raise ConfigError(f"Table {t.name!r}: an unpooled EmbeddingConfig returns jagged per-id embeddings, "
+                              "which a TPU config has no shape for. Pass max_sequence_length=M for (batch, M) "
+                              "sequence features.")
         if not t.name:
             raise ConfigError("A torchrec table has no name. Expected EmbeddingBagConfig(name=...).")
-        pooling = t.pooling.value
+        pooling = "SUM" if sequence else t.pooling.value
         if pooling not in _POOLING:
             raise ConfigError(f"Table {t.name!r}: pooling {pooling} has no TPU combiner. Expected SUM or MEAN.")
+        if sequence:
+            gaps.add("max_sequence_length", "torchrec's EmbeddingCollection returns one embedding per id (jagged)",
+                     f"padded (batch_size, {max_sequence_length}): ids past position {max_sequence_length} dropped, "
+                     "missing positions zero", t.name)
         if t.data_type != DataType.FP32:
             gaps.add("data_type", f"{t.data_type.value} rows", "trained as float32", t.name)
         for name in ("num_embeddings_post_pruning", "total_num_buckets", "input_dim"):
@@ -232,7 +245,8 @@ def from_torchrec(tables: Any, optimizer: Any = None, optimizer_kwargs: Mapping[
                                      optimizer=spec, combiner=_POOLING[pooling], initializer=init))
         if not t.feature_names:
             gaps.add("feature_names", "the table has no feature", "it gets no feature", t.name)
-        features += [FeatureConfig(table=t.name, input_shape=(batch_size,), name=f) for f in t.feature_names]
+        shape = (batch_size, max_sequence_length) if sequence else (batch_size,)
+        features += [FeatureConfig(table=t.name, input_shape=shape, name=f) for f in t.feature_names]
     return gaps.finish(EmbeddingConfig(tables=me_tables, features=features))
 
 
@@ -279,15 +293,21 @@ def to_torchrec(config: EmbeddingConfig, *, strict: bool = False) -> Translation
     """
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_configs import EmbeddingConfig as TrecEmbeddingConfig
 
     if not isinstance(config, EmbeddingConfig):
         raise ConfigError(f"Invalid `config`. Expected a meshembed EmbeddingConfig. Received: {type(config).__name__}")
     gaps = _Gaps("meshembed -> torchrec", strict)
     names: dict[str, list[str]] = {t.name: [] for t in config.tables}
+    sequence: dict[str, set[bool]] = {t.name: set() for t in config.tables}
     for i, f in enumerate(config.features):
+        sequence[f.table_name].add(f.is_sequence)
+        if len(sequence[f.table_name]) > 1:
+            raise ConfigError(f"Table {f.table_name!r} has pooled and sequence features; a torchrec table is either "
+                              "an EmbeddingBagConfig or an EmbeddingConfig. Expected one kind per table.")
         if f.is_sequence:
-            raise ConfigError(f"{f.where.capitalize()}: a sequence feature (input_shape {f.input_shape}) has no pooled "
-                              "torchrec form. Expected rank-1 input_shape (a torchrec EmbeddingCollection is jagged).")
+            gaps.add("input_shape", f"sequence feature {f.name!r} is padded to {f.input_shape[1]} positions",
+                     "an EmbeddingConfig (jagged: no padding, no truncation)", f.table_name)
         name = f.name or f"{f.table_name}_feature_{i}"
         if not f.name:
             gaps.add("feature.name", f"feature {i} has no name; torchrec keys features by name",
@@ -305,7 +325,7 @@ def to_torchrec(config: EmbeddingConfig, *, strict: bool = False) -> Translation
         chosen = (opt, kw)
         if acc is not None:
             accumulators[t.name] = acc
-        if t.combiner == "sqrtn":
+        if t.combiner == "sqrtn" and True not in sequence[t.name]:
             gaps.add("combiner", "sqrtn: torchrec pools only SUM or MEAN", "SUM; pass per-sample weights "
                      "1/sqrt(bag size) (is_weighted=True) to reproduce sqrtn", t.name)
         if t.dtype != "float32":
@@ -320,9 +340,13 @@ def to_torchrec(config: EmbeddingConfig, *, strict: bool = False) -> Translation
             gaps.add("initializer", f"{'TF2 truncated normal' if t.initializer is None else t.initializer!r} has no "
                      "torchrec form", "torchrec's default U(±sqrt(1/num_embeddings)); copy rows with "
                      "export_torchrec_state", t.name)
-        tables.append(EmbeddingBagConfig(
-            num_embeddings=t.vocabulary_size, embedding_dim=t.dimension, name=t.name, feature_names=names[t.name],
-            pooling=PoolingType.MEAN if t.combiner == "mean" else PoolingType.SUM, **kwargs))
+        common = dict(num_embeddings=t.vocabulary_size, embedding_dim=t.dimension, name=t.name,
+                      feature_names=names[t.name], **kwargs)
+        if True in sequence[t.name]:
+            tables.append(TrecEmbeddingConfig(**common))
+        else:
+            tables.append(EmbeddingBagConfig(pooling=PoolingType.MEAN if t.combiner == "mean" else PoolingType.SUM,
+                                             **common))
     assert chosen is not None  # an EmbeddingConfig has at least one table
     return gaps.finish(TorchrecConfig(tables, EmbOptimType(chosen[0]), dict(chosen[1]), accumulators))
 
