@@ -1,9 +1,10 @@
 """W1 through me.jax: a jitted functional step next to ``TPUEmbedding(backend="jax")``.
 
 Table 1,000,000 × 64 float32; batch 16,384 samples × 8 Zipf(1.1) ids (ragged input, sum
-combiner); the same fixed ``[16384, 64]`` activation gradient every step. Every row times a
+combiner); the activation gradient ``G + 0.001·activations`` (a fixed ``[16384, 64]`` G; it
+depends on the lookup, as a loss's gradient does, and on both paths). Every row times a
 full step with its host work: the engine's enqueue + dequeue + apply_gradients, against
-``me.jax.prepare`` + one ``jax.jit`` (donated state) of ``lookup`` + ``apply_gradients``, with
+``me.jax.prepare`` (a unique capacity 1.25x the distinct rows) + one ``jax.jit`` (donated state) of ``lookup`` + ``apply_gradients``, with
 a constant learning rate and with a learning rate (dynamic tag) changing every step.
 fbgemm's CPU TBE row appears when ``fbgemm_gpu`` is installed (``benchmarks.jax_w1``).
 
@@ -60,10 +61,9 @@ def engine_step(sizes: dict, optimizer: str) -> Callable[[], Any]:
     def step() -> Any:
         emb.enqueue([ragged])
         acts = emb.dequeue()
-        emb.apply_gradients([grad])
-        return acts
+        emb.apply_gradients([grad + 1e-3 * acts[0]])
+        return acts, emb._state[0][0].data  # reading .data waits for a deferred capacity check
 
-    step.finish = lambda: jax.block_until_ready(emb._state[0][0].data)  # type: ignore[attr-defined]
     return step
 
 
@@ -77,9 +77,12 @@ def api_step(sizes: dict, optimizer: str, dynamic: bool) -> Callable[[], Any]:
     ragged, grad = _inputs(sizes)
     grad = jax.device_put(grad)
     capacity = sizes["batch"] * sizes["ids_per_sample"]
+    unique = int(np.unique(ragged.values).size)
+    unique = -(-(unique + unique // 4) // 1024) * 1024  # ~1.25x the distinct rows, as the engine's automatic one
 
     def train(state, batch, g, lr):
         acts = me.jax.lookup(state, batch)
+        g = g + 1e-3 * acts["f"]  # a gradient that depends on the activations, as in training
         return me.jax.apply_gradients(state, batch, {"f": g}, [lr] if dynamic else ()), acts["f"]
 
     jitted = jax.jit(train, donate_argnums=0)
@@ -87,17 +90,19 @@ def api_step(sizes: dict, optimizer: str, dynamic: bool) -> Callable[[], Any]:
     def step() -> Any:
         holder["i"] += 1
         lr = LR * (1 + 0.01 * (holder["i"] % 7)) if dynamic else LR
-        batch = me.jax.prepare(cfg, {"f": ragged}, capacity=capacity)
+        batch = me.jax.prepare(cfg, {"f": ragged}, capacity=capacity, unique_capacity=unique)
         holder["state"], acts = jitted(holder["state"], batch, grad, lr)
-        return acts
+        return acts, holder["state"].tables
 
-    step.finish = lambda: jax.block_until_ready(holder["state"].tables)  # type: ignore[attr-defined]
     step.traces = jitted._cache_size  # type: ignore[attr-defined]
     return step
 
 
 def run(sizes: dict, repeats: int, optimizers: tuple[str, ...], verbose: bool = False) -> dict:
-    """{optimizer: {row: (median, min, max) ms}} plus the ratios."""
+    """{optimizer: {row: (median, min, max) ms}} plus the ratios. Every step is waited for
+    (activations and the updated table), so no row hides work in the next step."""
+    import jax
+
     out: dict = {}
     for optimizer in optimizers:
         rows = {}
@@ -105,7 +110,7 @@ def run(sizes: dict, repeats: int, optimizers: tuple[str, ...], verbose: bool = 
                            ("me.jax jit, constant lr", lambda: api_step(sizes, optimizer, False)),
                            ("me.jax jit, lr every step", lambda: api_step(sizes, optimizer, True))):
             step = make()
-            rows[name] = timeit(step, repeats=repeats)
+            rows[name] = timeit(step, repeats=repeats, sync=jax.block_until_ready)  # each step finished
             traces = getattr(step, "traces", None)
             if traces is not None and traces() != 1:
                 raise AssertionError(f"{name} ({optimizer}) traced {traces()} times")

@@ -121,7 +121,8 @@ def test_jitted_steps_are_bit_identical_to_the_engine(sharding, use_mesh):
     for i in range(5):
         feats = _features(cfg, rng, sparse=i % 2 == 1)
         lrs = [0.1 / (i + 1), 0.05 * (i + 1)]
-        state, acts, grads, _ = step(state, me.jax.prepare(cfg, feats, capacity=64), lrs)
+        batch = me.jax.prepare(cfg, feats, capacity=64, unique_capacity={"adam": 50, "ftrl": 40, "clipped": 26})
+        state, acts, grads, _ = step(state, batch, lrs)
         emb.enqueue(feats)
         expected = emb.dequeue()
         for k, f in enumerate(cfg.features):
@@ -174,6 +175,8 @@ def test_prepare_checks_inputs_like_enqueue():
         me.jax.prepare(cfg, {k: v for k, v in feats.items() if k != "sgd"})
     with pytest.raises(CapacityError, match=r"Feature 'ada_seq'.*48 ids.*capacity 32"):
         me.jax.prepare(cfg, feats, capacity=32)
+    with pytest.raises(CapacityError, match=r"Table 'adam': \d+ distinct ids this batch exceed its unique_capacity 3"):
+        me.jax.prepare(cfg, feats, unique_capacity={"adam": 3})
     batch = me.jax.prepare(cfg, feats, capacity={"ada_seq": 48})
     assert batch.ids[1].shape == (48,) and batch.ids[0].shape == (16,)
     state = me.jax.init(cfg)
