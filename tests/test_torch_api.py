@@ -160,6 +160,10 @@ def test_bad_input_names_the_feature_and_changes_nothing():
         ec(feats, ws)
     with pytest.raises(me.InputError, match="'bag'.*7 offsets or 6 lengths"):
         ec({"bag": (torch.from_numpy(values), torch.arange(3)), "seq": torch.from_numpy(seq)})
+    with pytest.raises(me.InputError, match="ids for feature 'seq'.*dtype <U3"):
+        ec({"bag": (torch.from_numpy(values), torch.from_numpy(offsets)), "seq": "abc"})
+    with pytest.raises(me.InputError, match="'seq'.*integer"):
+        ec({"bag": (torch.from_numpy(values), torch.from_numpy(offsets)), "seq": torch.ones(BATCH, SEQ)})
     with pytest.raises(me.InputError, match="Missing: \\['seq'\\]"):
         ec({"bag": feats["bag"]})
     with pytest.raises(me.InputError, match="'seq'.*expected shape"):

@@ -120,7 +120,7 @@ def _weights_values(w: Any) -> torch.Tensor:
         if w.layout == torch.sparse_coo:
             return w._values()
         return w
-    return torch.as_tensor(np.asarray(w))
+    return w
 
 
 def _flatten(name: str, batch: int, x: Any, w: Any) -> tuple[str, list[torch.Tensor]]:
@@ -160,11 +160,23 @@ def _flatten(name: str, batch: int, x: Any, w: Any) -> tuple[str, list[torch.Ten
     elif isinstance(x, torch.Tensor):
         kind, ts = "d", [x]
     else:
-        kind, ts = "d", [torch.as_tensor(np.asarray(x))]
+        kind, ts = "d", [_as_tensor(name, "ids", x)]
     if w is not None:
         kind += "w"
-        ts.append(_weights_values(w))
+        ts.append(_as_tensor(name, "weights", _weights_values(w)))
     return kind, ts
+
+
+def _as_tensor(name: str, what: str, x: Any) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "biuf":
+        raise InputError(
+            f"Invalid {what} for feature {name!r}: expected a tensor or an array of numbers. "
+            f"Received: {type(x).__name__} of dtype {arr.dtype}"
+        )
+    return torch.as_tensor(arr)
 
 
 def _engine_input(kind: str, ts: Sequence[torch.Tensor]) -> tuple[Any, Any]:
