@@ -524,3 +524,22 @@ def test_deepcopy_is_an_independent_module():
     loss_of(twin(*module_inputs(*batch(rng))).values()).backward()  # trains the copy only
     torch.testing.assert_close(ec.state_dict()["t.parameters"], before, rtol=0, atol=0)
     assert not torch.equal(twin.state_dict()["t.parameters"], before)
+
+
+def test_adadelta_follows_a_torch_lr_scheduler():
+    ours, ref = _params(3), _params(3)
+    opt = me.torch.Adadelta(ours, lr=1.0, rho=0.9, eps=1e-6)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    variables = [me.Variable(p.detach().clone(), backend="torch") for p in ref]
+    mopt = me.optimizers.Adadelta(learning_rate=1.0, rho=0.9, epsilon=1e-6)
+    for step in range(5):
+        grads = _grads(step, ours)
+        for p, g in zip(ours, grads):
+            p.grad = g.clone()
+        mopt.learning_rate = opt.param_groups[0]["lr"]
+        opt.step()
+        sched.step()
+        mopt.apply_gradients([(g.clone(), v) for g, v in zip(grads, variables)])
+    assert opt.param_groups[0]["lr"] == 0.25
+    for p, v in zip(ours, variables):
+        np.testing.assert_array_equal(p.detach().numpy(), v.numpy())
