@@ -191,11 +191,14 @@ _KERAS_SLOTS = {"accumulators": "_accumulators", "momenta": "_momentums", "veloc
 
 def compare_keras_rs(feature_configs: Any, *, steps: int = 3, max_bag_size: int = 3, seed: int = 0,
                      backend: str = "numpy", case: str | None = None) -> ConformanceReport:
-    """keras-rs off SparseCore trains each table as a Keras variable with its Keras optimizer.
-    This runs that path (the table's optimizer ``apply`` on the dense table gradient of random
-    bags and output gradients, pooled by the table's combiner) next to meshembed's engine built
-    by ``from_keras_rs``, and compares activations, rows and slots per table."""
+    """keras-rs off SparseCore looks tables up with its own layer and trains each table as a
+    Keras variable. On the TensorFlow Keras backend this runs the real
+    ``keras_rs.layers.DistributedEmbedding`` (its gradients reach the table's Keras optimizer
+    as ``IndexedSlices``, one slice per id); on another Keras backend it emulates that path
+    with the dense table gradient (what JAX and torch autodiff give). Next to it runs
+    meshembed's engine built by ``from_keras_rs``; activations, rows and slots are compared."""
     import keras
+    import keras_rs
 
     import meshembed as me
     from meshembed.interop._keras_rs import _features, from_keras_rs
@@ -204,53 +207,67 @@ def compare_keras_rs(feature_configs: Any, *, steps: int = 3, max_bag_size: int 
     cfg, gaps = from_keras_rs(feats)
     rng = np.random.default_rng(seed)
     ktables = {f.table.name: f.table for f in feats}
+    by_name = {t.name: t for t in cfg.tables}
+    real = keras.backend.backend() == "tensorflow"
+    if real:
+        import tensorflow as tf
+
+        layer = keras_rs.layers.DistributedEmbedding({f.name: f for f in feats})
+        layer({f.name: tf.RaggedTensor.from_row_splits(np.zeros(f.input_shape[0], np.int64),
+                                                       np.arange(f.input_shape[0] + 1)) for f in cfg.features})
+        found = {t: [v for v in layer.trainable_variables if v.path.split("/")[-2:-1] == [t]] for t in by_name}
+        if any(len(v) != 1 for v in found.values()):
+            raise ConfigError(f"keras-rs' layer variables {[v.path for v in layer.trainable_variables]} do not match "
+                              f"the tables {sorted(by_name)} one to one.")
     engine = me.TPUEmbedding(cfg, backend=backend)
-    variables, optimizers = {}, {}
+    variables, optimizers, slot_map = {}, {}, {}
     for t in cfg.tables:
         rows = rng.uniform(-0.5, 0.5, size=(t.vocabulary_size, t.dimension)).astype(np.float32)
         engine.load_parameters(t.name, parameters=rows)
-        variables[t.name] = keras.Variable(rows, name=t.name)
+        if real:
+            variables[t.name] = found[t.name][0]
+            variables[t.name].assign(rows)
+        else:
+            variables[t.name] = keras.Variable(rows, name=t.name)
         opt = ktables[t.name].optimizer
         opt = keras.optimizers.get(opt) if isinstance(opt, str) else opt
         opt = opt.__class__.from_config(opt.get_config())  # a fresh optimizer per comparison
         opt.build([variables[t.name]])
         optimizers[t.name] = opt
-    slot_map = {}
-    for t in cfg.tables:  # keras' slot starts (e.g. Adagrad's initial accumulator) into the engine
-        names = engine.table_slot_names(t.name)
-        slot_map[t.name] = {n: getattr(optimizers[t.name], _KERAS_SLOTS[n])[0] for n in names if n in _KERAS_SLOTS
-                            and getattr(optimizers[t.name], _KERAS_SLOTS[n], None)}
+        names = engine.table_slot_names(t.name)  # keras' slot starts (e.g. Adagrad's) into the engine
+        slot_map[t.name] = {n: getattr(opt, _KERAS_SLOTS[n])[0] for n in names
+                            if n in _KERAS_SLOTS and getattr(opt, _KERAS_SLOTS[n], None)}
         if slot_map[t.name]:
             engine.load_parameters(t.name, **{n: np.asarray(v) for n, v in slot_map[t.name].items()})
     name = case or "keras_rs " + "+".join(sorted({type(optimizers[t.name]).__name__ for t in cfg.tables}))
     act = {t.name: (0.0, 0.0, 0.0) for t in cfg.tables}
-    by_name = {t.name: t for t in cfg.tables}
     for _ in range(steps):
-        batches, grads, table_grads = [], [], {t: 0.0 for t in by_name}
+        batches, grads = [], []
         for f in cfg.features:
             t = by_name[f.table_name]
-            b = f.input_shape[0]
-            lengths = rng.integers(1, max_bag_size + 1, size=b)
+            lengths = rng.integers(1, max_bag_size + 1, size=f.input_shape[0])
             ids = rng.integers(0, t.vocabulary_size, size=int(lengths.sum()))
-            splits = np.concatenate([[0], np.cumsum(lengths)])
-            batches.append(me.RaggedIds(splits, ids))
-            g = rng.standard_normal((b, t.dimension)).astype(np.float32)
-            grads.append(g)
-            w = {"sum": np.ones(len(lengths)), "mean": 1.0 / lengths, "sqrtn": 1.0 / np.sqrt(lengths)}[t.combiner]
-            w = np.repeat(w, lengths).astype(np.float32)
-            rows = np.asarray(variables[t.name])[ids] * w[:, None]
-            theirs = np.add.reduceat(rows, splits[:-1], axis=0)
-            dense = np.zeros((t.vocabulary_size, t.dimension), np.float32)
-            np.add.at(dense, ids, np.repeat(g, lengths, axis=0) * w[:, None])
-            table_grads[t.name] = table_grads[t.name] + dense
-            batches[-1] = (batches[-1], theirs)
-        engine.enqueue([b for b, _ in batches])
-        for f, a, (_, theirs) in zip(cfg.features, engine.dequeue(), batches):
-            d = _diff(np.asarray(engine.backend.to_numpy(a)), theirs)
+            batches.append((np.concatenate([[0], np.cumsum(lengths)]), ids))
+            grads.append(rng.standard_normal((f.input_shape[0], t.dimension)).astype(np.float32))
+        engine.enqueue([me.RaggedIds(splits, ids) for splits, ids in batches])
+        mine = engine.dequeue()
+        if real:
+            inputs = {f.name: tf.RaggedTensor.from_row_splits(ids, splits) for f, (splits, ids) in zip(cfg.features,
+                                                                                                      batches)}
+            with tf.GradientTape() as tape:
+                out = layer(inputs)
+            theirs = [np.asarray(out[f.name]) for f in cfg.features]
+            table_vars = [variables[t] for t in by_name]
+            table_grads = dict(zip(by_name, tape.gradient([out[f.name] for f in cfg.features], table_vars,
+                                                          output_gradients=[tf.constant(g) for g in grads])))
+        else:
+            theirs, table_grads = _emulated_keras_path(cfg, by_name, variables, batches, grads)
+        for f, a, b in zip(cfg.features, mine, theirs):
+            d = _diff(np.asarray(engine.backend.to_numpy(a)), b)
             act[f.table_name] = tuple(max(x, y) for x, y in zip(act[f.table_name], d))
         engine.apply_gradients(grads)
         for t in by_name:
-            optimizers[t].apply_gradients([(keras.ops.convert_to_tensor(table_grads[t]), variables[t])])
+            optimizers[t].apply_gradients([(table_grads[t], variables[t])])
     rows = []
     for t in cfg.tables:
         explained = tuple(f for f in gaps.fields(t.name) if f.startswith("optimizer"))
@@ -261,6 +278,24 @@ def compare_keras_rs(feature_configs: Any, *, steps: int = 3, max_bag_size: int 
         for slot, var in slot_map[t.name].items():
             rows.append(_row(name, t.name, slot, _diff(mine[slot], np.asarray(var)), explained))
     return ConformanceReport(rows, {name: gaps})
+
+
+def _emulated_keras_path(cfg: Any, by_name: dict[str, Any], variables: dict[str, Any], batches: list[Any],
+                         grads: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, Any]]:
+    """keras-rs' default-device lookup (gather, weight by the combiner, sum per sample) and
+    the dense table gradient autodiff gives for it: the foreign side's reference."""
+    import keras
+
+    theirs, dense = [], {t: np.zeros((by_name[t].vocabulary_size, by_name[t].dimension), np.float32)
+                         for t in by_name}
+    for f, (splits, ids), g in zip(cfg.features, batches, grads):
+        t = by_name[f.table_name]
+        lengths = np.diff(splits)
+        w = {"sum": np.ones(len(lengths)), "mean": 1.0 / lengths, "sqrtn": 1.0 / np.sqrt(lengths)}[t.combiner]
+        w = np.repeat(w, lengths).astype(np.float32)
+        theirs.append(np.add.reduceat(np.asarray(variables[t.name])[ids] * w[:, None], splits[:-1], axis=0))
+        np.add.at(dense[t.name], ids, np.repeat(g, lengths, axis=0) * w[:, None])
+    return theirs, {t: keras.ops.convert_to_tensor(v) for t, v in dense.items()}
 
 
 def _keras_rs_cases(backend: str, steps: int) -> ConformanceReport:

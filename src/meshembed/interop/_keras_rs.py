@@ -101,6 +101,12 @@ def optimizer_from_keras(opt: Any, table: str | None, gaps: _Gaps) -> Any:
         shared.update(weight_decay_factor=float(c["weight_decay"]), multiply_weight_decay_factor_by_learning_rate=True)
         gaps.add("optimizer.weight_decay", "Keras decays every row each step", "weight_decay_factor × lr, "
                  "applied only to the rows looked up (TPU is lazy)", table)
+    squares = (keras.optimizers.Adagrad, keras.optimizers.Adam, keras.optimizers.Ftrl)
+    if isinstance(opt, squares) and keras.backend.backend() == "tensorflow":
+        gaps.add("optimizer.duplicates", "on the TensorFlow Keras backend keras-rs' table gradient reaches the "
+                 "optimizer as IndexedSlices, one slice per id occurrence, and its squared-gradient slot adds each "
+                 "occurrence's g² (Σg²); TPU squares the row's summed gradient ((Σg)²)", "TPU rule (duplicates "
+                 "summed first, as keras-rs' SparseCore path and Keras on JAX/torch)", table)
     with parsing_proto():  # Keras' values (epsilon=0, ...) are in the engine's domain
         if isinstance(opt, keras.optimizers.SGD):
             if c["momentum"] == 0 and not c["nesterov"]:
