@@ -24,6 +24,7 @@ _BUILTIN = {
     "numpy": "meshembed_numpy:NumpyBackend",
     "torch": "meshembed_torch:TorchBackend",
     "jax": "meshembed_jax:JaxBackend",
+    "array_api_strict": "meshembed_array_api:ArrayAPIStrictBackend",
 }
 # Backends designed but not shipped yet, with the reason (shown instead of "unknown").
 _NOT_SHIPPED = {
@@ -33,6 +34,7 @@ _NOT_SHIPPED = {
 _INSTALL_HINT = {
     "torch": "pip install 'meshembed[torch]'  (torch==2.13.0)",
     "jax": "pip install 'meshembed[jax]'",
+    "array_api_strict": "pip install array-api-strict",
 }
 
 _extra: dict[str, Callable[[], Backend] | str] = {}

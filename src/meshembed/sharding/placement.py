@@ -52,29 +52,34 @@ class Placement:
     def max_rows(self) -> int:
         return self.rows_in_shard(0)
 
-    def owner(self, ids: np.ndarray) -> np.ndarray:
-        """Shard that holds each global id."""
-        ids = np.asarray(ids, dtype=np.int64)
+    def owner(self, ids: np.ndarray, xp=None) -> np.ndarray:
+        """Shard that holds each global id.
+
+        With ``xp`` (an Array API namespace), ``ids`` are that namespace's integer arrays and
+        stay on their device: only standard operators are used (the generic backend)."""
+        ids = np.asarray(ids, dtype=np.int64) if xp is None else ids
         n = self.num_shards
         if self.strategy == "mod":
             return ids % n
         q, r = divmod(self.vocabulary_size, n)
         if q == 0:  # unreachable: every shard is non-empty
             return ids
-        return np.maximum(ids // (q + 1), (ids - r) // q)
+        return (np if xp is None else xp).maximum(ids // (q + 1), (ids - r) // q)
 
-    def local_row(self, ids: np.ndarray) -> np.ndarray:
-        """Row index of each global id inside its shard."""
-        ids = np.asarray(ids, dtype=np.int64)
+    def local_row(self, ids: np.ndarray, xp=None) -> np.ndarray:
+        """Row index of each global id inside its shard (``xp``: as in :meth:`owner`)."""
+        ids = np.asarray(ids, dtype=np.int64) if xp is None else ids
         n = self.num_shards
         if self.strategy == "mod":
             return ids // n
-        return ids - self.shard_start(self.owner(ids))
+        return ids - self.shard_start(self.owner(ids, xp), xp)
 
-    def shard_start(self, shard_id):
-        """DIV only: first global id of a shard (works on arrays)."""
+    def shard_start(self, shard_id, xp=None):
+        """DIV only: first global id of a shard (works on arrays; ``xp``: as in :meth:`owner`)."""
         q, r = divmod(self.vocabulary_size, self.num_shards)
-        return shard_id * q + np.minimum(shard_id, r)
+        if xp is None:
+            return shard_id * q + np.minimum(shard_id, r)
+        return shard_id * q + xp.minimum(shard_id, xp.full_like(shard_id, r))
 
     def block_parts(self, start: int, stop: int) -> list[tuple[int, int, slice]]:
         """Where the logical rows ``[start, stop)`` go, shard by shard: ``(shard, first local

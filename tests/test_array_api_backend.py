@@ -1,0 +1,99 @@
+"""The generic Array API backend: standard-only kernels equal the NumPy backend's bit for bit,
+array_api_strict is registered (its arrays on a non-host device, as a GPU library's), and a
+checkpoint written on it continues with the same numbers on numpy, torch and jax."""
+
+from __future__ import annotations
+
+import array_api_compat.numpy as compat_numpy
+import numpy as np
+import pytest
+
+import meshembed as me
+from conformance.test_engine import assert_same_state, config, run, snapshot
+from meshembed.errors import BackendUnavailableError, ConfigError
+from meshembed.sharding.placement import Placement
+from meshembed_array_api import ArrayAPIBackend, ArrayAPIStrictBackend
+
+pytest.importorskip("array_api_strict")
+NP = me.get_backend("numpy")
+
+
+@pytest.fixture(scope="module")
+def strict():
+    return me.get_backend("array_api_strict")
+
+
+def test_registered_and_listed(strict):
+    assert isinstance(strict, ArrayAPIStrictBackend) and strict.name == "array_api_strict"
+    assert "array_api_strict" in me.available_backends()
+    with pytest.raises(BackendUnavailableError, match="GPU"):
+        me.get_backend("cupy")  # written on the generic backend, registered only after a GPU run
+
+
+def test_arrays_live_off_the_host(strict):
+    """An implicit host conversion of a backend array must fail, as it does for GPU arrays."""
+    x = strict.asarray(np.arange(3.0), dtype="float32")
+    with pytest.raises(RuntimeError):
+        np.asarray(x)
+    np.testing.assert_array_equal(strict.to_numpy(x), np.arange(3.0, dtype=np.float32))
+
+
+def test_not_a_namespace_is_a_config_error():
+    with pytest.raises(ConfigError, match="Invalid `xp`"):
+        ArrayAPIBackend(object())
+
+
+@pytest.mark.parametrize("n,vocab,dim", [(0, 5, 3), (1, 5, 3), (40, 6, 3), (300, 50, 4), (64, 1, 2)])
+def test_segment_sums_equal_numpys_bit_for_bit(strict, n, vocab, dim):
+    rng = np.random.default_rng(n)
+    ids = (rng.zipf(1.3, n) % vocab).astype(np.int64)
+    vals = rng.standard_normal((n, dim)).astype(np.float32) * 10 ** rng.uniform(-3, 3, (n, 1)).astype(np.float32)
+    uids, sums = strict.segment_sum(strict.asarray(ids, "int64"), strict.asarray(vals))
+    ref_uids, ref_sums = NP.segment_sum(ids, vals)
+    np.testing.assert_array_equal(strict.to_numpy(uids), ref_uids)
+    np.testing.assert_array_equal(strict.to_numpy(sums), ref_sums)
+    dense = strict.segment_sum_to(strict.asarray(vals), strict.asarray(ids, "int64"), vocab + 2)
+    np.testing.assert_array_equal(strict.to_numpy(dense), NP.segment_sum_to(vals, ids, vocab + 2))
+
+
+@pytest.mark.parametrize("strategy", ["mod", "div"])
+@pytest.mark.parametrize("shards", [1, 3, 7])
+def test_gather_and_scatter_route_rows_to_their_shards(strict, strategy, shards):
+    placement = Placement(11, shards, strategy)
+    values = np.arange(11 * 2, dtype=np.float32).reshape(11, 2)  # row i holds 2i, 2i+1
+    table = strict.create_table(values, placement)
+    np.testing.assert_array_equal(strict.unshard(table), values)
+    ids = np.array([10, 0, 3, 3, 7, 10], np.int64)
+    np.testing.assert_array_equal(strict.to_numpy(strict.gather(table, strict.asarray(ids, "int64"))), values[ids])
+    written = strict.scatter(table, strict.asarray([9, 0, 5], "int64"), strict.asarray(-np.ones((3, 2), np.float32)))
+    expected = values.copy()
+    expected[[9, 0, 5]] = -1
+    np.testing.assert_array_equal(strict.unshard(written), expected)
+    np.testing.assert_array_equal(strict.unshard(table), values)  # a write makes a new table
+
+
+def test_generic_backend_over_numpy_equals_the_numpy_backend():
+    """The generic code over another namespace (array_api_compat.numpy): same bits as NumPy's."""
+    generic = ArrayAPIBackend(compat_numpy, name="generic-numpy")
+    for strategy in ("mod", "div"):
+        ref = me.TPUEmbedding(config(strategy=strategy), backend="numpy", num_shards=3, seed=5)
+        emb = me.TPUEmbedding(config(strategy=strategy), backend=generic, num_shards=3, seed=5)
+        run(ref)
+        run(emb)
+        assert_same_state(snapshot(ref), snapshot(emb))
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch", "jax"])
+def test_checkpoint_from_array_api_strict_continues_on(tmp_path, name):
+    if name not in me.available_backends():
+        pytest.skip(f"{name} backend not available")
+    opt = me.embedding.Adadelta(0.5, rho=0.9, epsilon=1e-6)
+    straight = me.TPUEmbedding(config(opt, strategy="mod"), backend="numpy", num_shards=1, seed=7)
+    run(straight, steps=4)
+    first = me.TPUEmbedding(config(opt, strategy="mod"), backend="array_api_strict", num_shards=2, seed=7)
+    run(first, steps=2)
+    first.save(tmp_path / "ckpt")
+    resumed = me.TPUEmbedding.restore(tmp_path / "ckpt", backend=name, num_shards=3)
+    assert resumed.backend.name == name and resumed.step == 2
+    run(resumed, steps=2, start=2)
+    assert_same_state(snapshot(straight), snapshot(resumed), exact=name == "numpy")
