@@ -296,15 +296,24 @@ def test_import_refuses_a_module_that_does_not_match_before_writing():
 
 
 # ------------------------------------------------------------------ differential report
+@pytest.mark.parametrize("bare_tbe", [False, True], ids=["collection", "bare-tbe"])
 @pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
 @pytest.mark.parametrize("opt,kw", [(torch.optim.SGD, {"lr": 0.1}), (torch.optim.Adagrad, {"lr": 0.1, "eps": 0.0})])
-def test_differential_exact_translations_differ_only_by_rounding(opt, kw, pooling):
-    report = compare_torchrec(tables(pooling), opt, kw, steps=3)
+def test_differential_exact_translations_differ_only_by_rounding(opt, kw, pooling, bare_tbe):
+    report = compare_torchrec(tables(pooling), opt, kw, steps=3, bare_tbe=bare_tbe)
     assert not report.findings, str(report)
     assert {r.status for r in report} <= {"exact", "rounding"}
+    # a few float32 ulps of each array's scale (a value near 0 can be hundreds of its own ulps off)
     assert max(r.normwise for r in report) <= ROUNDING
-    # the first step's activations come from identical rows: only the pooling order differs
-    assert max(r.max_ulp for r in report if r.slot == "activations") < 64, str(report)
+    assert len(report) == (6 if "eps" in kw else 4)
+
+
+def test_bare_tbe_and_collection_agree_bit_for_bit():
+    a = compare_torchrec(tables(PoolingType.MEAN), trec_optim.RowWiseAdagrad, {"lr": 0.1}, steps=2)
+    b = compare_torchrec(tables(PoolingType.MEAN), trec_optim.RowWiseAdagrad, {"lr": 0.1}, steps=2, bare_tbe=True)
+    assert [(r.slot, r.max_ulp) for r in a] == [(r.slot, r.max_ulp) for r in b]
+    with pytest.raises(me.ConfigError, match="same pooling"):
+        compare_torchrec([tables()[0], tables(PoolingType.MEAN)[1]], torch.optim.SGD, {"lr": 0.1}, bare_tbe=True)
 
 
 def test_differential_rowwise_and_eps_differences_are_explained():
@@ -320,6 +329,7 @@ def test_differential_rowwise_and_eps_differences_are_explained():
 def test_cli_conformance_against_torchrec(capsys):
     from meshembed.cli import main
 
-    assert main(["conformance", "--against", "torchrec", "--steps", "1"]) == 0
+    assert main(["conformance", "--against", "torchrec,fbgemm", "--steps", "1"]) == 0
     out = capsys.readouterr().out
-    assert "torchrec SGD/sum" in out and "RowWiseAdagrad" in out and "FINDING" not in out
+    assert "torchrec SGD/sum" in out and "fbgemm TBE SGD/sum" in out and "RowWiseAdagrad" in out
+    assert "FINDING" not in out

@@ -111,76 +111,149 @@ def _row(case: str, table: str, slot: str, diff: tuple[float, float, float],
 
 
 # --------------------------------------------------------------------- torchrec / fbgemm
+class _Collection:
+    """torchrec's ``FusedEmbeddingBagCollection`` (fbgemm's CPU TBE underneath)."""
+
+    def __init__(self, tables: list[Any], opt: str, kwargs: dict[str, Any]) -> None:
+        from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+
+        from meshembed.interop._torchrec import _torch_optimizer_class
+
+        self.module = FusedEmbeddingBagCollection(tables, _torch_optimizer_class(opt),
+                                                  {"lr" if k == "learning_rate" else k: v for k, v in kwargs.items()})
+
+    def weight(self, table: str) -> Any:
+        return self.module.embedding_bags[table].weight
+
+    def accumulator(self, table: str) -> Any:
+        state = self.module.fused_optimizer().state_dict()["state"].get(f"{table}.weight", {})  # none for SGD
+        return state.get(f"{table}.weight.momentum_1")
+
+    def step(self, keys: list[str], lengths: dict[str, np.ndarray], values: dict[str, np.ndarray],
+             grads: np.ndarray) -> list[np.ndarray]:
+        import torch
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=keys, values=torch.as_tensor(np.concatenate([values[k] for k in keys])),
+            lengths=torch.as_tensor(np.concatenate([lengths[k] for k in keys])))
+        out = self.module(kjt)
+        acts = out.to_dict()
+        acts = [acts[k].detach().numpy().copy() for k in keys]
+        out.values().backward(torch.as_tensor(grads))
+        return acts
+
+
+class _BareTbe:
+    """fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` on CPU, one feature_table_map entry per feature."""
+
+    def __init__(self, tables: list[Any], opt: str, kwargs: dict[str, Any]) -> None:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            EmbeddingLocation,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+        from torchrec.modules.embedding_configs import pooling_type_to_pooling_mode
+
+        poolings = {t.pooling for t in tables}
+        if len(poolings) != 1:
+            raise ConfigError(f"One TBE op pools one way. Expected the same pooling for every table. Received: "
+                              f"{sorted(p.value for p in poolings)}")
+        self.names = [t.name for t in tables]
+        self.module = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(t.num_embeddings, t.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
+                             for t in tables],
+            feature_table_map=[i for i, t in enumerate(tables) for _ in t.feature_names],
+            optimizer=EmbOptimType(opt), pooling_mode=pooling_type_to_pooling_mode(poolings.pop()), **kwargs)
+        self.dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+
+    def weight(self, table: str) -> Any:
+        return self.module.split_embedding_weights()[self.names.index(table)]
+
+    def accumulator(self, table: str) -> Any:
+        states = self.module.split_optimizer_states()  # [] for SGD
+        states = states[self.names.index(table)] if states else ()
+        return states[0] if states else None
+
+    def step(self, keys: list[str], lengths: dict[str, np.ndarray], values: dict[str, np.ndarray],
+             grads: np.ndarray) -> list[np.ndarray]:
+        import torch
+
+        flat = np.concatenate([lengths[k] for k in keys])
+        out = self.module(torch.as_tensor(np.concatenate([values[k] for k in keys]), dtype=torch.int64),
+                          torch.as_tensor(np.concatenate([[0], np.cumsum(flat)]), dtype=torch.int64))
+        cols = np.cumsum([0, *self.dims])
+        acts = [out[:, a:b].detach().numpy().copy() for a, b in zip(cols[:-1], cols[1:])]
+        out.backward(torch.as_tensor(grads))
+        return acts
+
+
 def compare_torchrec(tables: Any, optimizer: Any, optimizer_kwargs: dict[str, Any] | None = None, *,
                      steps: int = 3, batch_size: int = 4, max_bag_size: int = 3, seed: int = 0,
-                     backend: str = "numpy", case: str | None = None) -> ConformanceReport:
-    """Train torchrec's ``FusedEmbeddingBagCollection`` (fbgemm's CPU TBE) and a meshembed
-    engine built by ``from_torchrec`` from the same rows for ``steps`` steps of random bags
-    and output gradients; compare activations each step, then rows and accumulators."""
+                     backend: str = "numpy", case: str | None = None, bare_tbe: bool = False) -> ConformanceReport:
+    """Train torchrec's ``FusedEmbeddingBagCollection`` (or, ``bare_tbe=True``, fbgemm's
+    ``SplitTableBatchedEmbeddingBagsCodegen`` op itself) and a meshembed engine built by
+    ``from_torchrec`` from the same rows for ``steps`` steps of random bags and output
+    gradients; compare activations each step, then rows and accumulators."""
     import torch
-    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     import meshembed as me
-    from meshembed.interop._torchrec import _optimizer_from, _torch_optimizer_class, from_torchrec
+    from meshembed.interop._torchrec import _optimizer_from, from_torchrec
 
+    tables = list(tables)
     cfg, gaps = from_torchrec(tables, optimizer, optimizer_kwargs, batch_size=batch_size)
     opt, kw = _optimizer_from(optimizer, optimizer_kwargs)
     if opt not in ("exact_sgd", "exact_adagrad", "exact_row_wise_adagrad"):
         raise ConfigError(f"compare_torchrec runs fbgemm's exact CPU optimizers. Expected exact_sgd, exact_adagrad or "
                           f"exact_row_wise_adagrad. Received: {opt}")
-    kwargs = {k: v for k, v in kw.items() if k in (optimizer_kwargs or {}) or k == "learning_rate"}
-    kwargs = {"lr" if k == "learning_rate" else k: v for k, v in kwargs.items() if v is not None}
+    given = {"learning_rate" if k == "lr" else k for k in (optimizer_kwargs or {})}
+    kwargs = {k: v for k, v in kw.items() if (k in given or k == "learning_rate") and v is not None}
     rng = np.random.default_rng(seed)
-    ebc = FusedEmbeddingBagCollection(list(tables), _torch_optimizer_class(opt), kwargs)
-    with torch.no_grad():
-        for t in tables:
-            w = ebc.embedding_bags[t.name].weight
-            w.copy_(torch.as_tensor(rng.uniform(-0.5, 0.5, size=tuple(w.shape)).astype(np.float32)))
+    peer = (_BareTbe if bare_tbe else _Collection)(tables, opt, kwargs)
     engine = me.TPUEmbedding(cfg, backend=backend)
-    me.interop.import_torchrec_state(engine, ebc)
-    name = case or f"torchrec {opt}/{'+'.join(sorted({c.combiner for c in cfg.tables}))}"
+    with torch.no_grad():
+        for t in cfg.tables:
+            w = peer.weight(t.name)
+            w.copy_(torch.as_tensor(rng.uniform(-0.5, 0.5, size=tuple(w.shape)).astype(np.float32)))
+            arrays = {"parameters": w.detach().numpy()}
+            acc = peer.accumulator(t.name)
+            slots = engine.table_slot_names(t.name)
+            if slots and acc is not None:  # fbgemm starts at 0, the translated spec too
+                arrays[slots[0]] = np.broadcast_to(acc.detach().numpy().reshape(t.vocabulary_size, -1),
+                                                   (t.vocabulary_size, t.dimension))
+            engine.load_parameters(t.name, **arrays)
+    kind = "fbgemm TBE" if bare_tbe else "torchrec"
+    name = case or f"{kind} {opt}/{'+'.join(sorted({c.combiner for c in cfg.tables}))}"
     feature_table = {f.name: f.table_name for f in cfg.features}
-    dims = {t.name: t.dimension for t in cfg.tables}
-    act = {t: (0.0, 0.0, 0.0) for t in dims}
+    by_name = {t.name: t for t in cfg.tables}
+    act = {t: (0.0, 0.0, 0.0) for t in by_name}
+    keys = [f.name for f in cfg.features]
     for _ in range(steps):
-        keys = [f.name for f in cfg.features]
         lengths = {k: rng.integers(1, max_bag_size + 1, size=batch_size) for k in keys}
-        values = {k: rng.integers(0, cfg.tables[[t.name for t in cfg.tables].index(feature_table[k])].vocabulary_size,
-                                  size=int(lengths[k].sum())) for k in keys}
-        kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=keys, values=torch.as_tensor(np.concatenate([values[k] for k in keys])),
-            lengths=torch.as_tensor(np.concatenate([lengths[k] for k in keys])))
-        out = ebc(kjt)
-        grads = rng.standard_normal(size=tuple(out.values().shape)).astype(np.float32)
+        values = {k: rng.integers(0, by_name[feature_table[k]].vocabulary_size, size=int(lengths[k].sum()))
+                  for k in keys}
+        per_feature = [rng.standard_normal((batch_size, by_name[feature_table[k]].dimension)).astype(np.float32)
+                       for k in keys]
         engine.enqueue([me.RaggedIds(np.concatenate([[0], np.cumsum(lengths[k])]), values[k]) for k in keys])
         mine = engine.dequeue()
-        theirs = out.to_dict()
-        per_feature, col = [], 0
-        for k, a in zip(keys, mine):
-            t = feature_table[k]
-            d = _diff(np.asarray(engine.backend.to_numpy(a)), theirs[k].detach().numpy())
-            act[t] = tuple(max(x, y) for x, y in zip(act[t], d))
-            per_feature.append(grads[:, col:col + dims[t]])
-            col += dims[t]
-        out.values().backward(torch.as_tensor(grads))
+        theirs = peer.step(keys, lengths, values, np.concatenate(per_feature, axis=1))
+        for k, a, b in zip(keys, mine, theirs):
+            d = _diff(np.asarray(engine.backend.to_numpy(a)), b)
+            act[feature_table[k]] = tuple(max(x, y) for x, y in zip(act[feature_table[k]], d))
         engine.apply_gradients(per_feature)
-    state = ebc.fused_optimizer().state_dict()["state"]
     rows = []
     for t in cfg.tables:
-        explained = gaps.fields(t.name)
-        explained = tuple(f for f in explained if f.startswith("optimizer"))
+        explained = tuple(f for f in gaps.fields(t.name) if f.startswith("optimizer"))
         rows.append(_row(name, t.name, "activations", act[t.name], explained))
         mine = engine.retrieve_parameters(t.name)
-        rows.append(_row(name, t.name, "parameters",
-                         _diff(mine["parameters"], ebc.embedding_bags[t.name].weight.detach().numpy()), explained))
+        rows.append(_row(name, t.name, "parameters", _diff(mine["parameters"], peer.weight(t.name).detach().numpy()),
+                         explained))
         slots = engine.table_slot_names(t.name)
-        if slots:
-            theirs_acc = state[f"{t.name}.weight"][f"{t.name}.weight.momentum_1"].detach().numpy()
-            acc = mine[slots[0]]
-            if theirs_acc.ndim == 1:
-                theirs_acc = np.broadcast_to(theirs_acc[:, None], acc.shape)
-            rows.append(_row(name, t.name, slots[0], _diff(acc, theirs_acc), explained))
+        acc = peer.accumulator(t.name)
+        if slots and acc is not None:
+            theirs_acc = np.broadcast_to(acc.detach().numpy().reshape(t.vocabulary_size, -1), mine[slots[0]].shape)
+            rows.append(_row(name, t.name, slots[0], _diff(mine[slots[0]], theirs_acc), explained))
     return ConformanceReport(rows, {name: gaps})
 
 
@@ -322,7 +395,7 @@ def _keras_rs_cases(backend: str, steps: int) -> ConformanceReport:
     return ConformanceReport(rows, gaps)
 
 
-def _torchrec_cases(backend: str, steps: int) -> ConformanceReport:
+def _torchrec_cases(backend: str, steps: int, bare_tbe: bool = False) -> ConformanceReport:
     """SGD, Adagrad and row-wise Adagrad, each with SUM and MEAN pooling, two tables."""
     import torch
     import torchrec.optim as trec_optim
@@ -337,8 +410,8 @@ def _torchrec_cases(backend: str, steps: int) -> ConformanceReport:
                       EmbeddingBagConfig(num_embeddings=7, embedding_dim=4, name="t1", feature_names=["f2"],
                                          pooling=pooling)]
             eps = f" eps={kw['eps']:g}" if "eps" in kw else ""
-            case = f"torchrec {opt.__name__}{eps}/{pooling.value.lower()}"
-            report = compare_torchrec(tables, opt, kw, steps=steps, backend=backend, case=case)
+            case = f"{'fbgemm TBE' if bare_tbe else 'torchrec'} {opt.__name__}{eps}/{pooling.value.lower()}"
+            report = compare_torchrec(tables, opt, kw, steps=steps, backend=backend, case=case, bare_tbe=bare_tbe)
             rows += list(report)
             gaps.update(report.gaps)
     return ConformanceReport(rows, gaps)
@@ -346,13 +419,14 @@ def _torchrec_cases(backend: str, steps: int) -> ConformanceReport:
 
 def run_conformance(against: Sequence[str], *, backend: str = "numpy", steps: int = 3) -> ConformanceReport:
     """The CLI's ``meshembed conformance --against torchrec,keras_rs``: every built-in case."""
-    runners = {"torchrec": _torchrec_cases, "fbgemm": _torchrec_cases, "keras_rs": _keras_rs_cases}
+    runners = {"torchrec": _torchrec_cases, "fbgemm": lambda b, s: _torchrec_cases(b, s, bare_tbe=True),
+               "keras_rs": _keras_rs_cases}
     unknown = [a for a in against if a not in runners]
     if unknown or not against:
         raise ConfigError(f"Invalid `--against` {list(against)}. Expected a comma-separated subset of "
                           f"{sorted(runners)}.")
     rows, gaps = [], {}
-    for name in dict.fromkeys("torchrec" if a == "fbgemm" else a for a in against):
+    for name in dict.fromkeys(against):
         report = runners[name](backend, steps)
         rows += list(report)
         gaps.update(report.gaps)
