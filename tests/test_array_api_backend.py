@@ -12,7 +12,7 @@ import meshembed as me
 from conformance.test_engine import assert_same_state, config, run, snapshot
 from meshembed.errors import BackendUnavailableError, ConfigError
 from meshembed.sharding.placement import Placement
-from meshembed_array_api import ArrayAPIBackend, ArrayAPIStrictBackend
+from meshembed_array_api import ArrayAPIBackend, ArrayAPIStrictBackend, CupyBackend
 
 pytest.importorskip("array_api_strict")
 NP = me.get_backend("numpy")
@@ -41,6 +41,20 @@ def test_arrays_live_off_the_host(strict):
 def test_not_a_namespace_is_a_config_error():
     with pytest.raises(ConfigError, match="Invalid `xp`"):
         ArrayAPIBackend(object())
+
+
+def test_a_dtype_the_namespace_lacks_is_a_config_error(strict):
+    with pytest.raises(ConfigError, match="float16"):
+        strict.asarray([1.0], dtype="float16")  # array-api-strict has no float16
+
+
+def test_cupy_factory_says_why_it_cannot_start_without_cupy():
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        assert "cupy" in CupyBackend.unavailable_reason()
+    else:
+        pytest.skip("CuPy is installed: the GPU conformance run covers CupyBackend")
 
 
 @pytest.mark.parametrize("n,vocab,dim", [(0, 5, 3), (1, 5, 3), (40, 6, 3), (300, 50, 4), (64, 1, 2)])

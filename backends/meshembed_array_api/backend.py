@@ -48,7 +48,15 @@ class ArrayAPIBackend(Backend):
 
     # -- dense arrays ---------------------------------------------------------------------
     def _dtype(self, dtype: Any) -> Any:
-        return None if dtype is None else getattr(self._xp, np.dtype(dtype).name)
+        if dtype is None:
+            return None
+        found = getattr(self._xp, np.dtype(dtype).name, None)
+        if found is None:
+            raise ConfigError(
+                f"Invalid `dtype`: backend {self.name!r} (an Array API namespace) has no "
+                f"{np.dtype(dtype).name}. Received: dtype={dtype!r}. Fix: use float32, float64 or an integer dtype."
+            )
+        return found
 
     def is_native(self, x: Any) -> bool:
         return array_api_compat.is_array_api_obj(x) and array_api_compat.array_namespace(x) is self._xp

@@ -7,7 +7,9 @@ The standard has no scatter and no in-place indexed add, so:
   occur more than r times (a prefix once ids are ordered by count). Each id's sum is
   ``((0 + v_first) + v_second) + ...`` in input order — the order of NumPy's ``np.add.at``, so
   the sums are bit-identical to the NumPy backend's and deterministic on any library. Work is
-  O(len(ids) · D); there are as many rounds as the most frequent id has occurrences.
+  O(len(ids) · D). Once at most ``HOT_IDS`` ids (the most frequent, under Zipf) are left, each
+  finishes with one ``cumulative_sum`` of its running sum and its remaining rows — the same
+  order where the library's scan is sequential (NumPy's is); elsewhere a scan's own order.
 * **row writes** find, for every row of a shard, its position among the sorted written ids
   (``searchsorted``) and choose new or old with ``where``: a new array, O(rows · D) per write.
 
@@ -17,6 +19,10 @@ Correct first; a library with an indexed add or in-place writes overrides these.
 from __future__ import annotations
 
 from typing import Any
+
+
+#: Below this many ids still summing, each finishes with one ``cumulative_sum`` over its rows.
+HOT_IDS = 16
 
 
 def take_rows(xp: Any, x: Any, index: Any) -> Any:
@@ -53,12 +59,20 @@ def segment_sum(xp: Any, ids: Any, values: Any) -> tuple[Any, Any]:
     # how many ids occur more than r times, for every round r (counts are descending)
     more_than = xp.searchsorted(-counts, -xp.arange(int(counts[0]), dtype=counts.dtype, device=_device(ids)))
     acc = xp.zeros((int(uids.shape[0]),) + rest, dtype=values.dtype, device=_device(values))
-    done = []
-    for r in range(int(more_than.shape[0])):
+    done, rounds = [], int(more_than.shape[0])
+    for r in range(rounds):
         k = int(more_than[r])
         if k < int(acc.shape[0]):
             done.append(acc[k:, ...])
             acc = acc[:k, ...]
+        if k <= HOT_IDS:  # the few most frequent ids: each one's remaining rows in one scan
+            hot = []
+            for i in range(k):
+                start, count = int(starts[i]), int(counts[i])
+                run = xp.concat([acc[i : i + 1, ...], svals[start + r : start + count, ...]], axis=0)
+                hot.append(xp.cumulative_sum(run, axis=0)[-1:, ...])
+            acc = xp.concat(hot, axis=0) if hot else acc
+            break
         acc = acc + take_rows(xp, svals, starts[:k] + r)
     done.append(acc)
     sums = xp.concat(done[::-1], axis=0)  # in by_count order
