@@ -180,3 +180,28 @@ def test_duplicate_ids_are_the_only_adagrad_difference():
     acc = next(r for r in repeated if r.slot == "accumulators")
     assert acc.status == "explained" and acc.explained_by == ("optimizer.duplicates",) and not repeated.findings
     assert "optimizer.duplicates" in from_keras_rs(feats(3)).gaps.fields()
+
+
+def test_on_the_jax_keras_backend_adagrad_is_exact_and_reports_no_duplicates_gap():
+    """Keras on JAX gets the dense table gradient: Adagrad(epsilon=0) matches TPU Adagrad bit
+    for bit and the report has no gap (a child process: the Keras backend is per process)."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import keras, keras_rs, meshembed as me
+assert keras.backend.backend() == "jax"
+feats = []
+for c, d in (("sum", 8), ("mean", 4)):
+    t = keras_rs.layers.TableConfig(name=f"t_{c}", vocabulary_size=10, embedding_dim=d, combiner=c,
+        optimizer=keras.optimizers.Adagrad(0.1, epsilon=0.0), initializer=keras.initializers.TruncatedNormal(stddev=0.5))
+    feats.append(keras_rs.layers.FeatureConfig(name=f"f_{c}", table=t, input_shape=(4,), output_shape=(4, d)))
+r = me.interop.compare_keras_rs(feats, steps=3)
+assert not me.interop.from_keras_rs(feats, strict=True).gaps
+assert all(x.status in ("exact", "rounding") for x in r) and all(x.max_ulp == 0 for x in r if x.slot != "activations"), r
+print("ok")
+"""
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-2000:]
