@@ -390,7 +390,8 @@ def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learnin
     for dynamic tag k (traced scalars: changing them never recompiles). Returns the new state.
 
     Inside jit nothing can be checked against the values: NaN/Inf gradients are applied as on a
-    TPU (``TPUEmbedding`` refuses them)."""
+    TPU (``TPUEmbedding`` refuses them). Called outside jit, the kernels donate ``state``'s
+    buffers: use the returned state, as after a donating ``jax.jit``."""
     st = state._static
     layout, be = st.layout, st.backend
     _check_batch(layout, batch)
@@ -438,7 +439,7 @@ def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learnin
             core = be._kernel(key, lambda: kernels.make_update_combined(sl, dim, len(datas), cap, dedup, spec.call,
                                                                         weighted))
             code = _fused_code(be, sl, fn, len(datas), [d.dtype for d in datas])
-            run_core = lambda: tuple(core(datas, ids, source, segs, w, guard, dyn)[0])  # noqa: E731 - capacity nb
+            run_core = lambda: tuple(core(datas, ids, source, segs, w, guard, dyn)[0])  # noqa: E731 - a bound prepare checked
             if code is not None:  # the engine's registered fused kernel: on CPU only (chosen when lowering)
                 lr = dyn[spec.dyn.index(fn.update_spec.lr)] if fn.update_spec.lr in spec.dyn else fn.update_spec.lr
                 fused = be._kernel(("fused_update", sl, dim, len(datas), code, True, weighted),
