@@ -205,3 +205,32 @@ print("ok")
     env = {**os.environ, "KERAS_BACKEND": "jax"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-2000:]
+
+
+@pytest.mark.skipif(not TF, reason="drives keras-rs' layer with tf.GradientTape (TensorFlow Keras backend)")
+def test_trained_keras_rs_layer_state_to_engine_and_back():
+    import tensorflow as tf
+
+    t = keras_rs.layers.TableConfig(name="t", vocabulary_size=6, embedding_dim=4, combiner="sum",
+                                    optimizer=keras.optimizers.Adagrad(0.1, epsilon=0.0),
+                                    initializer=keras.initializers.TruncatedNormal(stddev=0.5))
+    f = {"f": keras_rs.layers.FeatureConfig(name="f", table=t, input_shape=(3,), output_shape=(3, 4))}
+    layer = keras_rs.layers.DistributedEmbedding(f)
+    ids = {"f": tf.RaggedTensor.from_row_splits(np.array([0, 1, 2, 5]), np.array([0, 2, 3, 4]))}
+    opt = keras.optimizers.Adagrad(0.1, epsilon=0.0)
+    with tf.GradientTape() as tape:
+        out = layer(ids)["f"]
+    opt.apply_gradients(zip(tape.gradient(out, layer.trainable_variables, output_gradients=tf.ones((3, 4))),
+                            layer.trainable_variables))
+    arrays = me.interop.keras_rs_arrays(layer, opt)
+    assert sorted(arrays["t"]) == ["accumulator", "parameters"] and arrays["t"]["accumulator"][5, 0] == pytest.approx(1.1)
+    cfg, gaps = from_keras_rs(f)
+    assert gaps.fields() == ("optimizer.duplicates",)
+    engine = me.TPUEmbedding(cfg, backend="numpy")
+    me.interop.import_table_arrays(engine, arrays, source="keras_rs")
+    np.testing.assert_array_equal(engine.retrieve_parameters("t")["accumulators"], arrays["t"]["accumulator"])
+    engine.load_parameters("t", parameters=np.zeros((6, 4), np.float32))
+    me.interop.load_keras_rs_arrays(layer, me.interop.export_table_arrays(engine, source="keras_rs"), opt)
+    assert not np.asarray(layer.trainable_variables[0]).any()
+    with pytest.raises(me.InputError, match="shape"):
+        me.interop.load_keras_rs_arrays(layer, {"t": {"parameters": np.zeros((2, 4))}}, opt)

@@ -15,7 +15,8 @@ from meshembed.interop._gaps import Gap, GapReport, Translation
 _LAZY = {
     "from_torchrec": "_torchrec", "to_torchrec": "_torchrec", "TorchrecConfig": "_torchrec",
     "Uniform": "_torchrec", "import_torchrec_state": "_torchrec", "export_torchrec_state": "_torchrec",
-    "from_keras_rs": "_keras_rs", "to_keras_rs": "_keras_rs",
+    "from_keras_rs": "_keras_rs", "to_keras_rs": "_keras_rs", "keras_rs_arrays": "_keras_rs",
+    "load_keras_rs_arrays": "_keras_rs",
     "from_jax_tpu_embedding": "_jte", "to_jax_tpu_embedding": "_jte", "import_table_arrays": "_jte",
     "export_table_arrays": "_jte",
     "compare_torchrec": "_conformance", "compare_keras_rs": "_conformance", "ulp_distance": "_conformance",

@@ -19,11 +19,11 @@ from meshembed.config import EmbeddingConfig, FeatureConfig, TableConfig
 from meshembed.config._common import parsing_proto
 from meshembed.config.optimizers import FTRL, SGD, Adagrad, Adam, DynamicLearningRate, Momentum
 from meshembed.embedding.initializers import Constant, TruncatedNormal
-from meshembed.errors import ConfigError
+from meshembed.errors import ConfigError, InputError
 from meshembed.interop._gaps import Translation, _Gaps
 from meshembed.interop._torchrec import Uniform
 
-__all__ = ["from_keras_rs", "to_keras_rs"]
+__all__ = ["from_keras_rs", "keras_rs_arrays", "load_keras_rs_arrays", "to_keras_rs"]
 
 _KERAS_RS_DEFAULTS = {"placement": "auto", "max_ids_per_partition": 256, "max_unique_ids_per_partition": 256}
 
@@ -274,3 +274,63 @@ def to_keras_rs(config: EmbeddingConfig, *, strict: bool = False) -> Translation
         features.append(keras_rs.layers.FeatureConfig(name=name, table=t, input_shape=f.input_shape,
                                                       output_shape=(*f.input_shape, t.embedding_dim)))
     return gaps.finish(features)
+
+
+# --------------------------------------------------------------------- trained state
+#: Keras optimizer attribute holding each slot list, by Keras slot name.
+KERAS_SLOT_LISTS = {"accumulator": "_accumulators", "momentum": "_momentums", "velocity": "_velocities",
+                    "linear": "_linears"}
+
+
+def _layer_tables(layer: Any) -> dict[str, Any]:
+    """``{table name: variable}`` of a built keras-rs DistributedEmbedding off SparseCore."""
+    found: dict[str, list[Any]] = {}
+    for v in layer.trainable_variables:
+        parts = v.path.split("/")
+        if len(parts) >= 2:
+            found.setdefault(parts[-2], []).append(v)
+    if not found or any(len(v) != 1 for v in found.values()):
+        raise ConfigError(f"Cannot map keras-rs' layer variables {[v.path for v in layer.trainable_variables]} to "
+                          "tables. Expected a built DistributedEmbedding off SparseCore (one '<table>/embeddings' each).")
+    return {k: v[0] for k, v in found.items()}
+
+
+def _slots_of(optimizer: Any, variable: Any) -> dict[str, Any]:
+    if optimizer is None:
+        return {}
+    index = optimizer._get_variable_index(variable)
+    return {name: getattr(optimizer, attr)[index] for name, attr in KERAS_SLOT_LISTS.items()
+            if getattr(optimizer, attr, None)}
+
+
+def keras_rs_arrays(layer: Any, optimizer: Any = None) -> dict[str, dict[str, np.ndarray]]:
+    """A keras-rs layer's tables and (built) Keras optimizer slots as
+    ``{table: {"parameters": ..., "accumulator" | "momentum" | ...: ...}}``, the form
+    ``import_table_arrays(engine, arrays, source="keras_rs")`` takes. ``optimizer`` is one
+    Keras optimizer (the model's, as keras-rs trains tables off SparseCore) or a
+    ``{table: optimizer}`` mapping."""
+    out = {}
+    for table, var in _layer_tables(layer).items():
+        opt = optimizer.get(table) if isinstance(optimizer, Mapping) else optimizer
+        out[table] = {"parameters": np.asarray(var), **{k: np.asarray(v) for k, v in _slots_of(opt, var).items()}}
+    return out
+
+
+def load_keras_rs_arrays(layer: Any, arrays: Mapping[str, Mapping[str, Any]], optimizer: Any = None) -> None:
+    """The inverse of ``keras_rs_arrays``: assign tables and slots (every shape checked first)."""
+    tables = _layer_tables(layer)
+    plan = []
+    for table, slots in arrays.items():
+        if table not in tables:
+            raise InputError(f"Unknown table {table!r}. Expected one of {sorted(tables)}.")
+        opt = optimizer.get(table) if isinstance(optimizer, Mapping) else optimizer
+        targets = {"parameters": tables[table], **_slots_of(opt, tables[table])}
+        for key, value in slots.items():
+            if key not in targets:
+                raise InputError(f"Table {table!r}: no Keras variable for {key!r}. Expected one of {sorted(targets)}.")
+            value = np.asarray(value, np.float32)
+            if value.shape != tuple(targets[key].shape):
+                raise InputError(f"Table {table!r}: {key} has shape {value.shape}, Keras' {tuple(targets[key].shape)}.")
+            plan.append((targets[key], value))
+    for var, value in plan:
+        var.assign(value)
