@@ -14,11 +14,10 @@ without torch and :meth:`TorchBackend.unavailable_reason` says what is missing.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import itertools
 import os
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -260,28 +259,28 @@ class TorchBackend(TorchDenseMixin, Backend):
         owner = table.rowmap.owner(ids)
         return owner if table.placement.num_shards == table.group.world else owner % table.group.world
 
-    @contextlib.contextmanager
-    def _agreed(self, table: TorchShardedTable, what: str) -> Iterator[None]:
-        """Distributed: an error in the block (this rank's input is invalid) still takes part
-        in the call's first exchange, with a failure status, so every rank raises at once
-        instead of waiting for this one (:class:`meshembed_torch.distributed.Route`)."""
-        try:
-            yield
-        except Exception as exc:
-            if table.group is not None:
-                from meshembed.embedding.agreement import status_of
-                from meshembed.errors import MeshembedError
+    def _refuse(self, table: TorchShardedTable, what: str, exc: BaseException) -> None:
+        """This rank's input to ``what`` was invalid (``exc``; the caller re-raises it).
+        Distributed, the rank still takes part in the call's first exchange, with a failure
+        status, so every rank raises at once instead of waiting for this one
+        (:class:`meshembed_torch.distributed.Route`). A plain ``try`` costs nothing when
+        nothing fails, so single-process calls pay nothing."""
+        if table.group is None:
+            return
+        from meshembed.embedding.agreement import status_of
+        from meshembed.errors import MeshembedError
 
-                try:
-                    self._dist.Route(table.group, table.data.new_zeros(0, dtype=self._torch.int64), what,
-                                     status_of(exc))
-                except MeshembedError:  # the peers' view of this failure; ours is exc
-                    pass
-            raise
+        try:
+            self._dist.Route(table.group, table.data.new_zeros(0, dtype=self._torch.int64), what, status_of(exc))
+        except MeshembedError:  # the peers' view of this failure; ours is exc
+            pass
 
     def gather(self, table: TorchShardedTable, ids: Any) -> Any:
-        with self._agreed(table, "gather"):
+        try:
             ids = self._ids(ids, table)
+        except Exception as exc:
+            self._refuse(table, "gather", exc)
+            raise
         if table.group is None:
             return table.data.index_select(0, table.rowmap.local_index(ids))
         seg = self._k.segments(ids)  # send each distinct id once
@@ -291,10 +290,13 @@ class TorchBackend(TorchDenseMixin, Backend):
         return rows.index_select(0, self._k.inverse(seg))
 
     def scatter(self, table: TorchShardedTable, ids: Any, rows: Any) -> TorchShardedTable:
-        with self._agreed(table, "scatter"):
+        try:
             ids = self._ids(ids, table)
             rows = self.asarray(rows).to(device=table.data.device, dtype=table.data.dtype)
             rows = rows.reshape(ids.shape[0], table.data.shape[1])
+        except Exception as exc:
+            self._refuse(table, "scatter", exc)
+            raise
         if table.group is not None:
             route = self._dist.Route(table.group, self._owner_rank(table, ids), "scatter")
             rows = route.send("rows", rows)
@@ -317,10 +319,13 @@ class TorchBackend(TorchDenseMixin, Backend):
 
         An optional fast path for the engine's forward combiner (not in the protocol)."""
         torch = self._torch
-        with self._agreed(table, "gather_combine"):
+        try:
             ids = self._ids(ids, table)
             seg_ids = self.asarray(segment_ids).to(torch.int64).reshape(-1)
             w = None if weights is None else self.asarray(weights).reshape(-1).to(table.data.dtype)
+        except Exception as exc:
+            self._refuse(table, "gather_combine", exc)
+            raise
         if w is not None and self._k.all_ones(w):
             w = None
         if table.group is None:
@@ -376,7 +381,7 @@ class TorchBackend(TorchDenseMixin, Backend):
         if not tables:
             return []
         first = tables[0]
-        with self._agreed(first, "update_rows"):
+        try:
             ids, id_range = self._ids_in_range(ids, first)
             g_src = self.asarray(grads).to(first.data.device)
             rows_of = None if grad_index is None else self.asarray(grad_index).to(torch.int64).reshape(-1)
@@ -385,6 +390,9 @@ class TorchBackend(TorchDenseMixin, Backend):
                 raise InputError(
                     f"Invalid `grads`: expected one row per id ({ids.shape[0]}). Received: shape={tuple(g_src.shape)}"
                 )
+        except Exception as exc:
+            self._refuse(first, "update_rows", exc)
+            raise
         if first.group is None and ids.numel() and ids.numel() < 2**31:
             datas = [t.data for t in tables]
             kernel = fused_cpu.kernel_for(fn, datas, g_src, ids.numel(), rows_of, w)
@@ -433,7 +441,7 @@ class TorchBackend(TorchDenseMixin, Backend):
             return super().update_rows_in_order(tables, ids, grads, fn, groups=groups, guard=guard)
         torch = self._torch
         first = tables[0]
-        with self._agreed(first, "update_rows_in_order"):
+        try:
             ids = self._ids(ids, first)
             g = self.asarray(grads).to(first.data.device)
             keys = torch.zeros_like(ids) if groups is None else self.asarray(groups).to(ids).reshape(-1)
@@ -442,6 +450,9 @@ class TorchBackend(TorchDenseMixin, Backend):
                     f"Invalid `grads`/`groups`: expected one row and one group per id ({ids.shape[0]}). "
                     f"Received: shapes {tuple(g.shape)}, {tuple(keys.shape)}"
                 )
+        except Exception as exc:
+            self._refuse(first, "update_rows_in_order", exc)
+            raise
         route = self._dist.Route(first.group, self._owner_rank(first, ids), "update_rows_in_order")
         g = route.send("gradients", g.reshape(ids.shape[0], first.data.shape[1]))
         ids, keys = route.send("ids", ids), route.send("groups", keys)
