@@ -165,4 +165,7 @@ def test_asarray_round_trip(backend):
     y = backend.asarray(x)
     assert backend.is_native(y)
     np.testing.assert_array_equal(backend.to_numpy(y), x)
-    assert backend.to_numpy(backend.asarray([1, 2], dtype="int64")).dtype == np.int64
+    wide = backend.to_numpy(backend.asarray([1, 2], dtype="int64"))
+    # JAX without the user's jax_enable_x64 holds no int64: ids are narrowed to int32 (range-checked)
+    assert wide.dtype == np.int64 or (wide.dtype == np.int32 and not backend.capabilities.float64)
+    np.testing.assert_array_equal(wide, [1, 2])
