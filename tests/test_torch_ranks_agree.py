@@ -451,3 +451,34 @@ def test_a_backend_call_refused_on_one_rank_fails_on_every_rank_at_once(ranks):
     want = (np.arange(VOCAB)[:, None] * np.ones(DIM)).astype(np.float32)
     for r in range(world):
         np.testing.assert_array_equal(results[r]["backend/table"], want)
+
+
+def test_raw_op_enqueue_and_send_agree_too(monkeypatch):
+    """The me.ops enqueue/send ops validate before reaching the engine: their errors are
+    agreed as well, so one process's wrong count never leaves its peers waiting."""
+    import meshembed as me
+    from meshembed.embedding.agreement import status_of
+    from meshembed.errors import InputError
+
+    emb = me.ops.configure_tpu_embedding(_config(SAMPLES, _optimizers()["sgd"]), backend="numpy")
+    try:
+        peers = _Peers()
+        monkeypatch.setattr(emb.backend, "agree", peers)
+        ids = [np.arange(SAMPLES) % 11] * 3
+        with pytest.raises(InputError, match="embedding_indices"):
+            me.ops.enqueue_tpu_embedding_arbitrary_tensor_batch([[]] * 3, ids[:2], [])
+        assert peers.calls == [status_of(InputError())] and emb._pending is None
+        monkeypatch.setattr(emb.backend, "agree", _Peers(statuses=(0, status_of(InputError()))))
+        with pytest.raises(InputError, match=r"`enqueue` failed on rank 1 of 2"):
+            me.ops.enqueue_tpu_embedding_arbitrary_tensor_batch([[]] * 3, ids, [])
+        assert emb._pending is None
+        monkeypatch.setattr(emb.backend, "agree", peers)
+        me.ops.enqueue_tpu_embedding_arbitrary_tensor_batch([[]] * 3, ids, [])
+        acts = me.ops.recv_tpu_embedding_activations(3)
+        before = _tables(emb)
+        with pytest.raises(InputError, match="inputs"):
+            me.ops.send_tpu_embedding_gradients(acts[:2])
+        assert peers.calls[-1] == status_of(InputError())
+        assert all(np.array_equal(v, _tables(emb)[k]) for k, v in before.items())
+    finally:
+        me.ops.shutdown_tpu_embedding()

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from meshembed.embedding import inputs
+from meshembed.embedding.agreement import agreed
 from meshembed.embedding.engine import TPUEmbedding
 from meshembed.errors import InputError, StateError
 
@@ -156,6 +157,7 @@ def _feature_batch(engine: TPUEmbedding, k: int, index: Any, ids: Any, w: Any, r
     return inputs.from_coo(index, ids, _check_weights(wts, ids, info), info)
 
 
+@agreed("enqueue")  # one process's bad input fails the op on every process, none waits
 def _enqueue_per_feature(engine, indices, ids, weights, combiners, mode_override, ragged) -> None:
     n = len(engine.layout.features)
     indices = _count(indices, n, "sample_indices", "feature")
@@ -256,7 +258,13 @@ def enqueue_tpu_embedding_sparse_batch(
 ) -> None:
     """EnqueueTPUEmbeddingSparseBatch (legacy, per table): ``sample_indices[i] = b·nf + f``
     is the output row of each id; empty means one id per output row."""
-    engine = current_embedding()
+    _enqueue_sparse_batch(current_embedding(), sample_indices, embedding_indices, aggregation_weights,
+                          combiners, mode_override)
+
+
+@agreed("enqueue")
+def _enqueue_sparse_batch(engine, sample_indices, embedding_indices, aggregation_weights, combiners,
+                          mode_override) -> None:
     _per_table_features(engine, "enqueue_tpu_embedding_sparse_batch")
     n = len(engine.layout.tables)
     sample_indices = _count(sample_indices, n, "sample_indices", "table")
@@ -288,7 +296,11 @@ def enqueue_tpu_embedding_integer_batch(
     batch: Sequence[Any], mode_override: str = "unspecified", device_ordinal: int = -1
 ) -> None:
     """EnqueueTPUEmbeddingIntegerBatch: one 1-D id tensor per table, one id per sample."""
-    engine = current_embedding()
+    _enqueue_integer_batch(current_embedding(), batch, mode_override)
+
+
+@agreed("enqueue")
+def _enqueue_integer_batch(engine, batch, mode_override) -> None:
     _per_table_features(engine, "enqueue_tpu_embedding_integer_batch")
     batch = _count(batch, len(engine.layout.tables), "batch", "table")
     mode = _mode(engine, mode_override)
@@ -318,7 +330,11 @@ def recv_tpu_embedding_activations(num_outputs: int, config: Any = b"") -> list[
 def send_tpu_embedding_gradients(inputs: Sequence[Any], learning_rates: Sequence[Any] = (), config: Any = b"") -> None:
     """SendTPUEmbeddingGradients: ``∂loss/∂activation`` in Recv's layout; learning_rates[k]
     is the value of dynamic tag k."""
-    engine = current_embedding(config)
+    _send(current_embedding(config), inputs, learning_rates)
+
+
+@agreed("apply_gradients")  # a wrong count on one process fails the op on every process
+def _send(engine: TPUEmbedding, inputs: Sequence[Any], learning_rates: Sequence[Any]) -> None:
     per = "table" if engine.layout.per_table_layout else "feature"
     grads = _count(inputs, len(engine.layout.features), "inputs", per)
     engine.apply_gradients(engine._structured(grads), learning_rates)
