@@ -105,3 +105,12 @@ def test_docs_tell_the_truth():
     text = (ROOT / "docs" / "tpu.md").read_text()
     assert "turns on `jax_enable_x64`" not in text
     assert "never changes `jax_enable_x64`" in text
+
+
+def test_float64_conformance_with_the_users_x64():
+    """The conformance suite's float64 cases on JAX, x64 turned on by the user (env)."""
+    env = dict(os.environ, JAX_ENABLE_X64="1", MESHEMBED_TEST_BACKENDS="jax")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "conformance",
+                          "-k", "float64"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "skipped" not in out.stdout.splitlines()[-1]
