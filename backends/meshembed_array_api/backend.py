@@ -40,7 +40,13 @@ class ArrayAPIBackend(Backend):
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(devices=1, float64=True, in_place=False, deterministic_scatter=True)
+        return Capabilities(devices=1, float64=self._has_float64(), in_place=False, deterministic_scatter=True,
+                            update_rules=True)
+
+    def _has_float64(self) -> bool:
+        """From the standard's inspection API (JAX without x64 has no float64)."""
+        info = getattr(self._xp, "__array_namespace_info__", None)
+        return info is None or "float64" in info().dtypes(device=self.device, kind="real floating")
 
     @property
     def xp(self) -> Any:
@@ -149,10 +155,6 @@ class CupyBackend(ArrayAPIBackend):
             device = cupy.cuda.Device(device)
         super().__init__(importlib.import_module("array_api_compat.cupy"), name="cupy", device=device)
         self._cupy = cupy
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return Capabilities(devices=1, float64=True, in_place=False, deterministic_scatter=True)
 
     def to_numpy(self, x: Any) -> np.ndarray:
         return self._cupy.asnumpy(x) if self.is_native(x) else np.asarray(x)
