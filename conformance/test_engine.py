@@ -8,7 +8,7 @@ import pytest
 
 import meshembed as me
 from conformance.tolerances import assert_close
-from meshembed.embedding import reference
+from conformance import reference
 
 B = 4
 

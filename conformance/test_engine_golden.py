@@ -10,7 +10,7 @@ repeated ids and a truncated sequence feature; loss ``Σ 0.5·(act − target)²
 * TF's empty-sample artifact (row 0 "touched" with a zero gradient) is masked for the
   optimizers whose state moves on a zero gradient, as the golden README prescribes.
 * Adagrad with a large ε and Adam are compared with the TPU formula (no ε for Adagrad; lazy,
-  no bias correction for Adam) from ``meshembed.embedding.reference``; the reference itself is
+  no bias correction for Adam) from ``conformance.reference``; the reference itself is
   first checked against TF where the two agree (step-0 activations and gradients).
 """
 
@@ -21,7 +21,7 @@ import pytest
 
 import meshembed as me
 from conformance.tolerances import assert_close
-from meshembed.embedding import reference
+from conformance import reference
 
 CASE = "emb_cfg_a"
 B = 8

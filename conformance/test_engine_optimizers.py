@@ -16,7 +16,7 @@ import pytest
 
 import meshembed as me
 from conformance.tolerances import assert_close
-from meshembed.embedding import reference
+from conformance import reference
 
 E = me.embedding
 V, D, B, STEPS = 11, 3, 4, 3

@@ -14,7 +14,7 @@ import pytest
 
 import meshembed as me
 from conformance.tolerances import assert_close
-from meshembed.embedding import reference
+from conformance import reference
 
 E = me.embedding
 LO, HI, BUCKETS = -0.5, 0.75, 6  # q = 0.25
