@@ -28,8 +28,9 @@ _BUILTIN = {
 }
 # Backends designed but not shipped yet, with the reason (shown instead of "unknown").
 _NOT_SHIPPED = {
-    "cupy": "the CuPy backend is not shipped yet: it can only be verified on an NVIDIA GPU, "
-    "and none was available to test it",
+    "cupy": "the CuPy backend (meshembed_array_api.CupyBackend: the generic Array API backend over "
+    "array_api_compat.cupy) is not registered yet: it can only be verified on an NVIDIA GPU (it is "
+    "advertised once it has passed the conformance suite there), and none was available to run it",
 }
 _INSTALL_HINT = {
     "torch": "pip install 'meshembed[torch]'  (torch==2.13.0)",
