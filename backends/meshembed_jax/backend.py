@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from meshembed.backend.env import env_int
 from meshembed.backend.protocol import Backend, Capabilities, walk_blocks
 from meshembed.errors import CapacityError, ConfigError, InputError
 from meshembed.sharding.placement import Placement
@@ -60,11 +61,6 @@ def bucket(n: int) -> int:
     return -(-n // step) * step
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name, "").strip()
-    return int(value) if value else None
-
-
 class JaxBackend(JaxDenseMixin, Backend):
     """Tables on a ``jax.sharding.Mesh``; compiled, donated, shard_map-routed row kernels.
 
@@ -97,7 +93,7 @@ class JaxBackend(JaxDenseMixin, Backend):
         self._jax = jax
         # the devices tables are placed on (me.jax: those of the user's Mesh, in its order)
         self._devices = None if devices is None else list(devices)
-        self.capacity = capacity if capacity is not None else _env_int("MESHEMBED_JAX_CAPACITY")
+        self.capacity = capacity if capacity is not None else env_int("MESHEMBED_JAX_CAPACITY")
         self.dedup = dedup or os.environ.get("MESHEMBED_JAX_DEDUP") or None
         if self.dedup is not None and self.dedup not in ("dense", "sort"):
             raise ValueError(f"Invalid `dedup`. Expected one of ('dense', 'sort'). Received: dedup={self.dedup!r}")

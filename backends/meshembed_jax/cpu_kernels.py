@@ -14,13 +14,13 @@ platform the backend uses its pure-XLA kernels, which compute the same numbers;
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 from meshembed import native
+from meshembed.backend.env import env_flag
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 _TARGETS = {
@@ -37,12 +37,12 @@ _state: dict[str, Any] = {}
 
 def enabled() -> bool:
     """Whether the FFI kernels are wanted (``MESHEMBED_JAX_CPU_KERNELS``, default on)."""
-    return os.environ.get("MESHEMBED_JAX_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_flag("MESHEMBED_JAX_CPU_KERNELS", True)
 
 
 def fused_enabled() -> bool:
     """Whether the registered fused updates are wanted (``MESHEMBED_JAX_FUSED``, default on)."""
-    return os.environ.get("MESHEMBED_JAX_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_flag("MESHEMBED_JAX_FUSED", True)
 
 
 def _key() -> str:

@@ -15,12 +15,12 @@ be built the core function runs (one RuntimeWarning).
 from __future__ import annotations
 
 import ctypes
-import os
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 from meshembed import native
+from meshembed.backend.env import env_flag
 from meshembed.embedding.updates import REGISTERED_FUSED, fused_kernel
 from meshembed.errors import InputError
 
@@ -32,7 +32,7 @@ calls = [0]  # fused updates run in this process (tests check the path was taken
 
 
 def enabled() -> bool:
-    return os.environ.get("MESHEMBED_TORCH_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_flag("MESHEMBED_TORCH_FUSED", True)
 
 
 def _library() -> Any:

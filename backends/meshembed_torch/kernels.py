@@ -24,13 +24,14 @@ segment's rows in input order, so the sums are added in the same order as NumPy'
 
 from __future__ import annotations
 
-import os
 import platform
 import sys
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from meshembed.backend.env import env_flag
 
 _BAG_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -285,7 +286,7 @@ def tune_malloc() -> bool:
     if _malloc_state:
         return _malloc_state[0]
     applied = False
-    if os.environ.get(MALLOC_ENV, "0").strip().lower() in ("1", "true", "on", "yes") \
+    if env_flag(MALLOC_ENV, False) \
             and sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
         try:
             import ctypes

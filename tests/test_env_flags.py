@@ -1,0 +1,83 @@
+"""meshembed.backend.env: one spelling of every MESHEMBED_* switch, the same for each reader."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshembed.backend.env import env_flag, env_int
+from meshembed.errors import ConfigError
+
+NAME = "MESHEMBED_TEST_FLAG"
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "Yes", "on", " ON "])
+def test_on_spellings(monkeypatch, value):
+    monkeypatch.setenv(NAME, value)
+    assert env_flag(NAME, False) is True
+
+
+@pytest.mark.parametrize("value", ["0", "false", "False", "NO", "off", "Off "])
+def test_off_spellings(monkeypatch, value):
+    monkeypatch.setenv(NAME, value)
+    assert env_flag(NAME, True) is False
+
+
+@pytest.mark.parametrize("value", [None, "", "  "])
+@pytest.mark.parametrize("default", [True, False])
+def test_unset_or_empty_is_the_default(monkeypatch, value, default):
+    if value is None:
+        monkeypatch.delenv(NAME, raising=False)
+    else:
+        monkeypatch.setenv(NAME, value)
+    assert env_flag(NAME, default) is default
+
+
+@pytest.mark.parametrize("value", ["2", "enable", "y", "offf", "-1"])
+def test_other_values_raise_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv(NAME, value)
+    with pytest.raises(ConfigError, match=rf"{NAME}={value!r}.*Fix: set {NAME}=1 or {NAME}=0"):
+        env_flag(NAME, True)
+
+
+def test_env_int(monkeypatch):
+    monkeypatch.delenv(NAME, raising=False)
+    assert env_int(NAME) is None and env_int(NAME, 7) == 7
+    monkeypatch.setenv(NAME, " 42 ")
+    assert env_int(NAME) == 42
+    monkeypatch.setenv(NAME, "4k")
+    with pytest.raises(ConfigError, match=rf"{NAME}='4k'.*integer"):
+        env_int(NAME)
+
+
+def test_the_backends_switches_read_off_as_off(monkeypatch):
+    """Every boolean switch of the torch and JAX backends goes through env_flag: "off" is off
+    (it was on for some readers) and a typo is an error, not a silent default."""
+    import importlib
+
+    readers = {"MESHEMBED_TORCH_FUSED": ("meshembed_torch.fused_cpu", "enabled"),
+               "MESHEMBED_JAX_FUSED": ("meshembed_jax.cpu_kernels", "fused_enabled"),
+               "MESHEMBED_JAX_CPU_KERNELS": ("meshembed_jax.cpu_kernels", "enabled")}
+    for name, (module, fn) in readers.items():
+        if module.startswith("meshembed_torch"):
+            pytest.importorskip("torch")
+        read = getattr(importlib.import_module(module), fn)
+        monkeypatch.setenv(name, "Off")
+        assert read() is False, name
+        monkeypatch.setenv(name, "on")
+        assert read() is True, name
+        monkeypatch.setenv(name, "maybe")
+        with pytest.raises(ConfigError, match=name):
+            read()
+        monkeypatch.delenv(name)
+        assert read() is True, name
+
+
+def test_jax_capacity_typo_is_a_config_error(monkeypatch):
+    pytest.importorskip("jax")
+    from meshembed_jax import JaxBackend
+
+    monkeypatch.setenv("MESHEMBED_JAX_CAPACITY", "lots")
+    with pytest.raises(ConfigError, match="MESHEMBED_JAX_CAPACITY='lots'"):
+        JaxBackend()
+    monkeypatch.setenv("MESHEMBED_JAX_CAPACITY", "128")
+    assert JaxBackend().capacity == 128
