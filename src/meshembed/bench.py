@@ -1,164 +1,53 @@
-"""``meshembed bench``: the benchmarks of ``benchmarks/`` in one runner.
+"""``meshembed bench``: find meshembed's source checkout and run its benchmark runner there.
 
-Each job runs in a fresh subprocess so its peak memory (growth of peak RSS over the
-baseline taken once the framework has started and the job has made its inputs) is its own.
-Prints one table with medians, min–max, the memory-traffic lower bound from the measured
-bandwidth, and peak memory; writes JSON and a PNG bar chart when asked. Needs a source
-checkout (``benchmarks/``).
+The side-by-side benchmarks (``benchmarks/``: meshembed against fbgemm, TensorFlow, Optax, ...)
+are part of the repository, not of the installed package, so an installed wheel has nothing
+to run: the command then says how to get a checkout instead of failing on an import. This
+module imports nothing outside meshembed; ``benchmarks/runner.py`` (run in the checkout, in
+its own process) does the work.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from typing import Any
 
+#: Where a source checkout's root is when meshembed is imported from its ``src/`` (editable install).
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-_CHILD = r"""
-import importlib, json, sys
-spec = json.loads(sys.argv[1])
-from benchmarks import common
-common.start_frameworks(spec["preload"])
-common.inputs_ready()  # jobs call it again once they have made their inputs
-mod = importlib.import_module("benchmarks." + spec["module"])
-rows = getattr(mod, spec["function"])(**spec["kwargs"])
-peak = common.job_peak_mb()
-out = []
-for r in rows:
-    r.peak_mb = peak
-    out.append(r.as_dict())
-print("ROWS" + json.dumps(out))
-"""
+#: The options of ``meshembed bench`` handed on to the runner.
+OPTIONS = ("backends", "workload", "peers", "repeats", "json", "png")
 
 
-@dataclass
-class Job:
-    label: str
-    module: str
-    function: str
-    kwargs: dict
-    preload: list[str] = field(default_factory=list)
-
-
-def _benchmarks_importable() -> None:
-    if str(_ROOT) not in sys.path and (_ROOT / "benchmarks").is_dir():
-        sys.path.insert(0, str(_ROOT))
+def _is_checkout(root: pathlib.Path) -> bool:
+    """A meshembed source checkout (not just any folder with a ``benchmarks`` package)."""
     try:
-        import benchmarks.common  # noqa: F401
-    except ImportError as exc:
-        raise SystemExit("`meshembed bench` needs a source checkout with benchmarks/ (git clone; pip install -e .)") from exc
+        project = (root / "pyproject.toml").read_text()
+    except OSError:
+        return False
+    return (root / "benchmarks" / "runner.py").is_file() and 'name = "meshembed"' in project
 
 
-_FRAMEWORK = {"torch": ["torch"], "jax": ["jax"], "numpy": []}
+def find_checkout() -> pathlib.Path:
+    """The checkout this meshembed comes from, else the working directory if it is one."""
+    for root in (_ROOT, pathlib.Path.cwd()):
+        if _is_checkout(root):
+            return root
+    raise SystemExit(
+        "`meshembed bench` runs the benchmarks of meshembed's source checkout (benchmarks/, which "
+        f"the installed package does not contain), and none was found at {_ROOT} or in the working "
+        f"directory {pathlib.Path.cwd()}. Fix: clone the meshembed repository, `pip install -e .` in "
+        "it, and run `meshembed bench` there (or run it from the checkout's root directory)."
+    )
 
 
-def jobs(backends: list[str], workload: str, peers: bool, repeats: int) -> list[Job]:
-    from benchmarks import common
-
-    tiny = workload == "tiny"
-    w1, w2 = (common.TINY_W1, common.TINY_W2) if tiny else (common.W1, common.W2)
-    out: list[Job] = []
-    if workload in ("W1", "all", "tiny"):
-        for b in backends:
-            for case in ("sgd", "adagrad", "adadelta"):
-                out.append(Job(f"W1 meshembed[{b}] {case}", "meshembed_rows", "w1",
-                               dict(sizes=w1, repeats=repeats, backend=b, case=case), _FRAMEWORK.get(b, [b])))
-        if peers:
-            out.append(Job("W1 TensorFlow", "tf_peers", "w1", dict(sizes=w1, repeats=repeats), ["tensorflow"]))
-            out += _peer_jobs("w1", w1, repeats)
-    if workload in ("W2", "all", "tiny"):
-        for b in backends:
-            for tensors in (1, 64):
-                out.append(Job(f"W2 meshembed[{b}] {tensors}", "meshembed_rows", "w2",
-                               dict(sizes=w2, repeats=repeats, backend=b, tensors=tensors), _FRAMEWORK.get(b, [b])))
-        if peers:
-            out.append(Job("W2 TensorFlow/Keras", "tf_peers", "w2", dict(sizes=w2, repeats=repeats), ["tensorflow"]))
-            out += _peer_jobs("w2", w2, repeats)
-    return out
-
-
-# Peers kept by the backends' benchmark modules: (module, function, impls, frameworks).
-_PEERS = {
-    "w1": [("torch_w1", "w1", ("embeddingbag",), ["torch"]),
-           ("torch_w1", "w1", ("fbgemm",), ["torch"]),
-           ("jax_w1", "w1", ("optax",), ["jax"])],
-    "w2": [("torch_w2", "w2", ("torch-foreach",), ["torch"]),
-           ("jax_w2", "w2", ("optax",), ["jax"])],
-}
-
-
-def _peer_jobs(kind: str, sizes: dict, repeats: int) -> list[Job]:
-    """One job per peer implementation, where its framework is installed."""
-    import importlib.util
-
-    found = []
-    for module, function, impls, frameworks in _PEERS[kind]:
-        if all(importlib.util.find_spec(f) for f in frameworks):
-            found.append(Job(f"{kind.upper()} {impls[0]}", module, function,
-                             dict(sizes=sizes, repeats=repeats, impls=impls), frameworks))
-    return found
-
-
-def run_job(job: Job, timeout: float = 1800) -> tuple[list[dict], str]:
-    spec = json.dumps(dict(module=job.module, function=job.function, kwargs=job.kwargs, preload=job.preload))
-    env = dict(os.environ)
-    env.setdefault("KMP_BLOCKTIME", "0")  # every row alike: no 200 ms OpenMP spin-waits (torch README)
-    env.setdefault("MESHEMBED_TORCH_MALLOC_TUNING", "1")  # the opt-in glibc thresholds the figures used
-    proc = subprocess.run([sys.executable, "-c", _CHILD, spec], capture_output=True, text=True,
-                          timeout=timeout, cwd=_ROOT, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith("ROWS"):
-            return json.loads(line[4:]), ""
-    return [], (proc.stderr or proc.stdout).strip().splitlines()[-1:] and (proc.stderr or proc.stdout).strip().splitlines()[-1]
-
-
-def chart(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['workload']} {r['case']}\n{r['name']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) + 1.5))
-    ax.barh(range(len(rows)), [r["median_ms"] for r in rows],
-            xerr=[[r["median_ms"] - r["min_ms"] for r in rows], [r["max_ms"] - r["median_ms"] for r in rows]])
-    ax.set_yticks(range(len(rows)), labels, fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xscale("log")
-    ax.set_xlabel("median ms per step (log scale; bars show min–max)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def main(args) -> int:
-    _benchmarks_importable()
-    from benchmarks import common
-    import meshembed as me
-
-    backends = [b.strip() for b in args.backends.split(",")] if args.backends else list(me.available_backends())
-    todo = jobs(backends, args.workload, args.peers, args.repeats)
-    gbs = common.bandwidth_gbs(1 << 24 if args.workload == "tiny" else 1 << 28)
-    print(f"measured copy bandwidth: {gbs:.1f} GB/s (lower bound = bytes touched / bandwidth)")
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        tqdm = lambda x, **_: x  # noqa: E731
-    rows, failures = [], []
-    for job in tqdm(todo, desc="bench", unit="job"):
-        got, err = run_job(job)
-        rows += got
-        if err:
-            failures.append(f"{job.label}: {err}")
-    objs = [common.Row(**r) for r in rows]
-    print(common.table(objs, gbs))
-    for f in failures:
-        print("failed:", f)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"bandwidth_gbs": gbs, "rows": rows, "failures": failures}, indent=1))
-    if args.png and rows:
-        chart(rows, args.png)
-    return 1 if failures or not rows else 0
+def main(args: Any) -> int:
+    root = find_checkout()
+    options = {name: getattr(args, name) for name in OPTIONS}
+    for name in ("json", "png"):  # output paths are the user's, relative to where they ran the command
+        if options[name]:
+            options[name] = str(pathlib.Path(options[name]).resolve())
+    return subprocess.run([sys.executable, "-m", "benchmarks.runner", json.dumps(options)], cwd=root).returncode

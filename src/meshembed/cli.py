@@ -22,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     conf.add_argument("--against", default=None, help="diff against peers instead: torchrec,fbgemm (me.interop)")
     conf.add_argument("--steps", type=int, default=3, help="training steps per --against case")
 
-    bench = sub.add_parser("bench", help="side-by-side benchmarks (W1 sparse step, W2 dense Adadelta)")
+    bench = sub.add_parser("bench", help="side-by-side benchmarks (W1 sparse step, W2 dense Adadelta); needs a source checkout")
     bench.add_argument("--backends", default=None)
     bench.add_argument("--workload", default="all", choices=["W1", "W2", "all", "tiny"])
     bench.add_argument("--peers", action="store_true", help="also time installed peer libraries")
