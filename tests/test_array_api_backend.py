@@ -4,6 +4,10 @@ checkpoint written on it continues with the same numbers on numpy, torch and jax
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import array_api_compat.numpy as compat_numpy
 import numpy as np
 import pytest
@@ -41,6 +45,23 @@ def test_arrays_live_off_the_host(strict):
 def test_not_a_namespace_is_a_config_error():
     with pytest.raises(ConfigError, match="Invalid `xp`"):
         ArrayAPIBackend(object())
+
+
+def test_a_standard_older_than_the_math_needs_is_refused_by_name():
+    """Run under array-api-strict's 2023.12 mode (an environment variable of a child process,
+    so this process's flags stay as they are): the math passes Python scalars to maximum()."""
+    code = ("import array_api_strict, meshembed as me\n"
+            "from meshembed_array_api import ArrayAPIBackend\n"
+            "assert 'array_api_strict' not in me.available_backends()\n"
+            "for make in (lambda: me.get_backend('array_api_strict'), lambda: ArrayAPIBackend(array_api_strict)):\n"
+            "    try:\n        make()\n"
+            "    except (me.BackendUnavailableError, me.ConfigError) as exc:\n        print(type(exc).__name__, exc)\n")
+    env = {**os.environ, "ARRAY_API_STRICT_API_VERSION": "2023.12"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2, out.stdout + out.stderr
+    assert lines[0].startswith("BackendUnavailableError") and "ARRAY_API_STRICT_API_VERSION" in lines[0]
+    assert lines[1].startswith("ConfigError") and "implements Array API 2023.12" in lines[1]
 
 
 def test_a_dtype_the_namespace_lacks_is_a_config_error(strict):

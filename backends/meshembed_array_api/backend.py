@@ -1,4 +1,4 @@
-"""``ArrayAPIBackend``: the Backend protocol over any Array API namespace (2023.12+).
+"""``ArrayAPIBackend``: the Backend protocol over any Array API namespace (2024.12+).
 
 Only the standard, reached through ``array-api-compat``: no import of a particular array
 library here. Tables are logical MOD/DIV shards (one array each, ``meshembed.sharding``); the
@@ -22,6 +22,11 @@ from meshembed_array_api import kernels
 from meshembed_array_api.table import ArrayAPIShardedTable
 
 
+#: The oldest Array API standard the core's math runs on (it passes Python scalars to
+#: element-wise functions, allowed from 2024.12; the kernels here need 2023.12).
+MIN_STANDARD = "2024.12"
+
+
 class ArrayAPIBackend(Backend):
     """A backend for the Array API namespace ``xp`` (a module such as ``array_api_strict``, or
     a library that ``array_api_compat`` wraps), its arrays made on ``device`` (default: the
@@ -37,6 +42,14 @@ class ArrayAPIBackend(Backend):
             ) from exc
         self.name = name or f"array_api:{getattr(xp, '__name__', type(xp).__name__)}"
         self.device = device
+        version = str(getattr(self._xp, "__array_api_version__", MIN_STANDARD))
+        if version < MIN_STANDARD:  # "YYYY.MM" strings order as dates
+            raise ConfigError(
+                f"Invalid `xp` for backend {self.name!r}: it implements Array API {version}, and "
+                f"meshembed's math needs {MIN_STANDARD} or newer (Python scalars in element-wise "
+                "functions such as maximum(x, 0.5)). Fix: a newer release of the library or of "
+                "array-api-compat (array-api-strict: leave ARRAY_API_STRICT_API_VERSION unset)."
+            )
 
     @property
     def capabilities(self) -> Capabilities:
@@ -121,7 +134,14 @@ class ArrayAPIStrictBackend(ArrayAPIBackend):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        return _missing("array_api_strict", "array-api-strict")
+        missing = _missing("array_api_strict", "array-api-strict")
+        if missing:
+            return missing
+        version = importlib.import_module("array_api_strict").__array_api_version__
+        if version < MIN_STANDARD:
+            return (f"array_api_strict is set to Array API {version} and meshembed's math needs "
+                    f"{MIN_STANDARD} or newer; leave ARRAY_API_STRICT_API_VERSION unset")
+        return None
 
     def __init__(self, device: Any = None) -> None:
         strict = importlib.import_module("array_api_strict")
