@@ -56,6 +56,16 @@ def _optimizer_fn(name: str, xp):
     return fn, (0.05, 0.02)
 
 
+def _optimizer_rule(name: str):
+    """(UpdateRule, values, slot initial values): the rule form of :func:`_optimizer_fn`."""
+    from meshembed.math import UpdateRule, get_math
+
+    if name == "adagrad":
+        return UpdateRule(get_math("adagrad"), ("accumulators",)), (0.1,), (0.1,)
+    return (UpdateRule(get_math("adadelta"), ("accumulators", "updates"), static=(("epsilon", 1e-6), ("rho", 0.9))),
+            (0.5,), (0.05, 0.02))
+
+
 def test_registered_and_available():
     assert "torch" in me.available_backends()
     b = me.get_backend("torch")
@@ -357,50 +367,46 @@ def test_compile_policy(tb):
         TorchBackend(compile="sometimes")
 
 
-def test_compiled_update_rows_matches_numpy(nb):
+def test_compiled_update_rows_matches_numpy(nb, monkeypatch):
     """The torch.compile'd gather → fn → scatter gives the eager/NumPy numbers."""
+    monkeypatch.setenv("MESHEMBED_TORCH_FUSED", "0")  # the compiled path, not the registered kernels
     tc = TorchBackend(device="cpu", compile="always")
     p = Placement(64, 3, "mod")
     values = _table(64, 8, "float32")
     rng = np.random.default_rng(2)
     for opt in ("adagrad", "adadelta"):
-        fn_t, inits = _optimizer_fn(opt, tc.xp)
-        fn_n, _ = _optimizer_fn(opt, nb.xp)
+        rule, hv, inits = _optimizer_rule(opt)
         ts = [tc.create_table(values, p)] + [tc.create_table(np.full_like(values, v), p) for v in inits]
         ns = [nb.create_table(values, p)] + [nb.create_table(np.full_like(values, v), p) for v in inits]
         for size in (50, 37):  # a second shape reuses the dynamic-shape kernel
             ids = rng.integers(0, 64, size=size)
             grads = rng.standard_normal((size, 8)).astype(np.float32)
-            tc.update_rows(ts, tc.asarray(ids), tc.asarray(grads), fn_t)
-            nb.update_rows(ns, ids, grads, fn_n)
+            tc.update_rows(ts, tc.asarray(ids), tc.asarray(grads), rule, values=hv)
+            nb.update_rows(ns, ids, grads, rule, values=hv)
         for a, b in zip(ts, ns):
             np.testing.assert_allclose(tc.unshard(a), nb.unshard(b), rtol=1e-5, atol=1e-6)
     assert len(tc._fused) == 2 and not tc._compile_broken
 
 
 def test_compiled_update_rows_exact_when_learning_rate_changes(nb):
-    """Regression: with dynamo's symbolic floats the compiled FTRL drifted once lr changed."""
-    from meshembed.math import apply_update
+    """Regression: with dynamo's symbolic floats the compiled FTRL drifted once lr changed;
+    the rule's lr is a tensor input, so every value runs the one compiled kernel, exactly."""
+    from meshembed.math import UpdateRule, get_math
 
     tc = TorchBackend(device="cpu", compile="always")
     hp = dict(l1=0.01, l2=0.02, lr_power=-0.5, multiply_linear_by_lr=True, beta=0.0, allow_zero_accumulator=False)
-
-    def make(xp, lr):
-        def fn(g, p, acc, lin):
-            new_p, slots = apply_update(xp, "ftrl", p, g, (acc, lin), lr=lr, hyperparameters=hp)
-            return (new_p, *slots)
-        return fn
+    rule = UpdateRule(get_math("ftrl"), ("accumulators", "linears"), static=tuple(sorted(hp.items())))
 
     p = Placement(40, 2, "div")
     values = _table(40, 3, "float32")
     ts = [tc.create_table(values, p), tc.create_table(np.full_like(values, 0.1), p), tc.create_table(np.zeros_like(values), p)]
     ns = [nb.create_table(values, p), nb.create_table(np.full_like(values, 0.1), p), nb.create_table(np.zeros_like(values), p)]
     rng = np.random.default_rng(4)
-    for lr in (0.5, 0.1, 0.3, 0.2, 0.7):  # the last two exceed MAX_FLOAT_VARIANTS: eager
+    for lr in (0.5, 0.1, 0.3, 0.2, 0.7):
         ids = rng.integers(0, 40, size=30)
         grads = rng.standard_normal((30, 3)).astype(np.float32)
-        tc.update_rows(ts, tc.asarray(ids), tc.asarray(grads), make(tc.xp, lr))
-        nb.update_rows(ns, ids, grads, make(nb.xp, lr))
+        tc.update_rows(ts, tc.asarray(ids), tc.asarray(grads), rule, values=(lr,))
+        nb.update_rows(ns, ids, grads, rule, values=(lr,))
         for a, b in zip(ts, ns):
             np.testing.assert_allclose(tc.unshard(a), nb.unshard(b), rtol=1e-5, atol=1e-6, err_msg=f"lr={lr}")
 

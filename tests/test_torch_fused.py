@@ -64,20 +64,20 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path):
 def test_bad_gradient_index_raises_and_changes_nothing():
     """Called directly (the engine builds valid indices itself), an index outside the
     gradient rows is an InputError raised before anything is written."""
-    from meshembed.embedding.updates import make_update_fn
+    from meshembed.embedding.updates import make_rule
 
     cfg = me.EmbeddingConfig(tables=[me.TableConfig("t", 50, 8, optimizer=me.embedding.Adagrad(learning_rate=0.1))],
                              features=[me.FeatureConfig("t", (4,), name="f")])
     emb = me.TPUEmbedding(cfg, backend="torch")
     be, state = emb.backend, emb._state[0]
-    fn = make_update_fn(be.xp, emb.layout.tables[0], [])
+    fn = make_rule(emb.layout.tables[0])
     before = [t.data.clone() for t in state]
     ids, grads = torch.tensor([1, 2, 2, 7]), torch.ones(3, 8)
     calls = fused_cpu.calls[0]
-    be.update_rows(state, ids, grads, fn, grad_index=torch.tensor([0, 1, 2, 2]))
+    be.update_rows(state, ids, grads, fn, values=(0.1,), grad_index=torch.tensor([0, 1, 2, 2]))
     assert fused_cpu.calls[0] == calls + 1 and not torch.equal(state[0].data, before[0])
     before = [t.data.clone() for t in state]
     with pytest.raises(me.errors.InputError, match="grad_index"):
-        be.update_rows(state, ids, grads, fn, grad_index=torch.tensor([0, 1, 3, 2]))
+        be.update_rows(state, ids, grads, fn, values=(0.1,), grad_index=torch.tensor([0, 1, 3, 2]))
     for t, b in zip(state, before):
         assert torch.equal(t.data, b)

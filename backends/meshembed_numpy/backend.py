@@ -39,7 +39,7 @@ class NumpyBackend(Backend):
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(devices=1, float64=True, in_place=True, deterministic_scatter=True)
+        return Capabilities(devices=1, float64=True, in_place=True, deterministic_scatter=True, update_rules=True)
 
     @property
     def xp(self) -> Any:

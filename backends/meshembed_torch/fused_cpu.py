@@ -21,8 +21,8 @@ from typing import Any, Sequence
 
 from meshembed import native
 from meshembed.backend.env import env_flag
-from meshembed.embedding.updates import REGISTERED_FUSED, fused_kernel
 from meshembed.errors import InputError
+from meshembed.math.rule import REGISTERED_FUSED, UpdateRule
 
 _SOURCE = Path(__file__).with_name("fused_cpu.cc")
 
@@ -55,17 +55,18 @@ def _library() -> Any:
     return _state["lib"]
 
 
-def kernel_for(fn: Any, datas: Sequence[Any], grads: Any, n: int, grad_index: Any, weights: Any
-               ) -> tuple[int, tuple[float, float, float]] | None:
-    """``(kernel code, (lr, rho, epsilon))`` when a registered kernel computes ``fn`` for
-    these float32 CPU tables (a plain update: no clipping or weight decay) and ``n`` ids'
-    gradients of the expected shapes, else None (the core function then runs, and reports
-    any shape error)."""
+def kernel_for(rule: Any, values: Sequence[float], datas: Sequence[Any], grads: Any, n: int, grad_index: Any,
+               weights: Any) -> tuple[int, tuple[float, float, float]] | None:
+    """``(kernel code, (lr, rho, epsilon))`` when a registered kernel computes ``rule`` with
+    ``values`` for these float32 CPU tables (a plain update: no clipping or weight decay) and
+    ``n`` ids' gradients of the expected shapes, else None (the core function then runs, and
+    reports any shape error)."""
     import torch
 
-    kernel = fused_kernel(fn, len(datas)) if enabled() else None
-    if kernel is None:
+    code = rule.fused_code(len(datas)) if enabled() and isinstance(rule, UpdateRule) else None
+    if code is None:
         return None
+    kernel = code, rule.fused_params(values)
     if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in (*datas, grads)):
         return None
     dim = datas[0].shape[1]

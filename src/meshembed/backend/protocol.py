@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.sharding.placement import Placement
 
 Array = Any  # a backend's own array type (np.ndarray, torch.Tensor, jax.Array, cupy.ndarray)
@@ -33,6 +34,13 @@ class Capabilities:
     #: ``update_rows`` takes ``guard`` (from ``finite_guard``) and writes nothing where it
     #: is false, without waiting for it: the engine's NaN/Inf check then costs no sync.
     guarded_updates: bool = False
+    #: ``update_rows`` / ``update_rows_in_order`` take an :class:`~meshembed.math.UpdateRule`
+    #: with its call-time ``values=`` (the protocol's default does); without it the engine
+    #: passes a closure ``fn(grad_rows, *rows)`` instead (legacy).
+    update_rules: bool = False
+    #: ``update_rows`` takes ``grad_index`` / ``grad_weights`` (the combiner's backward pass
+    #: fused into the update; the protocol's default does).
+    grad_index_updates: bool = True
 
 
 class ShardedTable(abc.ABC):
@@ -168,17 +176,21 @@ class Backend(abc.ABC):
         tables: Sequence[ShardedTable],
         ids: Array,
         grads: Array,
-        fn: Callable[..., tuple[Array, ...]],
+        fn: UpdateRule | Callable[..., tuple[Array, ...]],
         *,
+        values: Sequence[Any] = (),
         grad_index: Array | None = None,
         grad_weights: Array | None = None,
         guard: Array | None = None,
     ) -> list[ShardedTable]:
-        """Apply ``fn(grad_rows, *table_rows) -> new table_rows`` once per unique id.
+        """Apply the table's update rule once per unique id: ``apply_rule(xp, fn, values,
+        grad_rows, *table_rows) -> new table_rows``.
 
         ``ids`` may repeat; their gradients are summed first (duplicate ids are combined
-        before any scatter). ``fn`` is the core's pure optimizer function. Backends
-        override this to fuse, compile or route to the owning ranks.
+        before any scatter). ``fn`` is the core's :class:`UpdateRule` (static: cache compiled
+        code on it) and ``values`` this call's dynamic hyper-parameters (``fn.dynamic``
+        order; never compile them in). A plain callable ``fn(grad_rows, *rows)`` is run as
+        is. Backends override this to fuse, compile or route to the owning ranks.
 
         With ``grad_index`` the gradient of ``ids[i]`` is ``grad_weights[i] * grads[grad_index[i]]``
         (the combiner's backward pass), so a backend can sum it without building one row per id.
@@ -193,7 +205,7 @@ class Backend(abc.ABC):
                 grads = grads * self.xp.reshape(grad_weights, (-1, 1))
         uids, g = self.segment_sum(ids, grads)
         rows = [self.gather(t, uids) for t in tables]
-        new_rows = fn(g, *rows)
+        new_rows = apply_rule(self.xp, fn, values, g, *rows) if isinstance(fn, UpdateRule) else fn(g, *rows)
         return [self.scatter(t, uids, r) for t, r in zip(tables, new_rows)]
 
     def update_rows_in_order(
@@ -201,8 +213,9 @@ class Backend(abc.ABC):
         tables: Sequence[ShardedTable],
         ids: np.ndarray,
         grads: Array,
-        fn: Callable[..., tuple[Array, ...]],
+        fn: UpdateRule | Callable[..., tuple[Array, ...]],
         *,
+        values: Sequence[Any] = (),
         groups: np.ndarray | None = None,
         guard: Array | None = None,
     ) -> list[ShardedTable]:
@@ -220,6 +233,8 @@ class Backend(abc.ABC):
         from meshembed.embedding.updates import occurrence_rounds
 
         guarded = {} if guard is None else {"guard": guard}
+        if isinstance(fn, UpdateRule):
+            guarded["values"] = values
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         rounds = occurrence_rounds(ids)
         state = list(tables)

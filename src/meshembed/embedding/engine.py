@@ -12,7 +12,6 @@ touches any table, slot or pending batch: a rejected call leaves the state bit-i
 
 from __future__ import annotations
 
-import inspect
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -25,7 +24,8 @@ from meshembed.embedding import combiners, inputs
 from meshembed.embedding.agreement import agreed, validated
 from meshembed.embedding.initializers import Constant, default_initializer, initial_blocks, table_rng
 from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec, build_layout
-from meshembed.embedding.updates import apply_table, is_non_lazy, make_update_fn, uses_accumulation
+from meshembed.embedding.updates import (apply_table, is_non_lazy, make_rule, make_update_fn, rule_values,
+                                         uses_accumulation)
 from meshembed.errors import CapacityError, ConfigError, InputError, StateError
 from meshembed.sharding.placement import Placement
 
@@ -174,8 +174,9 @@ class TPUEmbedding:
                 f"me.Mesh(..., backend={self.backend.name!r}), or leave `backend` out to use the mesh's."
             )
         self.layout: Layout = build_layout(self.config)
-        # Backends written before update_rows grew grad_index/grad_weights get expanded rows.
-        self._fused_backward = "grad_index" in inspect.signature(self.backend.update_rows).parameters
+        # Backends whose update_rows lacks grad_index/grad_weights get expanded rows.
+        self._fused_backward = self.backend.capabilities.grad_index_updates
+        self._rules: dict[int, Any] | None = None  # each table's UpdateRule, built on first use
         explicit = num_shards is not None
         if num_shards is None:
             num_shards = int(mesh.size) if mesh is not None else int(self.backend.capabilities.devices)
@@ -622,7 +623,14 @@ class TPUEmbedding:
         xp = self.backend.xp
         # Build every table's update first: an unusable optimizer or learning rate raises
         # before any table is touched (update_rows may donate buffers).
-        fns = {t.index: make_update_fn(xp, t, lrs, self.backend.name) for t in self.layout.tables}
+        # An UpdateRule per table (built once) and this step's values; legacy backends get a closure.
+        if self.backend.capabilities.update_rules:
+            if self._rules is None:
+                self._rules = {t.index: make_rule(t, self.backend.name) for t in self.layout.tables}
+            fns: dict[int, Any] = self._rules
+            values = {t.index: rule_values(t, fns[t.index], lrs) for t in self.layout.tables}
+        else:
+            fns, values = {t.index: make_update_fn(xp, t, lrs, self.backend.name) for t in self.layout.tables}, {}
         per_table: dict[int, list[tuple[_DeviceFeature, Any]]] = {t.index: [] for t in self.layout.tables}
         for f, d, g in zip(self.layout.features, p.features, grads):
             per_table[f.table].append((d, g))
@@ -660,7 +668,7 @@ class TPUEmbedding:
                 source = parts[0][1] if one else xp.concat([g for _, g in parts], axis=0)
                 new_state[t.index] = list(self.backend.update_rows(
                     self._state[t.index], ids, source, fns[t.index], grad_index=index, grad_weights=weights,
-                    **guarded))
+                    **guarded, **({"values": values[t.index]} if values else {})))
                 continue
             host_ids = np.concatenate([d.host_ids for d, _ in parts]) if parts else np.zeros(0, np.int64)
             rows = [combiners.backward(self.backend, g, xp.reshape(d.scale, (-1, 1)), d.slots, d.unit_scale)
@@ -670,7 +678,8 @@ class TPUEmbedding:
                 row_grads = self.backend.asarray(np.zeros((0, t.dimension), np.float32))
             new_state[t.index] = apply_table(self.backend, self._state[t.index], t, host_ids, row_grads, lrs,
                                              fns[t.index], guard=guard,
-                                             part_sizes=[int(d.host_ids.shape[0]) for d, _ in parts])
+                                             part_sizes=[int(d.host_ids.shape[0]) for d, _ in parts],
+                                             values=values.get(t.index, ()))
         if guard is not None and not bool(guard):  # every update wrote nothing
             bad = [f for f, g in zip(self.layout.features, grads) if not self.backend.all_finite(g)]
             raise self._nonfinite_error(bad[0] if bad else self.layout.features[0])

@@ -12,9 +12,10 @@
 * Several processes: every process calls the backend for every table of a step, also when
   it has no ids (the backend's calls are collective; ``Backend.processes``).
 
-The optimizer itself is ``meshembed.math.apply_update`` bound to this table's
-hyper-parameters and learning rate; the backend's ``update_rows`` gathers, calls it and
-scatters back, so the same math runs on every backend.
+The optimizer itself is the table's :class:`~meshembed.math.rule.UpdateRule` (built once by
+:func:`make_rule`) with this step's values (:func:`rule_values`: the learning rates); the
+backend's ``update_rows`` gathers, runs ``meshembed.math.apply_rule`` (or a kernel compiled
+or fused from the rule) and scatters back, so the same math runs on every backend.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 
 from meshembed.embedding.layout import TableSpec, _is_dynamic
 from meshembed.errors import ConfigError
+from meshembed.math.rule import REGISTERED_FUSED, UpdateRule, registered_code  # noqa: F401 (re-exported)
 
 
 def resolve(value: Any, learning_rates: Sequence[float]) -> Any:
@@ -103,8 +105,8 @@ def _jax_program_runner(table: TableSpec) -> dict[str, Any]:
 
 
 class UpdateSpec(NamedTuple):
-    """What an update function computes, as data (``fn.update_spec``): lets a backend run a
-    registered fused kernel instead (conformance compares each one with the core function).
+    """What a legacy update closure computes, as data (``fn.update_spec``), for the JAX
+    backend until it takes :class:`~meshembed.math.rule.UpdateRule` s too.
     ``plain``: no gradient or weight clipping and no weight decay around the formula."""
 
     algorithm: str
@@ -113,38 +115,71 @@ class UpdateSpec(NamedTuple):
     plain: bool
 
 
-#: The registered fused updates: algorithm (proto name) -> (kernel code, slots, hyper-parameters
-#: it reads besides lr). Their formulas are also written in C++ (``meshembed::RowUpdate`` in
-#: ``meshembed/cpp/row_kernels.h``), run by the torch and JAX backends' fused CPU kernels in one
-#: pass with the dedup and the per-row sums. An optimisation, not the definition: the tests
-#: compare every one with the core function and the NumPy reference.
-REGISTERED_FUSED: dict[str, tuple[int, int, tuple[str, ...]]] = {
-    "stochastic_gradient_descent": (0, 0, ()),
-    "adagrad": (1, 1, ()),
-    "adadelta": (2, 2, ("rho", "epsilon")),
-}
-
-
-def registered_code(algorithm: str, hyperparameters: dict, n_tables: int) -> int | None:
-    """The code of the registered fused kernel computing ``algorithm`` with these
-    hyper-parameters over a table (or dense variable) and its ``n_tables - 1`` slots, or None."""
-    entry = REGISTERED_FUSED.get(algorithm)
-    if entry is None:
-        return None
-    code, n_slots, reads = entry
-    return code if n_tables == 1 + n_slots and not set(hyperparameters) - set(reads) else None
-
-
 def fused_kernel(fn: Any, n_tables: int) -> tuple[int, tuple[float, float, float]] | None:
-    """``(kernel code, (lr, rho, epsilon))`` when a registered fused update computes ``fn`` (a
-    plain update of a registered algorithm over a table and its ``n_tables - 1`` slots), else
-    None: the core function must run."""
+    """``(kernel code, (lr, rho, epsilon))`` when a registered fused update computes the legacy
+    closure ``fn`` over a table and its ``n_tables - 1`` slots, else None (JAX only; backends
+    that take rules ask ``rule.fused_code``)."""
     spec = getattr(fn, "update_spec", None)
     code = None if spec is None or not spec.plain else registered_code(spec.algorithm, spec.hyperparameters, n_tables)
     if code is None:
         return None
     hp = spec.hyperparameters
     return code, (float(spec.lr), float(hp.get("rho", 0.0)), float(hp.get("epsilon", 0.0)))
+
+
+def _check_trainable(table: TableSpec, backend_name: str) -> None:
+    from meshembed import math as me_math
+
+    opt = table.optimizer
+    if not me_math.get_math(_algorithm(opt)).supported:
+        raise NotImplementedError(
+            f"Table {table.name!r}: {type(opt).__name__} has no public update formula (the TPU "
+            "kernel is closed source), so meshembed cannot train it. Its configs load, save and "
+            "round-trip; to train, choose another optimizer or a CustomOptimizer."
+        )
+    if opt.algorithm == "user_defined_program" and backend_name != "jax":
+        raise NotImplementedError(
+            f"Table {table.name!r}: UserDefinedProgram runs an XLA HLO program, which the "
+            f"{backend_name or 'current'!r} backend cannot compile; only the 'jax' backend "
+            "runs it (through XLA's CPU client). Fix: use backend='jax', or a CustomOptimizer "
+            "with a Python update function."
+        )
+
+
+def _changes_per_step(value: Any) -> bool:
+    return value is not None and (_is_dynamic(value) or callable(value))
+
+
+def make_rule(table: TableSpec, backend_name: str = "", dtype: str = "float32") -> UpdateRule:
+    """The table's :class:`UpdateRule` (build once per table): a learning rate, and every
+    hyper-parameter given as a DynamicLearningRate or a callable, are its dynamic values
+    (:func:`rule_values`); the others are static."""
+    from meshembed import math as me_math
+
+    _check_trainable(table, backend_name)
+    opt = table.optimizer
+    math_ = me_math.get_math(_algorithm(opt))
+    given = dict(opt.hyperparameters())
+    for name in math_.dynamic_inputs:
+        given[name] = getattr(opt, name, None)
+    static = tuple(sorted((k, v) for k, v in given.items() if not _changes_per_step(v)))
+    dynamic = ("lr", *sorted(k for k, v in given.items() if _changes_per_step(v)))
+    if opt.algorithm == "user_defined_program":  # the JAX backend's HLO runner (static)
+        static = tuple(sorted(static + tuple(_jax_program_runner(table).items())))
+    return UpdateRule(
+        math=math_, slot_names=tuple(opt.slot_names) if hasattr(opt, "slot_names") else math_.slot_names,
+        static=static, dynamic=dynamic,
+        gradient_clip=opt.gradient_clipping_limits(), weight_clip=opt.clipping_limits(),
+        weight_decay=float(getattr(opt, "weight_decay_factor", 0.0) or 0.0),
+        multiply_weight_decay_by_lr=bool(getattr(opt, "multiply_weight_decay_factor_by_learning_rate", False)),
+        lazy=not is_non_lazy(table), dtype=str(dtype),
+    )
+
+
+def rule_values(table: TableSpec, rule: UpdateRule, learning_rates: Sequence[float]) -> tuple:
+    """This step's values of ``rule.dynamic`` (raises ConfigError without a learning rate)."""
+    lr, hp = table_hyperparameters(table, learning_rates)
+    return (lr, *(hp[name] for name in rule.dynamic[1:]))
 
 
 def make_update_fn(
@@ -156,21 +191,9 @@ def make_update_fn(
 
     opt = table.optimizer
     algorithm = _algorithm(opt)
-    if not me_math.get_math(algorithm).supported:
-        raise NotImplementedError(
-            f"Table {table.name!r}: {type(opt).__name__} has no public update formula (the TPU "
-            "kernel is closed source), so meshembed cannot train it. Its configs load, save and "
-            "round-trip; to train, choose another optimizer or a CustomOptimizer."
-        )
+    _check_trainable(table, backend_name)
     lr, hp = table_hyperparameters(table, learning_rates)
     if algorithm == "user_defined_program":
-        if backend_name != "jax":
-            raise NotImplementedError(
-                f"Table {table.name!r}: UserDefinedProgram runs an XLA HLO program, which the "
-                f"{backend_name or 'current'!r} backend cannot compile; only the 'jax' backend "
-                "runs it (through XLA's CPU client). Fix: use backend='jax', or a CustomOptimizer "
-                "with a Python update function."
-            )
         hp.update(_jax_program_runner(table))
     decay = float(getattr(opt, "weight_decay_factor", 0.0) or 0.0)
     by_lr = bool(getattr(opt, "multiply_weight_decay_factor_by_learning_rate", False))
@@ -220,20 +243,28 @@ def apply_table(
     host_ids: np.ndarray,
     row_grads: Any,
     learning_rates: Sequence[float],
-    fn: Callable[..., tuple] | None = None,
+    fn: UpdateRule | Callable[..., tuple] | None = None,
     guard: Any = None,
     part_sizes: Sequence[int] | None = None,
+    values: Sequence[Any] = (),
 ) -> list[Any]:
     """Run the optimizer on ``table``'s rows; returns the new ``[params, *slots]``.
 
-    ``fn`` is ``make_update_fn``'s result when the caller built (and so validated) it first;
-    ``guard`` goes to every ``update_rows`` (false: nothing is written). ``part_sizes``: how
-    many of ``host_ids`` each feature contributed, in order (gradient accumulation off with
-    several processes orders an id's contributions by feature, then rank)."""
+    ``fn`` is the table's rule (with this step's ``values``) or, for a backend without
+    ``capabilities.update_rules``, ``make_update_fn``'s closure, when the caller built (and
+    so validated) it first; ``guard`` goes to every ``update_rows`` (false: nothing is
+    written). ``part_sizes``: how many of ``host_ids`` each feature contributed, in order
+    (gradient accumulation off with several processes orders an id's contributions by
+    feature, then rank)."""
     xp = backend.xp
-    guarded = {} if guard is None else {"guard": guard}
-    if fn is None:
+    if fn is None and backend.capabilities.update_rules:
+        fn = make_rule(table, getattr(backend, "name", ""))
+        values = rule_values(table, fn, learning_rates)
+    elif fn is None:
         fn = make_update_fn(xp, table, learning_rates, getattr(backend, "name", ""))
+    extra = {} if guard is None else {"guard": guard}
+    if isinstance(fn, UpdateRule):
+        extra["values"] = tuple(values)
     if is_non_lazy(table):
         every = np.arange(table.vocabulary_size, dtype=np.int64)
         zeros = xp.zeros(
@@ -241,10 +272,10 @@ def apply_table(
             device=array_api_compat.device(row_grads),
         )
         ids = backend.asarray(np.concatenate([host_ids, every]), dtype="int64")
-        return list(backend.update_rows(state, ids, xp.concat([row_grads, zeros], axis=0), fn, **guarded))
+        return list(backend.update_rows(state, ids, xp.concat([row_grads, zeros], axis=0), fn, **extra))
     if host_ids.size == 0 and backend.processes == 1:
         return state  # with several processes an empty rank still takes part in the update
     if uses_accumulation(table):
-        return list(backend.update_rows(state, backend.asarray(host_ids, dtype="int64"), row_grads, fn, **guarded))
+        return list(backend.update_rows(state, backend.asarray(host_ids, dtype="int64"), row_grads, fn, **extra))
     groups = None if part_sizes is None else np.repeat(np.arange(len(part_sizes)), part_sizes)
-    return list(backend.update_rows_in_order(state, host_ids, row_grads, fn, groups=groups, **guarded))
+    return list(backend.update_rows_in_order(state, host_ids, row_grads, fn, groups=groups, **extra))

@@ -36,6 +36,7 @@ from meshembed.math.momentum import (
     rms_prop,
 )
 from meshembed.math.registry import OPTIMIZERS, OptimizerMath, apply_update, get_math, initial_slots
+from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.math.sgd import AssignSlots, SgdSlots, assign, stochastic_gradient_descent
 from meshembed.math.user_defined import user_defined_program, user_defined_slot_names
 from meshembed.math.yogi import OnlineYogiSlots, ProximalYogiSlots, online_yogi, proximal_yogi
@@ -45,8 +46,8 @@ __all__ = [
     "AdagradSlots", "AdamSlots", "AssignSlots", "BoundedAdagradSlots", "CenteredRmsPropSlots",
     "CustomOptimizer", "FrequencyAwareAdagradSlots", "FrequencyEstimatorSlots", "FtrlSlots",
     "LionSlots", "MdlAdagradLightSlots", "MomentumSlots", "OnlineYogiSlots", "OptimizerMath",
-    "ProximalAdagradSlots", "ProximalYogiSlots", "RmsPropSlots", "SgdSlots", "adadelta",
-    "adagrad", "adagrad_momentum", "adam", "apply_update", "assign", "bounded_adagrad",
+    "ProximalAdagradSlots", "ProximalYogiSlots", "RmsPropSlots", "SgdSlots", "UpdateRule", "adadelta",
+    "adagrad", "adagrad_momentum", "adam", "apply_rule", "apply_update", "assign", "bounded_adagrad",
     "centered_rms_prop", "frequency_aware_adagrad", "frequency_estimator", "ftrl", "get_math",
     "initial_slots", "lion", "mdl_adagrad_light", "momentum", "online_yogi", "proximal_adagrad",
     "proximal_yogi", "quantize", "rms_prop", "stochastic_gradient_descent", "user_defined_program",
