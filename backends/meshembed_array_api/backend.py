@@ -115,11 +115,14 @@ class ArrayAPIBackend(Backend):
         return kernels.segment_sum_to(self._xp, values, self.asarray(segment_ids, "int64"), int(num_segments))
 
 
-def _missing(module: str, install: str) -> str | None:
+def _unusable(module: str, install: str, namespace: str | None = None, fix: str = "upgrade it") -> str | None:
+    """Why ``module`` (its Array API namespace: ``namespace``) cannot back meshembed here."""
     try:
-        importlib.import_module(module)
+        version = str(getattr(importlib.import_module(namespace or module), "__array_api_version__", MIN_STANDARD))
     except ImportError as exc:
         return f"{module} is not installed ({exc}); pip install {install}"
+    if version < MIN_STANDARD:
+        return f"{module} is set to Array API {version} and meshembed's math needs {MIN_STANDARD} or newer; {fix}"
     return None
 
 
@@ -134,14 +137,7 @@ class ArrayAPIStrictBackend(ArrayAPIBackend):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        missing = _missing("array_api_strict", "array-api-strict")
-        if missing:
-            return missing
-        version = importlib.import_module("array_api_strict").__array_api_version__
-        if version < MIN_STANDARD:
-            return (f"array_api_strict is set to Array API {version} and meshembed's math needs "
-                    f"{MIN_STANDARD} or newer; leave ARRAY_API_STRICT_API_VERSION unset")
-        return None
+        return _unusable("array_api_strict", "array-api-strict", fix="leave ARRAY_API_STRICT_API_VERSION unset")
 
     def __init__(self, device: Any = None) -> None:
         strict = importlib.import_module("array_api_strict")
@@ -157,12 +153,11 @@ class CupyBackend(ArrayAPIBackend):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        reason = _missing("cupy", "cupy-cuda12x")
+        reason = _unusable("cupy", "cupy-cuda12x", "array_api_compat.cupy")
         if reason:
             return reason
-        cupy = importlib.import_module("cupy")
         try:
-            count = cupy.cuda.runtime.getDeviceCount()
+            count = importlib.import_module("cupy").cuda.runtime.getDeviceCount()
         except Exception as exc:  # the CUDA runtime raises its own error types
             return f"CuPy finds no usable CUDA device ({exc})"
         return None if count else "CuPy finds no CUDA device"
