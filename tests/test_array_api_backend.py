@@ -105,6 +105,8 @@ def test_gather_and_scatter_route_rows_to_their_shards(strict, strategy, shards)
     expected[[9, 0, 5]] = -1
     np.testing.assert_array_equal(strict.unshard(written), expected)
     np.testing.assert_array_equal(strict.unshard(table), values)  # a write makes a new table
+    host_rows = strict.scatter(table, np.array([1], np.int64), np.full((1, 2), 7.0))  # NumPy float64 in
+    assert host_rows.dtype == table.dtype and strict.unshard(host_rows)[1].tolist() == [7.0, 7.0]
 
 
 @pytest.mark.parametrize("library", ["numpy", "torch"])

@@ -2,8 +2,8 @@
 
 Only the standard, reached through ``array-api-compat``: no import of a particular array
 library here. Tables are logical MOD/DIV shards (one array each, ``meshembed.sharding``); the
-row kernels are in ``kernels`` (why they are deterministic is said there); updates call the
-core's per-table function; dense variables use the protocol's in-place step (``x[...] = v``).
+row kernels are in ``kernels`` (why they are deterministic is said there); updates run the
+core's update rule through the protocol's default ``update_rows``; dense variables use the protocol's in-place step (``x[...] = v``).
 NumPy is used only for the host side of the protocol (``to_numpy``, ``create_table``).
 """
 
@@ -104,7 +104,8 @@ class ArrayAPIBackend(Backend):
         return kernels.gather(self._xp, table.shards, table.placement, self.asarray(ids, "int64"))
 
     def scatter(self, table: ArrayAPIShardedTable, ids: Any, rows: Any) -> ArrayAPIShardedTable:
-        rows = self.asarray(rows, table.dtype if not self.is_native(rows) else None)
+        rows = self.asarray(rows)
+        rows = rows if rows.dtype == table.dtype else self._xp.astype(rows, table.dtype)
         shards = kernels.scatter(self._xp, table.shards, table.placement, self.asarray(ids, "int64"), rows)
         return ArrayAPIShardedTable(shards, table.placement)
 
