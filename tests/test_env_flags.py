@@ -81,3 +81,34 @@ def test_jax_capacity_typo_is_a_config_error(monkeypatch):
         JaxBackend()
     monkeypatch.setenv("MESHEMBED_JAX_CAPACITY", "128")
     assert JaxBackend().capacity == 128
+
+
+def test_env_choice(monkeypatch):
+    from meshembed.backend.env import env_choice
+
+    monkeypatch.delenv(NAME, raising=False)
+    assert env_choice(NAME, ("dense", "sort")) is None and env_choice(NAME, ("a", "b"), "a") == "a"
+    monkeypatch.setenv(NAME, " Sort ")
+    assert env_choice(NAME, ("dense", "sort")) == "sort"
+    monkeypatch.setenv(NAME, "hash")
+    with pytest.raises(ConfigError, match=rf"{NAME}='hash'. Expected one of dense, sort"):
+        env_choice(NAME, ("dense", "sort"))
+
+
+def test_backend_choice_switches_name_the_variable(monkeypatch):
+    pytest.importorskip("jax")
+    from meshembed_jax import JaxBackend
+
+    monkeypatch.setenv("MESHEMBED_JAX_DEDUP", "hash")
+    with pytest.raises(ConfigError, match="MESHEMBED_JAX_DEDUP='hash'"):
+        JaxBackend()
+    monkeypatch.setenv("MESHEMBED_JAX_DEDUP", "Dense")
+    assert JaxBackend().dedup == "dense"
+    pytest.importorskip("torch")
+    from meshembed_torch import TorchBackend
+
+    monkeypatch.setenv("MESHEMBED_TORCH_COMPILE", "sometimes")
+    with pytest.raises(ConfigError, match="MESHEMBED_TORCH_COMPILE='sometimes'"):
+        TorchBackend()
+    monkeypatch.setenv("MESHEMBED_TORCH_COMPILE", "NEVER")
+    assert TorchBackend()._compile_mode == "never"

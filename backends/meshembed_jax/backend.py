@@ -20,12 +20,11 @@ Design (see ``layout.py`` and ``kernels.py``):
 from __future__ import annotations
 
 import collections
-import os
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from meshembed.backend.env import env_int
+from meshembed.backend.env import env_choice, env_int
 from meshembed.backend.protocol import Backend, Capabilities, walk_blocks
 from meshembed.errors import CapacityError, ConfigError, InputError
 from meshembed.sharding.placement import Placement
@@ -94,7 +93,7 @@ class JaxBackend(JaxDenseMixin, Backend):
         # the devices tables are placed on (me.jax: those of the user's Mesh, in its order)
         self._devices = None if devices is None else list(devices)
         self.capacity = capacity if capacity is not None else env_int("MESHEMBED_JAX_CAPACITY")
-        self.dedup = dedup or os.environ.get("MESHEMBED_JAX_DEDUP") or None
+        self.dedup = dedup or env_choice("MESHEMBED_JAX_DEDUP", ("dense", "sort"))
         if self.dedup is not None and self.dedup not in ("dense", "sort"):
             raise ValueError(f"Invalid `dedup`. Expected one of ('dense', 'sort'). Received: dedup={self.dedup!r}")
         self._layouts: dict[tuple[Placement, tuple[int, ...]], ShardLayout] = {}

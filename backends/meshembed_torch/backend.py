@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from meshembed.backend.env import env_choice
 from meshembed.backend.protocol import Backend, Capabilities, walk_blocks
 from meshembed.errors import InputError
 from meshembed.math.rule import UpdateRule, apply_rule
@@ -70,7 +71,7 @@ class TorchBackend(TorchDenseMixin, Backend):
         self._device_option = device if device is not None else (os.environ.get(DEVICE_ENV) or None)
         self._dtypes: dict[Any, Any] = {}
         if compile is None:
-            compile = os.environ.get(COMPILE_ENV, "auto")
+            compile = env_choice(COMPILE_ENV, tuple(_COMPILE_MODES), "auto")
         mode = {True: "always", False: "never"}.get(compile) if isinstance(compile, bool) else \
             _COMPILE_MODES.get(str(compile).lower())
         if mode is None:

@@ -43,3 +43,16 @@ def env_int(name: str, default: int | None = None) -> int | None:
             f"Invalid environment variable {name}={os.environ[name]!r}. Expected an integer. "
             f"Fix: set {name} to a whole number, or unset it for the default ({default})."
         ) from None
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str | None = None) -> str | None:
+    """``$name`` as one of ``choices`` (compared in lower case); unset or empty -> ``default``."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in choices:
+        return value
+    raise ConfigError(
+        f"Invalid environment variable {name}={os.environ[name]!r}. Expected one of {', '.join(choices)}. "
+        f"Fix: set {name} to one of them, or unset it for the default ({default})."
+    )
