@@ -113,25 +113,25 @@ def _make_step(impl: str, d: _Data, optimizer: str) -> Callable[[], Any]:
 
         return step
     if impl in ("fast", "fast+compile", "update_rows"):
-        from meshembed.embedding.updates import make_update_fn
+        from meshembed.embedding.updates import make_rule
 
         from meshembed_torch import TorchBackend
 
         emb, feat = _engine(d, optimizer)
         b = {"fast": TorchBackend(compile="never"), "fast+compile": TorchBackend(compile="always")}.get(impl, emb.backend)
         state = emb._state[0]
-        fn = make_update_fn(b.xp, emb.layout.tables[0], ())
+        fn = make_rule(emb.layout.tables[0])  # the update as data; its learning rate passed per call
         if impl == "update_rows":
             ids_t = b.asarray(d.ids, dtype="int64")
             per_id = d.grad.repeat_interleave(s["ids_per_sample"], dim=0)
-            return lambda: b.update_rows(state, ids_t, per_id, fn)
+            return lambda: b.update_rows(state, ids_t, per_id, fn, values=(LR,))
 
         def step() -> Any:
             emb.enqueue([feat])  # the engine's host-side input normalisation and transfer
             f = emb._pending.features[0]
             emb._pending = None
             acts = b.gather_combine(state[0], f.ids, f.slots, f.num_slots, weights=f.scale)
-            b.update_rows(state, f.ids, d.grad, fn, grad_index=f.slots, grad_weights=f.scale)
+            b.update_rows(state, f.ids, d.grad, fn, values=(LR,), grad_index=f.slots, grad_weights=f.scale)
             return acts
 
         return step
