@@ -1,4 +1,4 @@
-"""``ArrayAPIBackend``: the Backend protocol over any Array API namespace (2024.12+).
+"""``ArrayAPIBackend``: the Backend protocol over any Array API namespace (2023.12+).
 
 Only the standard, reached through ``array-api-compat``: no import of a particular array
 library here. Tables are logical MOD/DIV shards (one array each, ``meshembed.sharding``); the
@@ -22,9 +22,9 @@ from meshembed_array_api import kernels
 from meshembed_array_api.table import ArrayAPIShardedTable
 
 
-#: The oldest Array API standard the core's math runs on (it passes Python scalars to
-#: element-wise functions, allowed from 2024.12; the kernels here need 2023.12).
-MIN_STANDARD = "2024.12"
+#: The oldest Array API standard the core runs on (the math passes static numbers to
+#: maximum/minimum as 0-d arrays, as 2023.12 requires).
+MIN_STANDARD = "2023.12"
 
 
 class ArrayAPIBackend(Backend):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from meshembed.math.common import Array, Scalar, scalar, select
+from meshembed.math.common import Array, Scalar, maximum, minimum, power, scalar, select
 
 
 class AdagradSlots(NamedTuple):
@@ -58,7 +58,7 @@ def adagrad_momentum(
     lr, mom, k, b2, eps = (scalar(xp, v, params) for v in (lr, momentum, exponent, beta2, epsilon))
     g2 = grads * grads
     acc = select(xp, b2 == 1, slots.accumulators + g2, b2 * slots.accumulators + (1 - b2) * g2)
-    s = grads * xp.pow(acc + eps, -1 / k)
+    s = grads * power(xp, acc + eps, -1 / k)
     m = mom * slots.momenta + s
     update = mom * m + s if use_nesterov else m
     return params - lr * update, AdagradMomentumSlots(acc, m)
@@ -78,10 +78,10 @@ def bounded_adagrad(
     """
     lr, max_upd, max_acc = (scalar(xp, v, params) for v in (lr, max_var_update, max_accumulator))
     acc = slots.accumulators + grads * grads
-    acc = select(xp, max_acc > 0, xp.minimum(acc, max_acc), acc)
+    acc = select(xp, max_acc > 0, minimum(xp, acc, max_acc), acc)
     denom = acc if update_accumulator_first else slots.accumulators
     delta = lr * grads / xp.sqrt(denom)
-    bounded = xp.minimum(xp.maximum(delta, -max_upd), max_upd)
+    bounded = minimum(xp, maximum(xp, delta, -max_upd), max_upd)
     delta = select(xp, max_upd > 0, bounded, delta)
     return params - delta, BoundedAdagradSlots(acc)
 
@@ -110,8 +110,8 @@ def frequency_aware_adagrad(
             lr, step_counter, l1_regularization_strength, l2_regularization_strength,
             max_lr_multiplier, probability_exponent, accumulator_decay, initial_accumulator_value))
     counters = slots.counters + 1
-    acc = xp.maximum(decay * slots.accumulators + grads * grads, init_acc)
-    lr_scale = xp.minimum(xp.pow(step / counters, expo), max_mult)
+    acc = maximum(xp, decay * slots.accumulators + grads * grads, init_acc)
+    lr_scale = minimum(xp, power(xp, step / counters, expo), max_mult)
     update = grads * lr_scale / xp.sqrt(acc) + l1 * xp.sign(params) + l2 * params
     return params - lr * update, FrequencyAwareAdagradSlots(acc, counters)
 

@@ -25,7 +25,10 @@ __all__ = [
     "clamp",
     "decay_weights",
     "is_static",
+    "maximum",
+    "minimum",
     "namespace",
+    "power",
     "quantize",
     "scalar",
     "select",
@@ -77,6 +80,30 @@ def select(xp: Any, cond: Any, if_true: Array, if_false: Array) -> Array:
     return xp.where(cond, if_true, if_false)
 
 
+def _operand(xp: Any, value: Scalar, like: Array) -> Any:
+    """``value`` as an array operand: Array API 2023.12's ``maximum``/``minimum`` take arrays
+    only (Python scalars are allowed from 2024.12), so a static number becomes a 0-d array of
+    ``like``'s dtype and device (the same value the scalar would have been converted to)."""
+    if is_static(value):
+        return xp.asarray(float(value), dtype=like.dtype, device=array_api_compat.device(like))
+    return value
+
+
+def maximum(xp: Any, x: Array, other: Scalar) -> Array:
+    """``xp.maximum(x, other)`` for an array or a scalar ``other`` (any standard version)."""
+    return xp.maximum(x, _operand(xp, other, x))
+
+
+def minimum(xp: Any, x: Array, other: Scalar) -> Array:
+    """``xp.minimum(x, other)`` for an array or a scalar ``other`` (any standard version)."""
+    return xp.minimum(x, _operand(xp, other, x))
+
+
+def power(xp: Any, x: Array, exponent: Scalar) -> Array:
+    """``xp.pow(x, exponent)`` for an array or a scalar ``exponent`` (any standard version)."""
+    return xp.pow(x, _operand(xp, exponent, x))
+
+
 def clamp(xp: Any, x: Array, lower: Scalar | None, upper: Scalar | None) -> Array:
     """Clamp ``x`` to ``[lower, upper]``; ``None`` or an infinite static bound is open."""
     lo = None if lower is None or (is_static(lower) and math.isinf(lower) and lower < 0) else lower
@@ -84,9 +111,9 @@ def clamp(xp: Any, x: Array, lower: Scalar | None, upper: Scalar | None) -> Arra
     if lo is None and hi is None:
         return x
     if lo is not None:
-        x = xp.maximum(x, scalar(xp, lo, x))
+        x = maximum(xp, x, scalar(xp, lo, x))
     if hi is not None:
-        x = xp.minimum(x, scalar(xp, hi, x))
+        x = minimum(xp, x, scalar(xp, hi, x))
     return x
 
 
@@ -111,6 +138,6 @@ def quantize(xp: Any, x: Array, lower: Scalar, upper: Scalar, num_buckets: int) 
         )
     lo = scalar(xp, lower, x)
     hi = scalar(xp, upper, x)
-    c = xp.minimum(xp.maximum(x, lo), hi)
+    c = minimum(xp, maximum(xp, x, lo), hi)
     q = (hi - lo) / (num_buckets - 1)
     return xp.floor((c - lo) / q + 0.5) * q + lo

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from meshembed.math.common import Array, Scalar, scalar
+from meshembed.math.common import Array, Scalar, minimum, scalar
 
 
 class FrequencyEstimatorSlots(NamedTuple):
@@ -28,7 +28,7 @@ def frequency_estimator(
     del grads, weight_exponent
     step, tau, max_d, thr = (scalar(xp, v, params) for v in (lr, tau, max_delta, outlier_threshold))
     delta = step - slots.last_hit_step
-    cd = xp.minimum(delta, max_d)
+    cd = minimum(xp, delta, max_d)
     outlier = delta >= thr * params
     new_d = xp.where(outlier, cd, params * (1 - tau) + cd * tau)
     return new_d, FrequencyEstimatorSlots(xp.zeros_like(delta) + step)

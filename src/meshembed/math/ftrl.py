@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from meshembed.math.common import Array, Scalar, is_static, scalar
+from meshembed.math.common import Array, Scalar, is_static, maximum, minimum, power, scalar
 
 
 class FtrlSlots(NamedTuple):
@@ -16,7 +16,7 @@ def _power(xp: Any, x: Array, p: Scalar) -> Array:
     """``x^p``; ``sqrt`` for the usual static ``p = 0.5``, as TF's kernel special-cases it."""
     if is_static(p) and float(p) == 0.5:
         return xp.sqrt(x)
-    return xp.pow(x, p)
+    return power(xp, x, p)
 
 
 def ftrl(
@@ -48,5 +48,5 @@ def ftrl(
         lin = slots.linears + grads - delta / lr * params
         bound = l1
         denom = (acc_p + beta) / lr + 2 * l2
-    numer = xp.minimum(xp.maximum(lin, -bound), bound) - lin
+    numer = minimum(xp, maximum(xp, lin, -bound), bound) - lin
     return numer / denom, FtrlSlots(acc, lin)

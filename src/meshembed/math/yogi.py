@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from meshembed.math.common import Array, Scalar, scalar
+from meshembed.math.common import Array, Scalar, maximum, minimum, scalar
 
 
 class OnlineYogiSlots(NamedTuple):
@@ -44,7 +44,7 @@ def online_yogi(
     sqrt_v = xp.sqrt(v)
     sigma = (sqrt_v - xp.sqrt(slots.vs)) / lr
     lin = slots.linears + grads - sigma * params
-    numer = xp.minimum(xp.maximum(lin, -l1), l1) - lin
+    numer = minimum(xp, maximum(xp, lin, -l1), l1) - lin
     return numer / (sqrt_v / lr + 2 * l2), OnlineYogiSlots(v, lin)
 
 

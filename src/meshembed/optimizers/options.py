@@ -13,6 +13,7 @@ import warnings
 from typing import Any, Sequence
 
 from meshembed.errors import ConfigError
+from meshembed.math.common import maximum, minimum
 
 __all__ = ["EMAOption", "GradientsClipOption", "sum_squares"]
 
@@ -95,7 +96,7 @@ class GradientsClipOption:
             return [g * scale for g in grads]
         if self.clipvalue is not None:
             v = self.clipvalue
-            return [xp.minimum(xp.maximum(g, -v), v) for g in grads]
+            return [minimum(xp, maximum(xp, g, -v), v) for g in grads]
         return grads
 
     def get_config(self) -> dict[str, Any]:
