@@ -20,6 +20,7 @@ import pytest
 
 import meshembed as me
 from conformance import distributed as _ranks
+from conformance import functional_jax as _functional
 from meshembed.errors import BackendUnavailableError
 
 #: This process's rank context when it runs as one rank of a group, else None.
@@ -38,14 +39,15 @@ def _requested() -> list[str]:
         return names
     if RANKS is not None:
         return [_ranks.BACKEND_NAME]
-    return list(me.available_backends())
+    names = list(me.available_backends())
+    return names + [_functional.NAME] if _functional.INNER in names else names  # me.jax, jitted
 
 
 def _params() -> list:
     params = []
     for name in _requested():
         try:
-            me.get_backend(name)
+            me.get_backend(_functional.INNER if name == _functional.NAME else name)
         except BackendUnavailableError as exc:
             params.append(pytest.param(name, marks=pytest.mark.skip(reason=str(exc)), id=name))
             continue
@@ -69,7 +71,15 @@ def backend_name(request) -> str:
 @pytest.fixture
 def backend(backend_name):
     """The Backend instance under test."""
-    return me.get_backend(backend_name)
+    return me.get_backend(_functional.INNER if backend_name == _functional.NAME else backend_name)
+
+
+@pytest.fixture(autouse=True)
+def _functional_front_end(request, monkeypatch):
+    """On ``jax-functional``, ``me.TPUEmbedding`` steps through jitted me.jax (functional_jax.py)."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("backend_name") == _functional.NAME:
+        monkeypatch.setattr(me, "TPUEmbedding", _functional.FunctionalEngine)
 
 
 @pytest.fixture
@@ -100,6 +110,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         callspec = getattr(item, "callspec", None)
         name = callspec.params.get("backend_name") if callspec else None
+        if name == _functional.NAME and not _functional.covers(item.nodeid):
+            item.add_marker(pytest.mark.skip(reason=_functional.SKIP_REASON))
         for pattern, reason in manifest.get(name or "", {}).items():
             if pattern in item.nodeid:
                 item.add_marker(pytest.mark.xfail(reason=f"[{name}] {reason}", strict=True))

@@ -319,3 +319,59 @@ def test_two_tower_example_on_eight_devices():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "devices=8" in out.stdout and "traces=1" in out.stdout and "TWO TOWER OK" in out.stdout
+
+
+def test_prepare_counts_distinct_ids_without_a_sort():
+    """unique_capacity's check counts distinct ids by a row mask (small vocabularies) or a
+    sort: both the same count, the same CapacityError."""
+    from meshembed_jax import api
+
+    rng = np.random.default_rng(5)
+    ids = rng.integers(-1, 300, 1000).astype(np.int32)  # -1: padding, not an id
+    want = np.unique(ids[ids >= 0]).size
+    assert api._distinct(ids, 300) == want
+    assert api._distinct(ids, 1 << 40) == want  # too large for a mask: the sort
+    cfg = me.EmbeddingConfig(tables=[me.TableConfig(name="t", vocabulary_size=300, dimension=2, optimizer=E.SGD(0.1))],
+                             features=[me.FeatureConfig(table="t", input_shape=(1000,), name="f")])
+    clean = np.where(ids < 0, 0, ids)
+    n = np.unique(clean).size
+    assert me.jax.prepare(cfg, {"f": clean}, unique_capacity=n).unique == (n,)
+    with pytest.raises(CapacityError, match=f"{n} distinct ids"):
+        me.jax.prepare(cfg, {"f": clean}, unique_capacity=n - 1)
+
+
+def test_jax_backend_processes_and_agree_in_one_process():
+    """The Backend protocol's multi-process hooks: one process, no communication."""
+    be = me.get_backend("jax")
+    assert jax.process_count() == 1
+    assert be.processes == 1
+    assert be.agree(0) == (0,) and be.agree(7) == (7,)
+
+
+_TWO_PROCESSES = """
+import sys, jax
+port, pid = sys.argv[1], int(sys.argv[2])
+jax.config.update("jax_cpu_collectives_implementation", "gloo")  # this child's own setting
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+import meshembed as me
+be = me.get_backend("jax")
+print("AGREE", be.processes, be.agree(10 + pid), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.skipif(bool(EXPECT), reason="runs its own processes")
+def test_jax_backend_agree_over_two_processes():
+    """jax.distributed on loopback (2 CPU processes, gloo): agree all-gathers each status."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESSES, str(port), str(i)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out[-2000:] + err[-2000:]
+        assert "AGREE 2 (10, 11)" in out, out + err[-2000:]

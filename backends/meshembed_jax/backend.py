@@ -240,6 +240,22 @@ class JaxBackend(JaxDenseMixin, Backend):
         """``jax.jit``; options such as ``donate_argnums``/``static_argnames`` pass through."""
         return self._jax.jit(fn, **options)
 
+    # -- processes -----------------------------------------------------------------------
+    @property
+    def processes(self) -> int:
+        """``jax.process_count()``: the processes of ``jax.distributed`` sharing the tables."""
+        return int(self._jax.process_count())
+
+    def agree(self, status: int = 0) -> tuple[int, ...]:
+        """Every process's status, in process order: one all-gather of an int32 scalar
+        (collective when ``jax.process_count() > 1``; else ``(status,)``, no communication)."""
+        if self._jax.process_count() == 1:
+            return (int(status),)
+        from jax.experimental import multihost_utils
+
+        every = multihost_utils.process_allgather(np.asarray(int(status), np.int32))
+        return tuple(int(s) for s in np.asarray(every).reshape(-1))
+
     # -- layout --------------------------------------------------------------------------
     def layout(self, placement: Placement) -> ShardLayout:
         """The (cached) device layout of a placement; equal placements share one sharding."""
