@@ -27,6 +27,7 @@ import numpy as np
 from meshembed.backend.env import env_choice, env_int
 from meshembed.backend.protocol import Backend, Capabilities, walk_blocks
 from meshembed.errors import CapacityError, ConfigError, InputError
+from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.sharding.placement import Placement
 from meshembed_jax import fnspec
 from meshembed_jax.dense import JaxDenseMixin
@@ -138,6 +139,7 @@ class JaxBackend(JaxDenseMixin, Backend):
             compiles=True,
             distributed=jax.process_count() > 1,
             runs_hlo=True,
+            update_rules=True,
             # with several processes each one holds its own gradients: check before updating
             guarded_updates=jax.process_count() == 1,
         )
@@ -595,13 +597,16 @@ class JaxBackend(JaxDenseMixin, Backend):
         tables: Sequence[JaxShardedTable],
         ids: Any,
         grads: Any,
-        fn: Callable[..., tuple[Any, ...]],
+        fn: UpdateRule | Callable[..., tuple[Any, ...]],
         *,
+        values: Sequence[Any] = (),
         grad_index: Any = None,
         grad_weights: Any = None,
         guard: Any = None,
     ) -> list[JaxShardedTable]:
-        """One compiled step: route, dedup + segment-sum, gather rows, ``fn``, scatter back.
+        """One compiled step: route, dedup + segment-sum, gather rows, the rule ``fn`` with
+        ``values`` (traced arguments: a new learning rate compiles nothing), scatter back.
+        A plain callable ``fn(g, *rows)`` is split by :mod:`.fnspec` (legacy).
 
         With ``grad_index`` the gradient of ``ids[i]`` is ``grad_weights[i] *
         grads[grad_index[i]]`` (the combiner's backward pass), formed in pieces inside the
@@ -630,7 +635,7 @@ class JaxBackend(JaxDenseMixin, Backend):
         if grad_index is None:
             gids, ggrads, _, _ = self._global_batch(layout, ids, grads)
             nb = int(gids.shape[0])
-            return self._update(tables, layout, dim, fn, nb, (gids, ggrads, guard))
+            return self._update(tables, layout, dim, fn, nb, (gids, ggrads, guard), values=values)
         from meshembed_jax.kernels import index_dtype
 
         n = int(np.prod(ids.shape))
@@ -644,7 +649,7 @@ class JaxBackend(JaxDenseMixin, Backend):
         w = (self._replicated_1d(layout, grad_weights, nb, 0, tables[0].dtype) if weighted
              else self._no_weights(layout, tables[0].dtype))
         g = self._jax.device_put(source, layout.replicated)
-        return self._update(tables, layout, dim, fn, nb, (gids, g, segs, w, guard), weighted)
+        return self._update(tables, layout, dim, fn, nb, (gids, g, segs, w, guard), weighted, values=values)
 
     def _guard(self, layout: ShardLayout, guard: Any) -> Any:
         """``guard`` replicated on the layout's mesh (a constant true one when None)."""
@@ -676,8 +681,8 @@ class JaxBackend(JaxDenseMixin, Backend):
                 )
         return layout, dim
 
-    def _fused_update(self, tables: list[JaxShardedTable], layout: ShardLayout, dim: int, fn: Callable,
-                      args: tuple, weighted: bool | None) -> bool:
+    def _fused_update(self, tables: list[JaxShardedTable], layout: ShardLayout, dim: int, fn: Any,
+                      args: tuple, weighted: bool | None, values: Sequence[Any] = ()) -> bool:
         """Run the registered fused update where it computes ``fn`` (float32 tables on CPU
         devices with the FFI kernels, automatic capacity); False where the core function must
         run. One in-place pass per device with buffers sized by the batch: no capacity to
@@ -692,7 +697,11 @@ class JaxBackend(JaxDenseMixin, Backend):
             return False
         if grads.shape[1] != dim or (weighted is None and grads.shape[0] != args[0].shape[0]):
             return False  # the core path reports the shape error before anything is written
-        found = fused_kernel(fn, len(tables))
+        if isinstance(fn, UpdateRule):
+            code = fn.fused_code(len(tables))
+            found = None if code is None else (code, fn.fused_params(values))
+        else:
+            found = fused_kernel(fn, len(tables))
         if found is None or not kernels.use_cpu_kernels(layout, np.float32):
             return False
         code, (lr, rho, eps) = found
@@ -716,18 +725,29 @@ class JaxBackend(JaxDenseMixin, Backend):
         fused_calls[0] += 1
         return True
 
-    def _update(self, tables, layout, dim, fn, nb, args, weighted=None, defer=True) -> list[JaxShardedTable]:
+    def _spec(self, fn: Any, values: Sequence[Any]) -> fnspec.FnSpec:
+        """The compiled step's key, call and traced values: from the rule (keyed on the rule,
+        ``values`` traced), or from splitting a legacy callable."""
+        if not isinstance(fn, UpdateRule):
+            spec = fnspec.split(fn)
+            return fnspec.split(fn, trace_scalars=False) if spec.key in self._static_only else spec
+        xp, key = self.xp, ("rule", fn)
+        if key in self._static_only:  # the math branches on a value in Python: one trace per value
+            fixed = tuple(values)
+            return fnspec.FnSpec((key, fixed), lambda dyn, g, *rows: apply_rule(xp, fn, fixed, g, *rows), ())
+        return fnspec.FnSpec(key, lambda dyn, g, *rows: apply_rule(xp, fn, dyn, g, *rows),
+                             tuple(float(v) for v in values))
+
+    def _update(self, tables, layout, dim, fn, nb, args, weighted=None, defer=True, values=()) -> list[JaxShardedTable]:
         """Run the (plain or combined) update kernel; ``args`` are its batch arguments."""
         from meshembed_jax import kernels
 
-        if self._fused_update(tables, layout, dim, fn, args, weighted):
+        if self._fused_update(tables, layout, dim, fn, args, weighted, values):
             return tables
         jax = self._jax
         capacity = self._capacity_for(layout, nb)
         dedup = self._dedup_for(layout, nb)
-        spec = fnspec.split(fn)
-        if spec.key in self._static_only:
-            spec = fnspec.split(fn, trace_scalars=False)
+        spec = self._spec(fn, values)
         n_tables = len(tables)
         if weighted is None:
             key = ("update", layout, dim, n_tables, capacity, dedup, spec.key)
@@ -748,7 +768,7 @@ class JaxBackend(JaxDenseMixin, Backend):
             # compilation per distinct value) instead of traced.
             self._kernels.pop(key, None)
             self._static_only.add(spec.key)
-            return self._update(tables, layout, dim, fn, nb, args, weighted)
+            return self._update(tables, layout, dim, fn, nb, args, weighted, values=values)
         for t, d in zip(tables, new):
             t.data = d
 
@@ -762,7 +782,7 @@ class JaxBackend(JaxDenseMixin, Backend):
                 if fixed:
                     raise self._capacity_error(tables[0], worst, capacity)
                 self._auto_capacity[(layout, nb)] = bucket(worst + worst // 4)
-                self._update(tables, layout, dim, fn, nb, args, weighted, defer=False)
+                self._update(tables, layout, dim, fn, nb, args, weighted, defer=False, values=values)
 
         if defer and not fixed and jax.process_count() == 1:
             # Automatic capacity (growing is the only outcome of an overflow): check when

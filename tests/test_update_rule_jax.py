@@ -1,0 +1,63 @@
+"""JAX takes the UpdateRule too: a learning rate that changes every step is a traced argument
+of the compiled update, so 30 steps compile nothing after warm-up (issue #18)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import meshembed as me  # noqa: E402
+from conformance.test_engine_optimizers import CASES, OPTIONS, D, V, _config, _gradients, _inputs  # noqa: E402
+
+E = me.embedding
+STEPS = 30
+WARM_UP = 3  # one compilation per distinct batch shape: the three inputs repeat from step 3
+_COMPILES = [0]
+
+
+def _count(event: str, *args, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count)
+
+COUNT_CASES = [(name, "plain") for name in CASES] + [
+    (name, option) for name in ("adam_lazy_sum_inside_sqrt", "ftrl", "sgd")
+    for option in ("gradient_clip", "weight_clip", "weight_decay_by_lr")]
+
+
+def _run(backend, name, option):
+    case = CASES[name]
+    kw = dict(OPTIONS[option])
+    if case["dynamic"]:
+        kw["_tag"] = 1
+    opt = case["spec"](E.DynamicLearningRate(0), **kw)
+    table0 = np.random.default_rng(7).uniform(-0.5, 0.5, (V, D)).astype(np.float32)
+    emb = me.TPUEmbedding(_config(opt), backend=backend, num_shards=1, initializers={"t": table0})
+    counts = []
+    for s in range(STEPS):
+        feats, weights = _inputs(s % 3)
+        emb.enqueue(feats, weights)
+        emb.dequeue()
+        lrs = [np.float32(0.3 / (1 + s))] if name != "assign" else []
+        lrs += [np.float32(10 + s)] if case["dynamic"] else []
+        emb.apply_gradients(_gradients(s % 3, case["grad_scale"]), learning_rates=lrs)
+        got = emb.retrieve_parameters("t")  # waits for the step (and any capacity redo)
+        counts.append(_COMPILES[0])
+    return got, counts
+
+
+@pytest.mark.parametrize("name,option", COUNT_CASES, ids=[f"{n}-{o}" for n, o in COUNT_CASES])
+def test_changing_learning_rate_compiles_nothing_after_warm_up(monkeypatch, name, option):
+    monkeypatch.setenv("MESHEMBED_JAX_FUSED", "0")  # every optimizer through the compiled core function
+    assert me.get_backend("jax").capabilities.update_rules
+    be = me.get_backend("jax")
+    got, counts = _run("jax", name, option)
+    assert counts[-1] == counts[WARM_UP - 1], f"recompiled after warm-up: compilations so far per step {counts}"
+    assert any(isinstance(k[-1], tuple) and k[-1][:1] == ("rule",) for k in be._kernels), "no kernel keyed on the rule"
+    want, _ = _run("numpy", name, option)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=2e-5, atol=2e-6, err_msg=key)
