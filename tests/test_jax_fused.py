@@ -1,6 +1,6 @@
 """The JAX backend's registered fused CPU updates (``meshembed_fused_update`` in
 ``meshembed_jax/cpu_kernels.cc``, formulas shared with the torch backend in
-``meshembed/cpp/row_kernels.h``) against the core functions they stand in for: every
+``meshembed_native/row_kernels.h``) against the core functions they stand in for: every
 registered algorithm, plain and weighted (mean combiner) gradients, 1 shard, 3 MOD shards and
 2 DIV shards, on JAX with the kernel, on JAX without it (the core function compiled by XLA)
 and on the NumPy reference. The 8-device runs are in test_jax_conformance_devices.py and

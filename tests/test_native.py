@@ -1,8 +1,16 @@
-"""meshembed.native: the cache key of a built kernel library covers the shared headers."""
+"""meshembed_native: the cache key of a built kernel library covers the shared headers; the
+one huge-page helper asks for whole 2 MiB pages only."""
 
 from __future__ import annotations
 
-from meshembed import native
+import pathlib
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from meshembed_native import build as native
+from meshembed_native import pages
 
 
 def test_library_key_covers_source_flags_and_headers(tmp_path, monkeypatch):
@@ -18,3 +26,50 @@ def test_library_key_covers_source_flags_and_headers(tmp_path, monkeypatch):
     assert native.library_path(source, "k", flags=(*native.FLAGS, "-fopenmp")) != first
     (include / "shared.h").write_text("// v2\n")  # a header edit must rebuild every kernel
     assert native.library_path(source, "k") != first
+
+
+def test_the_shared_header_is_on_the_include_path_and_in_the_key():
+    assert (native.INCLUDE_DIR / "row_kernels.h").is_file()
+    assert native.INCLUDE_DIR.name == "meshembed_native"  # backend-side, not in the core
+
+
+def test_the_core_carries_no_cpp_and_no_build_driver():
+    import meshembed
+
+    core = pathlib.Path(meshembed.__file__).parent
+    assert not list(core.rglob("*.h")) and not list(core.rglob("*.cc")) and not (core / "native.py").exists()
+
+
+class _Madvise:
+    """Stands in for libc's ``madvise`` (a ctypes function: it takes ``argtypes``)."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __call__(self, start, length, advice):
+        self.calls.append((start, length, advice))
+        return 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is asked for on Linux only")
+@pytest.mark.parametrize("collapse", [False, True])
+def test_huge_pages_cover_only_whole_pages_inside_the_buffer(monkeypatch, collapse):
+    calls: list = []
+    monkeypatch.setattr(pages.ctypes, "CDLL", lambda *a, **k: SimpleNamespace(madvise=_Madvise(calls)))
+    page = pages.HUGE_PAGE
+    pages.advise_huge_pages(3 * page + 4096, 5 * page, collapse=collapse)
+    expected = [(4 * page, 4 * page, pages.MADV_HUGEPAGE)]
+    if collapse:
+        expected.append((4 * page, 4 * page, pages.MADV_COLLAPSE))
+    assert calls == expected
+    calls.clear()
+    pages.advise_huge_pages(page + 1, page, collapse=collapse)  # no whole page inside: nothing asked
+    assert calls == []
+
+
+def test_huge_pages_on_real_memory_is_harmless():
+    import numpy as np
+
+    buf = np.zeros(3 * pages.HUGE_PAGE // 4, dtype=np.float32)
+    pages.advise_huge_pages(buf.ctypes.data, buf.nbytes, collapse=True)
+    assert not buf.any()  # a hint: the contents stay

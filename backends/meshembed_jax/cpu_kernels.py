@@ -6,7 +6,7 @@ XLA's intra-op thread pool; the optimizer formula stays the core's function comp
 
 The shared library is compiled once per source/jax version with the system C++ compiler
 (``$CXX`` or ``g++``) into ``$MESHEMBED_CACHE`` (default ``~/.cache/meshembed``), see
-:mod:`meshembed.native`. Where it cannot be built (no compiler) or on another
+:mod:`meshembed_native.build`. Where it cannot be built (no compiler) or on another
 platform the backend uses its pure-XLA kernels, which compute the same numbers;
 ``MESHEMBED_JAX_CPU_KERNELS=0`` forces them.
 """
@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from meshembed import native
+from meshembed_native import build as native
 from meshembed.backend.env import env_flag
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cc")
@@ -57,7 +57,7 @@ def library_path() -> Path:
 
 
 def build() -> Path:
-    """Compile the kernels against jax's FFI headers (once; see :mod:`meshembed.native`)."""
+    """Compile the kernels against jax's FFI headers (once; see :mod:`meshembed_native.build`)."""
     import jax.ffi
 
     return native.build_library(_SOURCE, "jax_cpu_kernels", _key(), include_dirs=[jax.ffi.include_dir()])

@@ -18,6 +18,7 @@ import numpy as np
 
 from meshembed.backend.protocol import ShardedTable
 from meshembed.sharding.placement import Placement
+from meshembed_native.pages import HUGE_PAGE_MIN_BYTES, advise_huge_pages
 
 AXIS = "shard"
 
@@ -52,7 +53,7 @@ class ShardLayout:
         return self.shards_per_device * self.max_rows
 
     # one sharding object per layout: JAX caches facts such as the device assignment on it
-    # (a new NamedSharding per call cost ~85 us in every device_put)
+    # (a new NamedSharding per call is a measurable cost in every device_put: docs/benchmarks.md)
     @cached_property
     def sharding(self) -> Any:
         from jax.sharding import NamedSharding, PartitionSpec
@@ -163,39 +164,20 @@ def unpad_shards(padded: np.ndarray, placement: Placement) -> np.ndarray:
     return out
 
 
-#: Tables at least this large get 2 MiB pages (see :func:`collapse_to_huge_pages`).
-HUGE_PAGE_MIN_BYTES = 1 << 25
-
-
 def collapse_to_huge_pages(array: Any) -> None:
-    """Back a CPU table's buffers with 2 MiB pages (Linux ``MADV_COLLAPSE``, kernel ≥ 6.1).
-
-    Row access is random, so with 4 KiB pages nearly every touched row costs a TLB miss:
-    measured on a 10⁶ × 64 float32 table, gathering 29,800 rows went 0.37 → 0.24 ms after
-    the collapse (61 ms, once). The buffers stay the same across steps (donated, written in
-    place), so they keep their pages. A hint only: anything unsupported is left as it is.
+    """Back a CPU table's buffers with 2 MiB pages: XLA has already allocated and written
+    them, so collapse them now (``MADV_COLLAPSE``, Linux ≥ 6.1; docs/benchmarks.md, "Huge
+    pages"). The buffers stay the same across steps (donated, written in place), so they keep
+    their pages. A hint only: anything unsupported is left as it is.
     """
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
     try:
         shards = [s.data for s in array.addressable_shards]
         if any(d.platform != "cpu" for s in shards for d in s.devices()):  # (a cached set: never pop it)
             return
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        page = 1 << 21
         for s in shards:
             nbytes = s.size * s.dtype.itemsize
-            if nbytes < HUGE_PAGE_MIN_BYTES:
-                continue
-            ptr = s.unsafe_buffer_pointer()
-            start, end = -(-ptr // page) * page, (ptr + nbytes) // page * page
-            if end > start:
-                libc.madvise(start, end - start, 14)  # MADV_HUGEPAGE: keep them huge
-                libc.madvise(start, end - start, 25)  # MADV_COLLAPSE: now
+            if nbytes >= HUGE_PAGE_MIN_BYTES:
+                advise_huge_pages(s.unsafe_buffer_pointer(), nbytes, collapse=True)
     except Exception:  # noqa: BLE001 - a performance hint must never break table creation
         return
 

@@ -8,7 +8,7 @@ unique row — what fbgemm's TBE does, and what the W1 target asks of this backe
 ``MESHEMBED_TORCH_FUSED=0`` turns it off, and the conformance tests run every registered
 kernel against the core function and the NumPy reference.
 
-Built on first use with the system compiler (see :mod:`meshembed.native`); where it cannot
+Built on first use with the system compiler (see :mod:`meshembed_native.build`); where it cannot
 be built the core function runs (one RuntimeWarning).
 """
 
@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-from meshembed import native
+from meshembed_native import build as native
 from meshembed.backend.env import env_flag
 from meshembed.errors import InputError
 from meshembed.math.rule import REGISTERED_FUSED, UpdateRule

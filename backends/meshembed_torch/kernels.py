@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from meshembed.backend.env import env_flag
+from meshembed_native.pages import HUGE_PAGE_MIN_BYTES, advise_huge_pages
 
 _BAG_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -256,9 +257,6 @@ class RowMap:
         return local + self._offsets.index_select(0, owner)
 
 
-#: Tables at least this large ask the kernel for transparent huge pages (see ``empty_rows``).
-HUGE_PAGE_MIN_BYTES = 32 << 20
-_HUGE = 1 << 21
 
 
 MALLOC_ENV = "MESHEMBED_TORCH_MALLOC_TUNING"
@@ -309,27 +307,14 @@ def empty_rows(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     :func:`tune_malloc` run: a table that large means training steps with MiB temporaries).
 
     Row access of an embedding table is random, so with 4 KiB pages nearly every touched row
-    costs a TLB miss. ``madvise(MADV_HUGEPAGE)`` before the first write (the kernel's THP mode
-    here is ``madvise``) measured 2× faster random row gathers and scatters on a
-    1,000,000 × 64 float32 table (index_select of 29,800 rows 1.1 → 0.6 ms, index_copy_
-    5.4 → 2.7 ms, one thread). Anything that fails leaves ordinary pages: it is only a hint.
+    costs a TLB miss; ``MADV_HUGEPAGE`` before the first write halves the time of random row
+    gathers and scatters (docs/benchmarks.md, "Huge pages"). Only a hint.
     """
     out = torch.empty(shape, dtype=dtype, device=device)
     nbytes = out.numel() * out.element_size()
     if device.type == "cpu" and sys.platform.startswith("linux") and nbytes >= HUGE_PAGE_MIN_BYTES:
-        _advise_huge_pages(out.data_ptr(), nbytes)
+        advise_huge_pages(out.data_ptr(), nbytes)
         tune_malloc()
     return out
 
 
-def _advise_huge_pages(addr: int, nbytes: int) -> None:
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        start = (addr + _HUGE - 1) & ~(_HUGE - 1)
-        end = (addr + nbytes) & ~(_HUGE - 1)
-        if end > start:
-            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
-    except (OSError, AttributeError):
-        pass

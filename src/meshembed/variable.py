@@ -24,7 +24,7 @@ def dtype_name(dtype: Any) -> str:
     """Backend-neutral dtype name (``"float32"``) of a NumPy, torch or JAX dtype.
 
     Memoised: an optimizer step asks several times per variable, and NumPy's dtype
-    stringification costs ~10 µs (64 variables: ~3 ms a step)."""
+    stringification is slow enough to show in a step of many variables (docs/benchmarks.md)."""
     try:
         return _DTYPE_NAMES[dtype]
     except (KeyError, TypeError):

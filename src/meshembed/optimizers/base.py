@@ -14,10 +14,11 @@ compiling pays: ``jax.jit``; torch compiles once a step touches ~10⁶ elements;
 is). On a backend with mutable arrays that compiles (torch), a dense step without EMA is
 compiled *in place*: one fused pass reads the gradient, the variable and its slots and writes
 the new values over the old ones — no fresh arrays (each a page-faulting ``mmap`` above 32 MiB)
-and ~3× less memory traffic. Those in-place updates are staged like every other write and only
-run at commit, after every step of every variable has been built and validated, so an error
-still leaves everything unchanged. Variables updated this way keep their array object: a
-reference taken from ``variable.value`` sees the new values (as with Keras and torch.optim).
+and a fraction of the memory traffic (docs/benchmarks.md). Those in-place updates are staged
+like every other write and only run at commit, after every step of every variable has been
+built and validated, so an error still leaves everything unchanged. Variables updated this
+way keep their array object: a reference taken from ``variable.value`` sees the new values
+(as with Keras and torch.optim).
 On JAX (immutable arrays) the staged step is jitted with the old buffers donated and the
 variables hold the results: a reference taken before the step is then a deleted array, as
 with any donating ``jax.jit`` step (``optax`` training loops alike).
@@ -433,10 +434,9 @@ class Optimizer:
 
     def _run_in_place(self, updates: Sequence["_InPlace"]) -> None:
         """Run staged in-place updates, up to ``backend.in_place_group(step)`` consecutive ones
-        of the same step in one compiled call: a compiled call costs ~0.1 ms of dispatch and
-        guards, so 64 variables of 2¹⁸ floats took 16 ms one by one and 9.6 ms in groups of 8
-        (16: 8.8 ms, but a cold XLA compile grows with the group: 12 s for 8, 15 s for 16;
-        JAX's fused kernel compiles in no time and takes 64)."""
+        of the same step in one compiled call: each compiled call pays dispatch and guards, so
+        grouping saves time, while a cold XLA compile grows with the group; the backend picks
+        the size (figures: docs/benchmarks.md, "Measurements behind design choices")."""
         # A gradient may be another (or the same) variable's own array: copy it before any
         # update overwrites or donates that array, so every step reads the values it was given.
         written = {id(t) for u in updates for t in u.targets}

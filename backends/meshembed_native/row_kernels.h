@@ -1,7 +1,7 @@
 // Row kernels shared by the backends' C++ code (the JAX backend's FFI kernels, the torch
 // backend's fused CPU updates): bitmap dedup of table rows, per-row gradient sums in batch
 // order, and the registered fused optimizer formulas (ApplyRow). Header-only; built in by
-// meshembed/native.py, which puts this directory on the include path.
+// meshembed_native/build.py, which puts this directory on the include path.
 #pragma once
 
 #include <algorithm>

@@ -1,8 +1,8 @@
 """Building a backend's small C++ kernels on first use (like ``torch.utils.cpp_extension.load``).
 
-A backend ships a ``.cc`` file (which may include the shared headers of ``cpp/``, e.g. the
-bitmap row dedup); :func:`build_library` compiles it with the system compiler
-(``$CXX`` or ``g++``) into ``$MESHEMBED_CACHE`` (default ``~/.cache/meshembed``), once per
+A backend ships a ``.cc`` file (which may include the shared headers of this package, e.g.
+the bitmap row dedup of ``row_kernels.h``); :func:`build_library` compiles it with the
+system compiler (``$CXX`` or ``g++``) into ``$MESHEMBED_CACHE`` (default ``~/.cache/meshembed``), once per
 source, flags, caller's key (framework versions) and CPU, under a file lock so that several
 processes (tests, ``jax.distributed``, ``torchrun``) can ask at once. A backend that cannot
 build its kernels falls back to its framework's own ops.
@@ -27,7 +27,7 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contrac
 
 #: Headers every kernel may include (``#include "row_kernels.h"``): on the include path of
 #: every build, and part of every library's cache key.
-INCLUDE_DIR = Path(__file__).with_name("cpp")
+INCLUDE_DIR = Path(__file__).parent
 
 
 class BuildError(RuntimeError):
