@@ -23,7 +23,7 @@ from meshembed.math.registry import OptimizerMath, apply_update
 __all__ = ["REGISTERED_FUSED", "UpdateRule", "apply_rule", "registered_code"]
 
 #: The registered fused updates: algorithm (proto name) -> (kernel code, slot count,
-#: hyper-parameters it reads besides lr). The C++ kernels (``meshembed/cpp/row_kernels.h``)
+#: hyper-parameters it reads besides lr). The C++ kernels (``meshembed_native/row_kernels.h``)
 #: take ``(lr, rho, epsilon)``; an optimisation of :func:`apply_rule`, tested against it.
 REGISTERED_FUSED: dict[str, tuple[int, int, tuple[str, ...]]] = {
     "stochastic_gradient_descent": (0, 0, ()),
