@@ -72,17 +72,6 @@ def test_the_backends_switches_read_off_as_off(monkeypatch):
         assert read() is True, name
 
 
-def test_jax_capacity_typo_is_a_config_error(monkeypatch):
-    pytest.importorskip("jax")
-    from meshembed_jax import JaxBackend
-
-    monkeypatch.setenv("MESHEMBED_JAX_CAPACITY", "lots")
-    with pytest.raises(ConfigError, match="MESHEMBED_JAX_CAPACITY='lots'"):
-        JaxBackend()
-    monkeypatch.setenv("MESHEMBED_JAX_CAPACITY", "128")
-    assert JaxBackend().capacity == 128
-
-
 def test_env_choice(monkeypatch):
     from meshembed.backend.env import env_choice
 
@@ -95,20 +84,29 @@ def test_env_choice(monkeypatch):
         env_choice(NAME, ("dense", "sort"))
 
 
-def test_backend_choice_switches_name_the_variable(monkeypatch):
+def _jax():
     pytest.importorskip("jax")
     from meshembed_jax import JaxBackend
 
-    monkeypatch.setenv("MESHEMBED_JAX_DEDUP", "hash")
-    with pytest.raises(ConfigError, match="MESHEMBED_JAX_DEDUP='hash'"):
-        JaxBackend()
-    monkeypatch.setenv("MESHEMBED_JAX_DEDUP", "Dense")
-    assert JaxBackend().dedup == "dense"
+    return JaxBackend()
+
+
+def _torch():
     pytest.importorskip("torch")
     from meshembed_torch import TorchBackend
 
-    monkeypatch.setenv("MESHEMBED_TORCH_COMPILE", "sometimes")
-    with pytest.raises(ConfigError, match="MESHEMBED_TORCH_COMPILE='sometimes'"):
-        TorchBackend()
-    monkeypatch.setenv("MESHEMBED_TORCH_COMPILE", "NEVER")
-    assert TorchBackend()._compile_mode == "never"
+    return TorchBackend()
+
+
+@pytest.mark.parametrize("name, bad, good, make, read, expected", [
+    ("MESHEMBED_JAX_CAPACITY", "lots", "128", _jax, lambda b: b.capacity, 128),
+    ("MESHEMBED_JAX_DEDUP", "hash", "Dense", _jax, lambda b: b.dedup, "dense"),
+    ("MESHEMBED_TORCH_COMPILE", "sometimes", "NEVER", _torch, lambda b: b._compile_mode, "never"),
+])
+def test_backend_switches_name_the_variable(monkeypatch, name, bad, good, make, read, expected):
+    """A bad value of a backend's int/choice switch is a ConfigError naming the variable."""
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(ConfigError, match=f"{name}={bad!r}"):
+        make()
+    monkeypatch.setenv(name, good)
+    assert read(make()) == expected
