@@ -14,8 +14,8 @@ namespace meshembed {
 
 // Unique owned rows (ids[k] in [0, m)) in ascending order, from a bitmap of the m rows:
 // slot of row r = number of owned rows below r (popcounts). Ascending slots make later
-// gathers and scatters walk the table in address order (measured on torch's W1 path:
-// 5.4 ms sorted vs 5.8 ms in a hashed order). Returns the count; slot_of[k] = slot, or -1
+// gathers and scatters walk the table in address order (faster than a hashed order: see
+// docs/benchmarks.md). Returns the count; slot_of[k] = slot, or -1
 // for an id outside [0, m); uniq gets the rows when count <= cap. Scratch is kept per
 // calling thread: fresh megabytes every call would cost a page fault per 4 KiB.
 template <class I>
@@ -84,7 +84,7 @@ inline void AddRow(T* __restrict out, const T* __restrict row, T a, int64_t d) {
 
 // A row of sums kept in vector registers when its width D is known at compile time
 // (D == 0: width d at run time, in a per-thread buffer): a sum of rows that reads and writes
-// memory instead runs ~1.6x slower (W1's forward, one thread: 1.0 vs 1.65 ms).
+// memory instead runs markedly slower (docs/benchmarks.md).
 template <int D, class T>
 struct LocalRow {
   T fixed[D > 0 ? D : 1];
