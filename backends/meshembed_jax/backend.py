@@ -169,9 +169,9 @@ class JaxBackend(JaxDenseMixin, Backend):
         """One compiled check over every array; dispatched, not waited for.
 
         On one CPU device (float32/float64) an FFI kernel tests the exponent bits on XLA's
-        thread pool (W1's gradient: 0.05-0.14 ms against 0.25 ms for XLA); elsewhere
+        thread pool (faster than XLA: docs/benchmarks.md); elsewhere
         ``sum(x * 0)``, 0 when every element is finite and NaN otherwise (it cannot
-        overflow): exact, and ~3x faster than XLA's ``all(isfinite(x))``."""
+        overflow): exact, and faster than XLA's ``all(isfinite(x))``."""
         from meshembed_jax import cpu_kernels
 
         jnp = self._jax.numpy
@@ -201,7 +201,7 @@ class JaxBackend(JaxDenseMixin, Backend):
         if self.is_native(x):
             return x if dtype is None or x.dtype == dtype else x.astype(dtype)
         if isinstance(x, np.ndarray) or not isinstance(x, (np.generic, int, float, bool, list, tuple)):
-            # torch CPU tensors, cupy via __array__, ...; device_put is ~2x faster than jnp.asarray
+            # torch CPU tensors, cupy via __array__, ...; device_put is faster than jnp.asarray
             host = np.asarray(x, dtype=dtype)
             if host.dtype.itemsize == 8 and not self._jax.config.jax_enable_x64:
                 host = host.astype(host.dtype.kind + "4") if host.dtype.kind in "fiu" else host

@@ -1,7 +1,7 @@
 """The CPU row kernels (``cpu_kernels.cc``): built on first use, registered with XLA's FFI.
 
 Why: XLA's CPU gathers and scatters move rows element by element on one thread, which made
-the W1 step 3-5x slower than the torch backend. These kernels only move and sum rows on
+the W1 step several times slower than the torch backend (docs/benchmarks.md). These kernels only move and sum rows on
 XLA's intra-op thread pool; the optimizer formula stays the core's function compiled by XLA.
 
 The shared library is compiled once per source/jax version with the system C++ compiler
