@@ -9,7 +9,8 @@ a constant learning rate and with a learning rate (dynamic tag) changing every s
 fbgemm's CPU TBE row appears when ``fbgemm_gpu`` is installed (``benchmarks.jax_w1``).
 
 Run: ``python -m benchmarks.jax_api_w1 [--tiny] [--repeats N] [--optimizers sgd,adam]``.
-Prints medians and the ratios me.jax / engine and changing / constant lr.
+Prints medians and the ratios me.jax / engine and changing / constant lr. ``--profile``
+interleaves the two steps and splits each into its host part and the whole (waited) step.
 """
 
 from __future__ import annotations
@@ -128,12 +129,81 @@ def run(sizes: dict, repeats: int, optimizers: tuple[str, ...], verbose: bool = 
     return out
 
 
+def profile(sizes: dict, repeats: int, optimizers: tuple[str, ...]) -> dict:
+    """Interleaved (engine step, me.jax step, engine step, ...), so load drifts hit both
+    alike; each step split into its host part (``enqueue`` / ``prepare``) and the whole step
+    waited for with ``jax.block_until_ready``. {optimizer: {part: median ms}}."""
+    import statistics
+    import time
+
+    import jax
+
+    import meshembed as me
+
+    out = {}
+    for optimizer in optimizers:
+        cfg = _config(sizes, optimizer, False)
+        emb = me.TPUEmbedding(cfg, backend="jax", num_shards=1)
+        ragged, grad = _inputs(sizes)
+        grad = jax.device_put(grad)
+        capacity = sizes["batch"] * sizes["ids_per_sample"]
+        unique = int(np.unique(ragged.values).size)
+        unique = -(-(unique + unique // 4) // 1024) * 1024
+        holder = {"state": me.jax.init(cfg)}
+
+        def train(state, batch, g):
+            acts = me.jax.lookup(state, batch)
+            return me.jax.apply_gradients(state, batch, {"f": g + 1e-3 * acts["f"]}), acts["f"]
+
+        jitted = jax.jit(train, donate_argnums=0)
+        times: dict[str, list[float]] = {k: [] for k in ("enqueue", "engine step", "prepare", "me.jax step")}
+
+        def engine() -> None:
+            t0 = time.perf_counter()
+            emb.enqueue([ragged])
+            t1 = time.perf_counter()
+            acts = emb.dequeue()
+            emb.apply_gradients([grad + 1e-3 * acts[0]])
+            jax.block_until_ready((acts, emb._state[0][0].data))
+            times["enqueue"].append((t1 - t0) * 1e3)
+            times["engine step"].append((time.perf_counter() - t0) * 1e3)
+
+        def functional() -> None:
+            t0 = time.perf_counter()
+            batch = me.jax.prepare(cfg, {"f": ragged}, capacity=capacity, unique_capacity=unique)
+            t1 = time.perf_counter()
+            holder["state"], acts = jitted(holder["state"], batch, grad)
+            jax.block_until_ready((acts, holder["state"].tables))
+            times["prepare"].append((t1 - t0) * 1e3)
+            times["me.jax step"].append((time.perf_counter() - t0) * 1e3)
+
+        for i in range(2 + repeats):
+            if i == 2:
+                for v in times.values():
+                    v.clear()
+            engine()
+            functional()
+        med = {k: statistics.median(v) for k, v in times.items()}
+        med["ratio me.jax / engine"] = med["me.jax step"] / med["engine step"]
+        print(f"{optimizer:9s} " + "  ".join(f"{k} {v:.2f}" + ("x" if k.startswith("ratio") else " ms")
+                                             for k, v in med.items()), flush=True)
+        out[optimizer] = med
+        del emb, holder
+        gc.collect()
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CI sizes")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    ap.add_argument("--profile", action="store_true",
+                    help="interleaved engine / me.jax steps: host part (enqueue / prepare) and whole step")
     args = ap.parse_args(argv)
+    if args.profile:
+        profile(TINY_W1 if args.tiny else W1, args.repeats, tuple(args.optimizers.split(",")))
+        return
     try:
         import fbgemm_gpu  # noqa: F401
     except ImportError:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from meshembed.embedding.engine import TPUEmbedding
-from meshembed.errors import CapacityError, MeshembedError
+from meshembed.errors import CapacityError, ConfigError, MeshembedError
 
 NAME = "jax-functional"
 #: The registry backend underneath.
@@ -54,8 +54,22 @@ def _jitted() -> tuple[Any, Any]:
     return _JIT["lookup"], _JIT["apply"]
 
 
-def _same_bits(got: Any, want: Any, what: str) -> None:
+#: On several devices me.jax's step is one SPMD program, while the engine runs each kernel as
+#: its own program: XLA:CPU fuses the optimizers' math differently there (measured: 1e-9 to
+#: 3.6e-7 apart after a step, Adam, FTRL, RMSProp, Lion, Yogi, AdagradMomentum, clipped or
+#: decayed Adadelta/Adagrad). So: bit for bit on one device; on several, the suite's
+#: backend-vs-backend tolerance (tolerances.assert_close, float32 rtol 2e-6).
+
+
+def _same_bits(got: Any, want: Any, what: str, tolerant: bool = False) -> None:
     got, want = np.asarray(got), np.asarray(want)
+    if tolerant and got.shape == want.shape and got.dtype == want.dtype:
+        from conformance.tolerances import assert_close
+
+        nan = np.isnan(got)
+        if not np.array_equal(nan, np.isnan(want)):
+            raise AssertionError(f"me.jax and TPUEmbedding(jax) have NaN in different places in {what}")
+        return assert_close(np.where(nan, 0, got), np.where(nan, 0, want), what=f"me.jax vs TPUEmbedding(jax): {what}")
     ok = (got.shape == want.shape and got.dtype == want.dtype
           and np.array_equal(got, want, equal_nan=True) and np.array_equal(np.signbit(got), np.signbit(want)))
     if not ok:
@@ -79,7 +93,15 @@ class FunctionalEngine(TPUEmbedding):
         (the jitted calls retrace only when the shard layouts change, e.g. never)."""
         from meshembed_jax import api
 
-        state = api.from_engine(self)  # ConfigError for what me.jax does not support
+        try:
+            state = api.from_engine(self)  # ConfigError for what me.jax does not support
+        except ConfigError as exc:
+            if "needs every table on the same devices" in str(exc):  # a tiny table on 8 devices
+                import pytest
+
+                pytest.xfail(f"[{NAME}] me.jax refuses tables on different device sets (one jitted step "
+                             f"takes them all; the engine caps a default shard count per table): {exc}")
+            raise
         cached = getattr(self, "_fstatic", None)
         if cached is None or cached.shard_layouts != state._static.shard_layouts:
             self._fstatic = cached = state._static
@@ -126,7 +148,15 @@ class FunctionalEngine(TPUEmbedding):
         try:
             return api.prepare(self.config, features, weights, unique_capacity=caps)
         except CapacityError:
+            pass
+        # prepare's check counts the distinct ids of all devices (a bound on each device's);
+        # the engine's capacity is per device and, for <= 1024 ids, min(ids, rows per device):
+        # it holds every device's distinct rows by construction, so the bound is safe to use
+        if max(sizes.values()) > 1024:
             return None
+        b = api.prepare(self.config, features, weights)
+        return api.Batch(b.ids, b.slots, b.scale, b.features,
+                         tuple(caps.get(t.name) for t in self.layout.tables))
 
     def dequeue(self) -> Any:
         want = super().dequeue()  # the engine's state checks; the pending batch is marked read
@@ -159,12 +189,16 @@ class FunctionalEngine(TPUEmbedding):
                   for f, g in zip(self.layout.features, grads)]
         _, apply = _jitted()
         new = apply(state, batch, shaped, list(lrs))  # not donated: the engine's step reads the same arrays
+        import jax
+
+        jax.block_until_ready(new)  # done reading them before the engine's kernels donate them
         super().apply_gradients(gradients, learning_rates, allow_nonfinite=allow_nonfinite)
         st = new._static
         for t in self.layout.tables:
             names = st.names[t.index]
+            tolerant = jax.device_count() > 1
             for n, old in zip(names, self._state[t.index]):
-                _same_bits(new.tables[t.name][n], old.data, f"table {t.name!r} {n!r} after step {self.step}")
+                _same_bits(new.tables[t.name][n], old.data, f"table {t.name!r} {n!r} after step {self.step}", tolerant)
             self._state[t.index] = [JaxShardedTable(new.tables[t.name][n], st.shard_layouts[t.index], t.dimension)
                                     for n in names]
         if int(new.step) != self.step:

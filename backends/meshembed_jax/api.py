@@ -136,6 +136,21 @@ def _int() -> Any:
     return jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
 
 
+def _same_devices(layout: Layout, layouts: dict[int, ShardLayout]) -> None:
+    """One jitted step takes every table: they must live on the same devices (a default
+    shard count is capped per table at its row count, which can leave a tiny table on fewer)."""
+    sets = {t.name: tuple(d.id for d in layouts[t.index].mesh.devices.flat) for t in layout.tables}
+    widest = max(sets.values(), key=len, default=())
+    for name, devs in sets.items():
+        if devs != widest:
+            raise ConfigError(
+                f"Table {name!r} is sharded over {len(devs)} device(s) but another table over {len(widest)}: "
+                "one jitted me.jax step needs every table on the same devices. Fix: a vocabulary_size of at "
+                f"least {len(widest)} rows for {name!r}, or a mesh of at most {len(devs)} device(s) "
+                "(me.jax.init(config, mesh=...))."
+            )
+
+
 def from_engine(emb: TPUEmbedding) -> EmbeddingState:
     """The state of a ``TPUEmbedding`` on the JAX backend (its arrays, not copies: the engine
     must not step afterwards if the state is donated)."""
@@ -148,6 +163,7 @@ def from_engine(emb: TPUEmbedding) -> EmbeddingState:
         layouts[t.index] = state[0].layout
         names = ("parameters",) + emb.table_slot_names(t.name)
         tables[t.name] = {n: s.data for n, s in zip(names, state)}
+    _same_devices(emb.layout, layouts)
     static = _Static(emb.config, emb.layout, emb.backend, layouts, emb.num_shards)
     # replicated on the tables' mesh, as a jitted step returns it (else the 2nd step retraces)
     where = next(iter(layouts.values())).replicated if layouts else None
