@@ -273,7 +273,7 @@ def test_eight_devices():
     env.pop("MESHEMBED_JAX_CAPACITY", None)
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-         "-k", "bit_identical or devices_as_expected or sharded or save_restore"],
+         "-k", "bit_identical or devices_as_expected or sharded or save_restore or device_sets"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
@@ -375,3 +375,17 @@ def test_jax_backend_agree_over_two_processes():
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out[-2000:] + err[-2000:]
         assert "AGREE 2 (10, 11)" in out, out + err[-2000:]
+
+
+def test_tables_on_different_device_sets_are_refused():
+    """A default shard count is capped per table at its rows: on 8 devices a 3-row table
+    lives on 3, which one jitted step cannot take with the others, so me.jax says so."""
+    if len(jax.devices()) == 1:
+        pytest.skip("needs several devices (runs in test_eight_devices)")
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig(name="big", vocabulary_size=64, dimension=2, optimizer=E.SGD(0.1)),
+                me.TableConfig(name="tiny", vocabulary_size=3, dimension=2, optimizer=E.SGD(0.1))],
+        features=[me.FeatureConfig(table="big", input_shape=(4,), name="a"),
+                  me.FeatureConfig(table="tiny", input_shape=(4,), name="b")])
+    with pytest.raises(me.ConfigError, match=r"Table 'tiny' is sharded over 3 device\(s\).*same devices"):
+        me.jax.init(cfg)
