@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -29,7 +30,8 @@ def _suite_on_eight_devices(backend: str, paths: list[str]) -> str:
     )
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
-    assert " passed" in proc.stdout and "failed" not in proc.stdout.splitlines()[-1], tail
+    last = proc.stdout.splitlines()[-1]
+    assert " passed" in last and not re.search(r"\d+ failed", last), tail  # "xfailed" is fine
     return proc.stdout
 
 
@@ -39,7 +41,8 @@ def test_conformance_suite_on_eight_jax_devices():
 
 def test_embedding_conformance_through_me_jax_on_eight_devices():
     """The embedding suite (conformance/test_engine*.py) through jitted me.jax on 8 devices,
-    each step bit-identical to TPUEmbedding(jax) (conformance/functional_jax.py asserts it)."""
+    each step checked against TPUEmbedding(jax) (conformance/functional_jax.py: bits on one
+    device; on several, float32 tolerance, since one SPMD program fuses the math differently)."""
     engine = sorted(str(p) for p in (ROOT / "conformance").glob("test_engine*.py"))
     out = _suite_on_eight_devices("jax-functional", engine)
-    assert "xfailed" in out.splitlines()[-1]  # use_gradient_accumulation=False: refused by me.jax
+    assert "xfailed" in out.splitlines()[-1]  # accumulation off; tiny tables on fewer devices
