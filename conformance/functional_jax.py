@@ -58,7 +58,12 @@ def _jitted() -> tuple[Any, Any]:
 #: its own program: XLA:CPU fuses the optimizers' math differently there (measured: 1e-9 to
 #: 3.6e-7 apart after a step, Adam, FTRL, RMSProp, Lion, Yogi, AdagradMomentum, clipped or
 #: decayed Adadelta/Adagrad). So: bit for bit on one device; on several, the suite's
-#: backend-vs-backend tolerance (tolerances.assert_close, float32 rtol 2e-6).
+#: backend-vs-backend tolerance (tolerances.assert_close, float32 rtol 2e-6). The optimizers
+#: whose formula has a pow of a static exponent (FTRL's learning_rate_power, the Yogi family)
+#: get that tolerance on one device too: static hyper-parameters are constants in both
+#: programs (so 1 - beta_2 is the NumPy reference's), and XLA folds a constant exponent
+#: differently inside a user's jit than in the engine's own kernel (1 ulp, measured on FTRL).
+_POW_OF_A_CONSTANT = ("ftrl", "proximal_yogi", "online_yogi", "adagrad_momentum", "frequency_aware_adagrad")
 
 
 def _same_bits(got: Any, want: Any, what: str, tolerant: bool = False) -> None:
@@ -196,7 +201,7 @@ class FunctionalEngine(TPUEmbedding):
         st = new._static
         for t in self.layout.tables:
             names = st.names[t.index]
-            tolerant = jax.device_count() > 1
+            tolerant = jax.device_count() > 1 or t.optimizer.algorithm in _POW_OF_A_CONSTANT
             for n, old in zip(names, self._state[t.index]):
                 _same_bits(new.tables[t.name][n], old.data, f"table {t.name!r} {n!r} after step {self.step}", tolerant)
             self._state[t.index] = [JaxShardedTable(new.tables[t.name][n], st.shard_layouts[t.index], t.dimension)

@@ -18,10 +18,11 @@ import numpy as np
 
 from meshembed.embedding import combiners, inputs
 from meshembed.embedding.engine import TPUEmbedding, _load_config
-from meshembed.embedding.layout import Layout, _is_dynamic, build_layout
-from meshembed.embedding.updates import fused_kernel, is_non_lazy, make_update_fn, uses_accumulation
+from meshembed.embedding.layout import Layout, build_layout
+from meshembed.embedding.updates import is_non_lazy, make_rule, resolve, uses_accumulation
+from meshembed.math.rule import UpdateRule
 from meshembed.errors import CapacityError, ConfigError, InputError
-from meshembed_jax import cpu_kernels, fnspec, kernels
+from meshembed_jax import cpu_kernels, kernels
 from meshembed_jax.backend import JaxBackend, bucket
 from meshembed_jax.layout import JaxShardedTable, ShardLayout
 
@@ -364,66 +365,35 @@ def _learning_rates(layout: Layout, learning_rates: Any) -> list[Any]:
     return out
 
 
-_PROBED: dict[tuple, tuple] = {}
-
-
-def _table_values(t: Any) -> list[Any]:
+def _update_fn(be: JaxBackend, t: Any, lrs: list[Any]) -> tuple[UpdateRule, Any, tuple]:
+    """(the table's UpdateRule, the backend's FnSpec for it, this step's values with the traced
+    learning rates): the same rule, key and compiled program as ``TPUEmbedding(backend="jax")``,
+    whose static hyper-parameters stay Python constants (as in the NumPy reference)."""
+    rule = make_rule(t, "jax")
     opt = t.optimizer
-    return [getattr(opt, "learning_rate", None), *dict(opt.hyperparameters()).values()]
+    given = {"lr": opt.learning_rate, **dict(opt.hyperparameters())}
+    for name in rule.dynamic[1:]:
+        given.setdefault(name, getattr(opt, name, None))
+    values = tuple(resolve(given[name], lrs) for name in rule.dynamic)
+    if values[0] is None:  # Assign: no learning rate
+        values = (0.0, *values[1:])
+    if ("rule", rule) in be._static_only:
+        raise ConfigError(f"Table {t.name!r}: its update cannot take a traced learning rate (a Python branch on "
+                          "it). Fix: a constant learning rate for this table, or train it with me.TPUEmbedding.")
+    return rule, be._spec(rule, [0.0] * len(values)), values
 
 
-def _update_fn(xp: Any, t: Any, lrs: list[Any], n_tags: int) -> tuple[Any, Any, tuple]:
-    """(fn with probe learning rates, its FnSpec, dyn with the traced learning rates in place).
-
-    Two probes with different rates show which traced leaves are learning rates (the same
-    split the backend makes of the engine's per-step function, so the same compiled kernel)."""
-    try:
-        fn, spec, spec_b = _PROBED[(t, n_tags)]
-    except (KeyError, TypeError):  # TypeError: an unhashable spec, probed every call
-        probe_a = [0.5 + k for k in range(n_tags)]
-        probe_b = [0.25 + k for k in range(n_tags)]
-        fn = make_update_fn(xp, t, probe_a, "jax")
-        spec, spec_b = fnspec.split(fn), fnspec.split(make_update_fn(xp, t, probe_b, "jax"))
-        if spec.key != spec_b.key and any(_is_dynamic(v) for v in _table_values(t)):
-            raise ConfigError(f"Table {t.name!r}: its update cannot take a traced learning rate (a Python branch on "
-                              "it). Fix: a constant learning rate for this table, or train it with me.TPUEmbedding.")
-        # a key that differs with nothing dynamic (a fresh closure, e.g. UserDefinedProgram's
-        # runner): this table's first probe is its update, kept so its kernel compiles once
-        try:
-            _PROBED[(t, n_tags)] = (fn, spec, spec_b)
-        except TypeError:
-            pass
-    probe_a = [0.5 + k for k in range(n_tags)]
-    probe_b = [0.25 + k for k in range(n_tags)]
-    dyn = []
-    for a, b in zip(spec.dyn, spec_b.dyn):
-        if a == b:
-            dyn.append(a)
-            continue
-        tag = next((k for k in range(n_tags) if a == probe_a[k] and b == probe_b[k]), None)
-        if tag is None:
-            raise ConfigError(f"Table {t.name!r}: a hyper-parameter derived from a dynamic learning rate cannot be traced.")
-        dyn.append(lrs[tag])
-    # The engine passes every hyper-parameter to the compiled kernel as a runtime value; as
-    # trace-time constants XLA would fold them (FTRL's lr_power: another pow, 1 ulp off).
-    consts = [i for i, v in enumerate(dyn) if isinstance(v, float)]
-    hidden = jax.lax.optimization_barrier(tuple(_weak(dyn[i]) for i in consts))
-    for i, v in zip(consts, hidden):
-        dyn[i] = v
-    return fn, spec, tuple(dyn)
-
-
-def _fused_code(be: JaxBackend, sl: ShardLayout, fn: Any, n_tables: int, dtypes: list) -> int | None:
-    """The registered fused kernel the engine would run for ``fn`` (see ``_fused_update``)."""
+def _fused_code(be: JaxBackend, sl: ShardLayout, rule: UpdateRule, n_tables: int, dtypes: list) -> int | None:
+    """The registered fused kernel the engine would run for ``rule`` (see ``_fused_update``)."""
     if be.capacity is not None or not cpu_kernels.fused_enabled() or any(d != np.float32 for d in dtypes):
         return None
-    found = fused_kernel(fn, n_tables)
-    return None if found is None or not kernels.use_cpu_kernels(sl, np.float32) else found[0]
+    code = rule.fused_code(n_tables)
+    return None if code is None or not kernels.use_cpu_kernels(sl, np.float32) else code
 
 
-def _hp(fn: Any, lr: Any) -> Any:
-    spec = fn.update_spec.hyperparameters
-    rho, eps = float(spec.get("rho", 0.0)), float(spec.get("epsilon", 0.0))
+def _hp(rule: UpdateRule, lr: Any) -> Any:
+    hp = dict(rule.static)
+    rho, eps = float(hp.get("rho", 0.0)), float(hp.get("epsilon", 0.0))
     consts = jnp.asarray([rho, eps, 1.0 - rho], np.float32)  # 1 - rho rounded once from double
     return jnp.concatenate([jnp.asarray(lr).astype(jnp.float32).reshape(1), consts])
 
@@ -473,7 +443,7 @@ def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learnin
         sl, dim = st.shard_layouts[t.index], t.dimension
         names = st.names[t.index]  # a dict comes back from jit with sorted keys: the order is ours
         datas = tuple(tables_in[t.name][n] for n in names)
-        fn, spec, dyn = _update_fn(be.xp, t, lrs, layout.num_dynamic_inputs)
+        rule, spec, dyn = _update_fn(be, t, lrs)
         ids = jnp.concatenate([jnp.asarray(batch.ids[k]) for k, _ in parts])
         nb = int(ids.shape[0])
         dedup = be._dedup_for(sl, nb)
@@ -488,13 +458,12 @@ def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learnin
             key = ("update_combined", sl, dim, len(datas), cap, dedup, weighted, spec.key)
             core = be._kernel(key, lambda: kernels.make_update_combined(sl, dim, len(datas), cap, dedup, spec.call,
                                                                         weighted))
-            code = _fused_code(be, sl, fn, len(datas), [d.dtype for d in datas])
+            code = _fused_code(be, sl, rule, len(datas), [d.dtype for d in datas])
             run_core = lambda: tuple(core(datas, ids, source, segs, w, guard, dyn)[0])  # noqa: E731 - a bound prepare checked
             if code is not None:  # the engine's registered fused kernel: on CPU only (chosen when lowering)
-                lr = dyn[spec.dyn.index(fn.update_spec.lr)] if fn.update_spec.lr in spec.dyn else fn.update_spec.lr
                 fused = be._kernel(("fused_update", sl, dim, len(datas), code, True, weighted),
                                    lambda: kernels.make_fused_update(sl, dim, len(datas), code, True, weighted))
-                hp = _hp(fn, lr)
+                hp = _hp(rule, dyn[0])
                 new = jax.lax.platform_dependent(cpu=lambda: tuple(fused(datas, ids, source, segs, w, guard, hp)),
                                                  default=run_core)
             else:

@@ -20,7 +20,6 @@ Design (see ``layout.py`` and ``kernels.py``):
 from __future__ import annotations
 
 import collections
-import dataclasses
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -736,13 +735,11 @@ class JaxBackend(JaxDenseMixin, Backend):
         if key in self._static_only:  # the math branches on a value in Python: one trace per value
             fixed = tuple(values)
             return fnspec.FnSpec((key, fixed), lambda dyn, g, *rows: apply_rule(xp, fn, fixed, g, *rows), ())
-        # The float hyper-parameters are traced too (runtime values, as me.jax passes them):
-        # as trace-time constants XLA would fold them (FTRL's lr_power: another pow, 1 ulp off).
-        floats = tuple((n, v) for n, v in fn.static if isinstance(v, float))
-        traced = dataclasses.replace(fn, static=tuple(p for p in fn.static if not isinstance(p[1], float)),
-                                     dynamic=fn.dynamic + tuple(n for n, _ in floats))
-        return fnspec.FnSpec(key, lambda dyn, g, *rows: apply_rule(xp, traced, dyn, g, *rows),
-                             tuple(float(v) for v in values) + tuple(float(v) for _, v in floats))
+        # The static hyper-parameters stay Python constants, as in the NumPy reference: derived
+        # constants such as 1 - beta_2 are computed in double and rounded once (traced as float32
+        # values, 1 - 0.999 is 1.3e-5 off: conformance's adam_tf_defaults). me.jax takes this spec.
+        return fnspec.FnSpec(key, lambda dyn, g, *rows: apply_rule(xp, fn, dyn, g, *rows),
+                             tuple(float(v) for v in values))
 
     def _update(self, tables, layout, dim, fn, nb, args, weighted=None, defer=True, values=()) -> list[JaxShardedTable]:
         """Run the (plain or combined) update kernel; ``args`` are its batch arguments."""
