@@ -269,6 +269,7 @@ class RanksBackend(Backend):
         *,
         grad_index: Any = None,
         grad_weights: Any = None,
+        values: Sequence[Any] = (),
     ) -> list[ShardedTable]:
         COLLECTIVE_CALLS[0] += 1
         if not tables:
@@ -279,11 +280,12 @@ class RanksBackend(Backend):
             if grads.ndim >= 1 and grads.shape[0] == ids.shape[0]:
                 grads = self._part(grads)
             else:  # the wrapped backend's shape error, on every rank alike
-                return self.inner.update_rows(tables, ids, grads, fn)
-            return self.inner.update_rows(tables, self._part(ids), grads, fn)
+                return self.inner.update_rows(tables, ids, grads, fn, values=values)
+            return self.inner.update_rows(tables, self._part(ids), grads, fn, values=values)
         index = self._part(self.inner.asarray(grad_index).reshape(-1))
         w = None if grad_weights is None else self._part(self.inner.asarray(grad_weights).reshape(-1))
-        return self.inner.update_rows(tables, self._part(ids), grads, fn, grad_index=index, grad_weights=w)
+        return self.inner.update_rows(tables, self._part(ids), grads, fn, grad_index=index, grad_weights=w,
+                                      values=values)
 
     # ``update_rows_in_order`` is the protocol's own (occurrence rounds through the split
     # ``update_rows`` above): every rank computes the same rounds from the same whole input.

@@ -79,7 +79,15 @@ def test_imports_and_reports_without_torch():
     code = textwrap.dedent(
         """
         import sys
-        sys.modules["torch"] = None  # makes `import torch` raise ImportError
+
+        class NoTorch:  # `import torch` raises ImportError, as where torch is not installed
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" or name.startswith("torch."):
+                    raise ImportError(f"No module named {name!r}")
+
+        # (a meta-path finder, not sys.modules["torch"] = None: array-api-compat reads that
+        # None as the torch module when it classifies arrays)
+        sys.meta_path.insert(0, NoTorch())
         import meshembed as me
         from meshembed_torch import TorchBackend
         from meshembed_torch.dense import TorchDenseMixin  # torch is imported lazily there too
