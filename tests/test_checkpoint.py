@@ -92,21 +92,26 @@ def test_failure_mid_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert_same_state(saved, snapshot(restored))
 
 
-def test_crash_between_renames_falls_back_to_previous(tmp_path, monkeypatch):
-    emb = me.TPUEmbedding(config())
-    emb.save(tmp_path / "ckpt")
-    saved = snapshot(emb)
-    run(emb, steps=1)
+def _fail_renames_from(monkeypatch, n: int, why: str, only: bool = False) -> None:
+    """Make save's ``n``-th rename raise OSError(why) (and every later one, unless ``only``)."""
     real_replace = checkpoint.os.replace
     calls = []
 
     def replace(src, dst):
         calls.append((src, dst))
-        if len(calls) >= 2:  # old moved aside, new not yet in place: "power cut", nothing after runs
-            raise OSError("power cut (injected)")
+        if len(calls) == n or (len(calls) > n and not only):
+            raise OSError(f"{why} (injected)")
         return real_replace(src, dst)
 
     monkeypatch.setattr(checkpoint.os, "replace", replace)
+
+
+def test_crash_between_renames_falls_back_to_previous(tmp_path, monkeypatch):
+    emb = me.TPUEmbedding(config())
+    emb.save(tmp_path / "ckpt")
+    saved = snapshot(emb)
+    run(emb, steps=1)
+    _fail_renames_from(monkeypatch, 2, "power cut")  # old moved aside, new not yet in place
     with pytest.raises(OSError, match="power cut"):
         emb.save(tmp_path / "ckpt")
     monkeypatch.undo()
@@ -135,16 +140,7 @@ def test_failed_second_rename_puts_the_previous_checkpoint_back(tmp_path, monkey
     emb.save(tmp_path / "ckpt")
     saved = snapshot(emb)
     run(emb, steps=1)
-    real_replace = checkpoint.os.replace
-    calls = []
-
-    def replace(src, dst):
-        calls.append((src, dst))
-        if len(calls) == 2:  # moving the new checkpoint into place fails (e.g. EXDEV, EBUSY)
-            raise OSError("rename failed (injected)")
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    _fail_renames_from(monkeypatch, 2, "rename failed", only=True)  # e.g. EXDEV, EBUSY
     with pytest.raises(OSError, match="rename failed"):
         emb.save(tmp_path / "ckpt")
     monkeypatch.undo()
