@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from meshembed.backend.env import env_choice
-from meshembed.backend.protocol import Backend, Capabilities, walk_blocks
+from meshembed.backend.protocol import Backend, Capabilities, occurrence_rounds, walk_blocks
 from meshembed.errors import InputError
 from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.sharding.placement import Placement
@@ -57,10 +57,11 @@ class TorchBackend(TorchDenseMixin, Backend):
             return f"{DEVICE_ENV}={wanted} but torch sees no CUDA device"
         return None
 
-    def __init__(self, device: Any = None, compile: str | bool | None = None):
+    def __init__(self, device: Any = None, compile: str | bool | None = None, process_group: Any = None):
         """``compile``: ``"auto"`` (default; ``$MESHEMBED_TORCH_COMPILE``), ``True``/``"always"``
         or ``False``/``"never"`` — whether ``update_rows`` runs the optimizer step through
-        ``torch.compile``."""
+        ``torch.compile``. ``process_group``: the ranks tables are sharded over (any
+        ``dist.new_group`` this rank is in); None = the default (world) group."""
         import torch
 
         from meshembed_torch import distributed, kernels
@@ -69,6 +70,7 @@ class TorchBackend(TorchDenseMixin, Backend):
         self._k = kernels
         self._dist = distributed
         self._device_option = device if device is not None else (os.environ.get(DEVICE_ENV) or None)
+        self._group = process_group
         self._dtypes: dict[Any, Any] = {}
         if compile is None:
             compile = env_choice(COMPILE_ENV, tuple(_COMPILE_MODES), "auto")
@@ -100,7 +102,7 @@ class TorchBackend(TorchDenseMixin, Backend):
         distributed = self._dist.is_initialized()
         cpu = self.device.type == "cpu"
         return Capabilities(
-            devices=self._torch.distributed.get_world_size() if distributed else 1,
+            devices=self._torch.distributed.get_world_size(self._group) if distributed else 1,
             float64=self.device.type != "mps",
             in_place=True,
             deterministic_scatter=cpu,  # CUDA index_add_/embedding_bag backward use atomics
@@ -177,6 +179,8 @@ class TorchBackend(TorchDenseMixin, Backend):
         """The RankGroup of the current process group, or None in a single process."""
         if not self._dist.is_initialized():
             return None
+        if self._group is not None:
+            return self._dist.RankGroup(None, self._group)
         return self._dist.RankGroup(self._dist.device_mesh(self.device.type))
 
     def create_table(self, values: np.ndarray, placement: Placement) -> TorchShardedTable:
@@ -271,7 +275,7 @@ class TorchBackend(TorchDenseMixin, Backend):
         nothing fails, so single-process calls pay nothing."""
         if table.group is None:
             return
-        from meshembed.embedding.agreement import status_of
+        from meshembed.backend.status import status_of
         from meshembed.errors import MeshembedError
 
         try:
@@ -465,8 +469,6 @@ class TorchBackend(TorchDenseMixin, Backend):
         ids, keys = route.send("ids", ids), route.send("groups", keys)
         order = torch.sort(keys, stable=True)[1]  # by group; source rank, then position, within it
         ids, g = ids.index_select(0, order), g.index_select(0, order)
-        from meshembed.embedding.updates import occurrence_rounds
-
         rounds = torch.from_numpy(occurrence_rounds(ids.cpu().numpy())).to(ids.device)
         for r in range(int(rounds.max()) + 1 if rounds.numel() else 0):
             pick = (rounds == r).nonzero().reshape(-1)
@@ -520,7 +522,7 @@ class TorchBackend(TorchDenseMixin, Backend):
     @property
     def processes(self) -> int:
         """The process group's size (1 when ``torch.distributed`` is not initialised)."""
-        return self._torch.distributed.get_world_size() if self._dist.is_initialized() else 1
+        return self._torch.distributed.get_world_size(self._group) if self._dist.is_initialized() else 1
 
     def agree(self, status: int = 0) -> tuple[int, ...]:
         """Every rank's status, by rank: one ``all_reduce`` of a ``[world]`` vector. Collective."""
@@ -531,7 +533,7 @@ class TorchBackend(TorchDenseMixin, Backend):
     @property
     def is_writer(self) -> bool:
         """Rank 0 writes shared files (checkpoints); True in a single process."""
-        return not self._dist.is_initialized() or self._torch.distributed.get_rank() == 0
+        return not self._dist.is_initialized() or self._torch.distributed.get_rank(self._group) == 0
 
     def barrier(self, ok: bool = True) -> bool:
         """Every rank waits here; returns whether every rank passed ``ok=True`` (one

@@ -48,9 +48,10 @@ def device_mesh(device_type: str) -> Any:
 class RankGroup:
     """The ranks a table is sharded over, with error-wrapped collectives."""
 
-    def __init__(self, mesh: Any):
+    def __init__(self, mesh: Any, pg: Any = None):
+        """``mesh``: the world's DeviceMesh; or None and ``pg``, any process group."""
         self.mesh = mesh
-        self.pg = mesh.get_group()
+        self.pg = mesh.get_group() if pg is None else pg
         self.rank = dist.get_rank(self.pg)
         self.world = dist.get_world_size(self.pg)
 
@@ -116,7 +117,7 @@ class Route:
 
     def __init__(self, group: RankGroup, dest: torch.Tensor, what: str = "route", status: int = 0):
         """``status`` travels with the counts (no extra collective): when any rank's is not 0
-        (its input was invalid: ``meshembed.embedding.agreement`` codes) every rank raises
+        (its input was invalid: ``meshembed.backend.status`` codes) every rank raises
         here, before any payload moves — the failing rank's caller then raises its own error."""
         self.group = group
         n = dest.numel()
@@ -127,7 +128,7 @@ class Route:
         counts = torch.bincount(dest, minlength=group.world).to(torch.int64)
         recv = group.exchange_counts(torch.stack([counts, torch.full_like(counts, int(status))], dim=1))
         if bool(recv[:, 1].any()):
-            from meshembed.embedding.agreement import peer_error
+            from meshembed.backend.status import peer_error
 
             raise peer_error(what, tuple(int(v) for v in recv[:, 1].tolist()))
         self.send_counts: list[int] = counts.tolist()

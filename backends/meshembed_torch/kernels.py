@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from meshembed.backend.env import env_flag
+from meshembed.sharding.placement import Placement
 from meshembed_native.pages import HUGE_PAGE_MIN_BYTES, advise_huge_pages
 
 _BAG_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -211,23 +212,20 @@ class RowMap:
     """Maps global ids to rows of a contiguous local storage holding some shards.
 
     The storage is the held shards' rows concatenated in shard order; shard ``s`` holds
-    its rows in local-row order (``Placement.global_ids``). For one process holding every
-    DIV shard that is the identity, so no arithmetic is done at all.
+    its rows in local-row order (``Placement.global_ids``). The MOD/DIV arithmetic is
+    :class:`~meshembed.sharding.placement.Placement`'s own, run on tensors. For one process
+    holding every DIV shard that is the identity, so no arithmetic is done at all.
     """
 
     def __init__(self, vocabulary_size: int, num_shards: int, strategy: str,
                  held: tuple[int, ...], device: torch.device):
-        self.vocabulary_size = vocabulary_size
-        self.n = num_shards
-        self.strategy = strategy
-        self.q, self.r = divmod(vocabulary_size, num_shards)
+        self.placement = Placement(vocabulary_size, num_shards, strategy)
         self.held = held
-        sizes = [self.q + (1 if s < self.r else 0) for s in range(num_shards)]
         offsets = [0] * num_shards
         acc = 0
         for s in held:
             offsets[s] = acc
-            acc += sizes[s]
+            acc += self.placement.rows_in_shard(s)
         self.local_rows = acc
         self._offset_list = offsets
         self.identity = (num_shards == 1) or (strategy == "div" and held == tuple(range(num_shards)))
@@ -238,25 +236,18 @@ class RowMap:
         return self._offset_list[shard]
 
     def owner(self, ids: torch.Tensor) -> torch.Tensor:
-        """Shard of each global id (``Placement.owner`` in torch)."""
-        if self.n == 1:
+        """Shard of each global id (``Placement.owner`` on tensors)."""
+        if self.placement.num_shards == 1:
             return torch.zeros_like(ids)
-        if self.strategy == "mod":
-            return torch.remainder(ids, self.n)
-        return torch.maximum(ids // (self.q + 1), (ids - self.r) // self.q)
+        return self.placement.owner(ids, xp=torch)
 
     def local_index(self, ids: torch.Tensor) -> torch.Tensor:
         """Storage row of each id; every id must belong to a held shard."""
         if self.identity:
             return ids
         owner = self.owner(ids)
-        if self.strategy == "mod":
-            local = ids // self.n
-        else:
-            local = ids - (owner * self.q + torch.clamp(owner, max=self.r))
+        local = self.placement.local_row(ids, xp=torch, owner=owner)
         return local + self._offsets.index_select(0, owner)
-
-
 
 
 MALLOC_ENV = "MESHEMBED_TORCH_MALLOC_TUNING"

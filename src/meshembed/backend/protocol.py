@@ -230,8 +230,6 @@ class Backend(abc.ABC):
         through :meth:`update_rows`, which is right for one process (or for processes that all
         pass the same ids). A multi-process backend routes the contributions to the owners and
         runs the rounds there, so the number of rounds never has to match across processes."""
-        from meshembed.embedding.updates import occurrence_rounds
-
         guarded = {} if guard is None else {"guard": guard}
         if isinstance(fn, UpdateRule):
             guarded["values"] = values
@@ -282,30 +280,39 @@ class Backend(abc.ABC):
         """Whether :meth:`compile_update` may overwrite (or donate) ``value``'s storage."""
         return self.sharding_of(value) is None
 
-    def in_place_group(self, step: Callable[..., Any]) -> int:
-        """How many variables' staged updates of ``step`` one :meth:`compile_update` call may
+    def in_place_group(self, rule: UpdateRule) -> int:
+        """How many variables' staged updates of ``rule`` one :meth:`compile_update` call may
         take: more amortise a call's dispatch, fewer keep a compiler's time down (XLA: 12 s
         cold for 8 Adadelta variables, 15 s for 16)."""
         return 8
 
-    def compile_update(self, step: Callable[..., Any], count: int) -> Callable[..., Any]:
-        """The dense optimizer's step for ``count`` variables at once, over their storage.
+    def compile_update(self, rule: UpdateRule, count: int) -> Callable[..., Any]:
+        """The dense optimizer's step (``apply_rule`` of ``rule``) for ``count`` variables at
+        once, over their storage.
 
-        ``step(grad, lr, *targets) -> new targets`` (a variable, then its slots). The result
-        is called as ``f(grads, lrs, *targets)`` (``targets[k]``: the ``count`` arrays of
-        position k) and either writes each new value over its target and returns None
-        (mutable arrays: ``target[...] = new``, fused by the compiler) or returns the new
-        arrays by position (immutable arrays whose buffers it donated: JAX). The caller
-        runs it only after every step of the update was built and validated."""
+        The result is called as ``f(grads, values, *targets)``: ``values[n]`` the call-time
+        values of variable ``n`` (Python floats in ``rule.dynamic`` order: a new learning rate
+        must not recompile anything), ``targets[k]`` the ``count`` arrays of position k (the
+        variables, then each slot in ``rule.slot_names`` order). It either writes each new
+        value over its target and returns None (mutable arrays) or returns the new arrays by
+        position (immutable arrays whose buffers it donated: JAX). The caller runs it only
+        after every step of the update was built and validated. Default: the core function,
+        through :meth:`compile`, with the values as 0-d arrays of each variable's dtype."""
+        xp = self.xp
 
-        def step_in_place(grads: Sequence[Any], lrs: Sequence[Any], *targets: Sequence[Any]) -> None:
+        def step_in_place(grads: Sequence[Any], values: Sequence[Any], *targets: Sequence[Any]) -> None:
             for n in range(count):
                 own = [t[n] for t in targets]
-                for target, new in zip(own, step(grads[n], lrs[n], *own)):
+                for target, new in zip(own, apply_rule(xp, rule, values[n], grads[n], *own)):
                     target[...] = new
 
-        step_in_place.__wrapped__ = step  # type: ignore[attr-defined]
-        return self.compile(step_in_place)
+        compiled = self.compile(step_in_place)
+
+        def run(grads: Sequence[Any], values: Sequence[Any], *targets: Sequence[Any]) -> None:
+            arrays = [call_values(xp, v, t) for v, t in zip(values, targets[0])]
+            return compiled(grads, arrays, *targets)
+
+        return run
 
     # -- dense mesh (me.Mesh / me.Layout / me.Variable) ----------------------------------
     def make_mesh(self, dim_names: Sequence[str], shape: Sequence[int], devices: Any = None) -> Any:
@@ -354,3 +361,26 @@ def join_blocks(shape: tuple[int, int], blocks: Iterable[np.ndarray], dtype: Any
     out = np.empty(shape, dtype=dtype)
     walk_blocks(shape, blocks, lambda start, block: out.__setitem__(slice(start, start + len(block)), block))
     return out
+
+
+def occurrence_rounds(ids: np.ndarray) -> np.ndarray:
+    """Round of each contribution: 0 for an id's first occurrence, 1 for its second, ..."""
+    if ids.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    starts = np.r_[0, np.flatnonzero(np.diff(sorted_ids)) + 1]
+    run_start = np.repeat(starts, np.diff(np.r_[starts, ids.size]))
+    rounds = np.empty(ids.size, dtype=np.int64)
+    rounds[order] = np.arange(ids.size) - run_start
+    return rounds
+
+
+def call_values(xp: Any, values: Sequence[float], like: Array) -> tuple:
+    """A rule's call-time ``values`` as 0-d arrays of ``like``'s dtype and device: the same
+    numbers as Python floats (which the math casts to that dtype too), but compiler inputs,
+    so a new learning rate recompiles nothing."""
+    import array_api_compat
+
+    device = array_api_compat.device(like)
+    return tuple(xp.asarray(v, dtype=like.dtype, device=device) for v in values)

@@ -26,6 +26,7 @@ import array_api_compat
 import numpy as np
 
 from meshembed.embedding.layout import TableSpec, _is_dynamic
+from meshembed.backend.protocol import occurrence_rounds  # noqa: F401 (re-exported)
 from meshembed.errors import ConfigError
 from meshembed.math.rule import REGISTERED_FUSED, UpdateRule, registered_code  # noqa: F401 (re-exported)
 
@@ -221,19 +222,6 @@ def is_non_lazy(table: TableSpec) -> bool:
 def uses_accumulation(table: TableSpec) -> bool:
     """UNSPECIFIED (None) counts as enabled, as in TF."""
     return getattr(table.optimizer, "use_gradient_accumulation", True) is not False
-
-
-def occurrence_rounds(ids: np.ndarray) -> np.ndarray:
-    """Round of each contribution: 0 for an id's first occurrence, 1 for its second, ..."""
-    if ids.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    order = np.argsort(ids, kind="stable")
-    sorted_ids = ids[order]
-    starts = np.r_[0, np.flatnonzero(np.diff(sorted_ids)) + 1]
-    run_start = np.repeat(starts, np.diff(np.r_[starts, ids.size]))
-    rounds = np.empty(ids.size, dtype=np.int64)
-    rounds[order] = np.arange(ids.size) - run_start
-    return rounds
 
 
 def apply_table(

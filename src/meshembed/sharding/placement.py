@@ -1,6 +1,8 @@
 """Row placement of a table over shards: MOD and DIV, as TensorFlow's embedding_lookup.
 
-Pure functions over NumPy index arrays, so every backend and the Load/Retrieve ops agree.
+Pure functions over NumPy index arrays (or, with ``xp=``, any Array-API namespace's: torch's
+``RowMap`` and the JAX backend call the same methods), so every backend and the Load/Retrieve
+ops agree: this is the one definition of MOD/DIV row arithmetic.
 For vocabulary V over n shards with q, r = divmod(V, n) (spec §6):
 
 * MOD: id i lives on shard ``i % n`` at local row ``i // n``.
@@ -66,13 +68,14 @@ class Placement:
             return ids
         return (np if xp is None else xp).maximum(ids // (q + 1), (ids - r) // q)
 
-    def local_row(self, ids: np.ndarray, xp=None) -> np.ndarray:
-        """Row index of each global id inside its shard (``xp``: as in :meth:`owner`)."""
+    def local_row(self, ids: np.ndarray, xp=None, owner=None) -> np.ndarray:
+        """Row index of each global id inside its shard (``xp``: as in :meth:`owner`;
+        ``owner``: :meth:`owner` of ``ids`` when the caller has it already)."""
         ids = np.asarray(ids, dtype=np.int64) if xp is None else ids
         n = self.num_shards
         if self.strategy == "mod":
             return ids // n
-        return ids - self.shard_start(self.owner(ids, xp), xp)
+        return ids - self.shard_start(self.owner(ids, xp) if owner is None else owner, xp)
 
     def shard_start(self, shard_id, xp=None):
         """DIV only: first global id of a shard (works on arrays; ``xp``: as in :meth:`owner`)."""
