@@ -18,6 +18,7 @@ import pytest
 import meshembed as me
 from meshembed.errors import BackendUnavailableError, ConfigError, InputError
 from meshembed.math import AdadeltaSlots, adadelta
+from meshembed.math.rule import apply_rule
 from meshembed.optimizers import EMAOption, GradientsClipOption, schedules
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -306,23 +307,26 @@ def test_jax_dense_steps_donate_run_one_pass_per_output_and_match_numpy(monkeypa
         np.testing.assert_allclose(b, a, rtol=2e-6, atol=2e-7)
 
     be = me.get_backend("jax")
-    step = me.optimizers.Adadelta()._step_fn(be.xp)
+    rule = me.optimizers.Adadelta()._rule(me.Variable(np.ones(3, np.float32), backend="jax"), folded=False)
     x = jax.numpy.ones(3100, jax.numpy.float32)
-    lr = jax.numpy.asarray(0.1, jax.numpy.float32)
+    lr = (jax.numpy.asarray(0.1, jax.numpy.float32),)
+
+    def step(g, values, *t):
+        return apply_rule(be.xp, rule, values, g, *t)
+
     assert be._pass_order(step, [x], [lr], [[x], [x], [x]]) == [0, 2, 1]
     monkeypatch.setenv("MESHEMBED_JAX_FUSED", "0")
-    run = be.compile_update(step, 1)
+    run = be.compile_update(rule, 1)
     targets = [[jax.numpy.ones(3100, jax.numpy.float32) * k] for k in (1, 2, 3)]
-    run([x], [lr], *targets)
+    run([x], [(0.1,)], *targets)
     passes = _compiled_passes(run)
     assert [k for k, _ in passes] == [0, 2, 1]
     for hlo in (c.as_text() for _, c in passes):
         assert hlo.count("fusion(") == 1 and " copy(" not in hlo
     # a step whose every output reads every target cannot be split: one pass
-    def swap(g, lr, a, b):
-        return b - lr * g, a + lr * g
+    def swap(g, values, a, b):
+        return b - values[0] * g, a + values[0] * g
 
-    swap.elementwise = True
     assert be._pass_order(swap, [x], [lr], [[x], [x]]) is None
 
 
@@ -330,7 +334,7 @@ def _compiled_passes(run):
     """The compiled passes :meth:`JaxDenseMixin.compile_update` cached (its closure)."""
     cache = next(c.cell_contents for c in run.__closure__ if isinstance(c.cell_contents, dict))
     ((fused, pieces),) = cache.values()
-    assert not fused
+    assert fused is None
     ((_, _, plan),) = pieces
     return plan
 

@@ -12,9 +12,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from meshembed.backend.protocol import call_values
 from meshembed.errors import ConfigError
+from meshembed.math.rule import UpdateRule, apply_rule
 
-#: Registered fused dense updates run in this process (tests check the path was taken).
+#: Generated fused dense updates run in this process (tests check the path was taken).
 fused_dense_calls = [0]
 
 
@@ -77,128 +79,145 @@ class JaxDenseMixin:
 
         return isinstance(value, jax.Array) and len(value.sharding.device_set) == 1
 
-    def in_place_group(self, step: Callable[..., Any]) -> int:
-        """64 where the registered fused update may run (one FFI call, compiled in no time:
+    def in_place_group(self, rule: UpdateRule) -> int:
+        """64 where the generated fused update may run (one FFI call, compiled in no time:
         W2 with 64 tensors 12.7 ms in one call, 17-20 ms in groups of 8); else the default,
         which keeps XLA's compile time down (:meth:`compile_update` splits larger groups)."""
-        from meshembed.embedding.updates import REGISTERED_FUSED
-        from meshembed_jax import cpu_kernels
-
-        if getattr(step, "registered", (None,))[0] in REGISTERED_FUSED and cpu_kernels.fused_enabled():
+        if self._row_kernel(rule) is not None:
             return 64
-        return super().in_place_group(step)  # type: ignore[misc]
+        return super().in_place_group(rule)  # type: ignore[misc]
 
-    def compile_update(self, step: Callable[..., Any], count: int) -> Callable[..., Any]:
-        """``jax.jit`` of ``step`` over ``count`` variables with every target donated; returns
-        the new arrays by position (see ``Backend.compile_update``).
+    def compile_update(self, rule: UpdateRule, count: int) -> Callable[..., Any]:
+        """``jax.jit`` of ``rule``'s step over ``count`` variables with every target donated;
+        returns the new arrays by position (see ``Backend.compile_update``).
 
-        Where a registered fused update computes ``step`` (float32 CPU arrays; see
-        :meth:`_fused_dense`) it is one FFI call. Otherwise XLA compiles the core's step, and
-        its CPU compiler splits a step with several outputs, such as Adadelta's, into loop
-        fusions with full-size intermediates (W2, 16.7M floats: five fusions, 60 ms). On a CPU
-        device an ``elementwise`` step therefore runs as one compiled *pass per output*: pass
-        ``k`` computes only output ``k`` (XLA fuses it into one loop, written in place into
-        the donated target ``k``), and the passes run in an order where no later pass reads a
+        Where a generated fused kernel computes ``rule`` (CPU arrays; see :meth:`_fused_dense`)
+        it is one FFI call, its parameter block built on the host from the values. Otherwise
+        XLA compiles the core's step with the values as 0-d array inputs, and its CPU compiler
+        splits a step with several outputs, such as Adadelta's, into loop fusions with
+        full-size intermediates (W2, 16.7M floats: five fusions, 60 ms). On a CPU device an
+        element-wise rule therefore runs as one compiled *pass per output*: pass ``k``
+        computes only output ``k`` (XLA fuses it into one loop, written in place into the
+        donated target ``k``), and the passes run in an order where no later pass reads a
         target an earlier one overwrote (Adadelta: parameters, then ``accumulated_delta_var``,
         then ``accumulated_grad``; W2: 18 ms). XLA plans take at most the default
         :meth:`in_place_group` variables each. Every plan is compiled before the first one
         runs, so a failure changes nothing."""
         import jax
+        import jax.numpy as jnp
 
         from meshembed.backend.protocol import Backend
 
         compiled: dict[tuple, Any] = {}
-        xla_group = Backend.in_place_group(self, step)  # type: ignore[arg-type]
+        xla_group = Backend.in_place_group(self, rule)  # type: ignore[arg-type]
 
-        def update_all(grads: Sequence[Any], lrs: Sequence[Any], *targets: Sequence[Any]) -> list:
+        def step(grad: Any, values: Any, *targets: Any) -> tuple:
+            return apply_rule(jnp, rule, values, grad, *targets)
+
+        def update_all(grads: Sequence[Any], values: Sequence[Any], *targets: Sequence[Any]) -> list:
             out: list[list[Any]] = [[] for _ in targets]
             for n in range(len(grads)):
-                for k, v in enumerate(step(grads[n], lrs[n], *(t[n] for t in targets))):
+                for k, v in enumerate(step(grads[n], values[n], *(t[n] for t in targets))):
                     out[k].append(v)
             return out
 
-        def xla_plan(grads: Sequence[Any], lrs: Sequence[Any], targets: Sequence[Sequence[Any]]) -> list:
-            order = self._pass_order(step, grads, lrs, targets)
+        def xla_plan(grads: Sequence[Any], values: Sequence[Any], targets: Sequence[Sequence[Any]]) -> list:
+            order = self._pass_order(step, grads, values, targets) if rule.elementwise else None
             if order is None:
                 plan = [(None, jax.jit(update_all, donate_argnums=tuple(range(2, 2 + len(targets)))))]
             else:
-                plan = [(k, jax.jit(lambda g, lr, *t, k=k: update_all(g, lr, *t)[k], donate_argnums=(2 + k,)))
+                plan = [(k, jax.jit(lambda g, v, *t, k=k: update_all(g, v, *t)[k], donate_argnums=(2 + k,)))
                         for k in order]
-            return [(k, fn.lower(grads, lrs, *targets).compile()) for k, fn in plan]
+            return [(k, fn.lower(grads, values, *targets).compile()) for k, fn in plan]
 
-        def run_plan(plan: list, grads: Sequence[Any], lrs: Sequence[Any], targets: list) -> list:
+        def run_plan(plan: list, grads: Sequence[Any], values: Sequence[Any], targets: list) -> list:
             if plan[0][0] is None:
-                return plan[0][1](grads, lrs, *targets)
+                return plan[0][1](grads, values, *targets)
             for k, fn in plan:
-                targets[k] = fn(grads, lrs, *targets)
+                targets[k] = fn(grads, values, *targets)
             return targets
 
-        def run(grads: Sequence[Any], lrs: Sequence[Any], *targets: Sequence[Any]) -> Any:
-            key = tuple((x.shape, x.dtype) for x in (*grads, *lrs, *(y for t in targets for y in t)))
+        def run(grads: Sequence[Any], values: Sequence[Any], *targets: Sequence[Any]) -> Any:
+            key = tuple((x.shape, x.dtype) for x in (*grads, *(y for t in targets for y in t)))
             if key not in compiled:
-                fused = self._fused_dense(step, grads, lrs, targets)
+                fused = self._fused_dense(rule, grads, values, targets)
                 if fused is not None:
-                    compiled[key] = (True, [(0, len(grads), [(None, fused)])])
+                    compiled[key] = (fused, [])
                 else:
+                    arrays = [call_values(jnp, v, t) for v, t in zip(values, targets[0])]
                     pieces = [(lo, min(lo + xla_group, len(grads))) for lo in range(0, len(grads), xla_group)]
-                    compiled[key] = (False, [(lo, hi, xla_plan(grads[lo:hi], lrs[lo:hi], [t[lo:hi] for t in targets]))
-                                             for lo, hi in pieces])
-            is_fused, plans = compiled[key]
-            fused_dense_calls[0] += is_fused
+                    compiled[key] = (None, [(lo, hi, xla_plan(grads[lo:hi], arrays[lo:hi], [t[lo:hi] for t in targets]))
+                                            for lo, hi in pieces])
+            fused, plans = compiled[key]
+            if fused is not None:
+                fused_dense_calls[0] += 1
+                return fused(grads, values, *targets)
+            arrays = [call_values(jnp, v, t) for v, t in zip(values, targets[0])]
             out: list[list[Any]] = [[] for _ in targets]
             for lo, hi, plan in plans:
-                for k, new in enumerate(run_plan(plan, grads[lo:hi], lrs[lo:hi], [list(t[lo:hi]) for t in targets])):
+                for k, new in enumerate(run_plan(plan, grads[lo:hi], arrays[lo:hi], [list(t[lo:hi]) for t in targets])):
                     out[k].extend(new)
             return out
 
-        run.__wrapped__ = step  # type: ignore[attr-defined]
         return run
 
-    def _fused_dense(self, step: Callable[..., Any], grads: Sequence[Any], lrs: Sequence[Any],
-                     targets: Sequence[Sequence[Any]]) -> Callable[..., Any] | None:
-        """The registered fused update of ``step`` (``step.registered``; see
-        ``meshembed.embedding.updates.REGISTERED_FUSED``), compiled for these arrays, where it
-        computes ``step``: float32 arrays on CPU devices, the FFI kernels built,
-        ``MESHEMBED_JAX_FUSED`` on. One pass over each tensor that reads every input once and
-        writes every output once, in place; None where the core function must run."""
-        import jax
-        import jax.numpy as jnp
-
-        from meshembed.embedding.updates import registered_code
+    def _row_kernel(self, rule: UpdateRule) -> Any:
+        """The generated row kernel of ``rule`` (``meshembed_native.codegen``) where the FFI
+        kernels run here and ``MESHEMBED_JAX_FUSED`` is on, else None."""
         from meshembed_jax import cpu_kernels
 
-        name, hp = getattr(step, "registered", (None, {}))
-        code = registered_code(name, hp, len(targets)) if cpu_kernels.fused_enabled() else None
-        arrays = [*grads, *(x for t in targets for x in t)]
-        if code is None or any(x.dtype != np.float32 for x in arrays):
+        if not rule.elementwise or not cpu_kernels.fused_enabled() or not cpu_kernels.usable("cpu", rule.dtype):
             return None
-        if any(d.platform != "cpu" for x in arrays for d in x.sharding.device_set) or not cpu_kernels.usable("cpu"):
+        try:
+            from meshembed_native import codegen
+        except ImportError:  # an older meshembed_native without the generator
             return None
-        rho = float(hp.get("rho", 0.0))
-        # float32 as the core's Python floats become; 1 - rho rounded once from double
-        consts = np.asarray([rho, float(hp.get("epsilon", 0.0)), 1.0 - rho], np.float32)
+        return codegen.row_kernel(rule, 1 + len(rule.slot_names))
 
-        def update(grads: Sequence[Any], lrs: Sequence[Any], *targets: Sequence[Any]) -> list:
-            table = jnp.stack([jnp.concatenate([jnp.asarray(lr).astype(jnp.float32).reshape(1), consts]) for lr in lrs])
-            return cpu_kernels.dense_update(table, list(grads), [list(t) for t in targets], code)
-
-        fn = jax.jit(update, donate_argnums=tuple(range(2, 2 + len(targets))))
-        return fn.lower(grads, lrs, *targets).compile()
-
-    def _pass_order(self, step: Callable[..., Any], grads: Sequence[Any], lrs: Sequence[Any],
-                    targets: Sequence[Sequence[Any]]) -> list[int] | None:
-        """The order of :meth:`compile_update`'s passes, or None for one pass: an
-        ``elementwise`` step on CPU arrays whose outputs can be written one by one (output
-        ``k`` overwrites target ``k`` only once no remaining output reads target ``k``)."""
+    def _fused_dense(self, rule: UpdateRule, grads: Sequence[Any], values: Sequence[Any],
+                     targets: Sequence[Sequence[Any]]) -> Callable[..., Any] | None:
+        """``run(grads, values, *targets) -> new targets``: the generated fused kernel of
+        ``rule`` over these arrays in one FFI call, where it computes ``rule``: every array
+        of the rule's dtype on a CPU device, the kernels built. One pass over each tensor
+        that reads every input once and writes every output once, in place; the parameter
+        block (``kernel.params`` of each variable's values) is an input, so new values
+        recompile nothing. None where the core function must run."""
         import jax
 
+        from meshembed_jax import cpu_kernels
+
+        kernel = self._row_kernel(rule)
         arrays = [*grads, *(x for t in targets for x in t)]
-        if not getattr(step, "elementwise", False) or len(targets) < 2:
+        if kernel is None or len(targets) != kernel.n_arrays or any(x.dtype != np.dtype(kernel.dtype) for x in arrays):
             return None
         if any(d.platform != "cpu" for x in arrays for d in x.sharding.device_set):
             return None
-        reads = _reads_of_outputs(jax.make_jaxpr(step)(grads[0], lrs[0], *(t[0] for t in targets)))
-        reads = [{i - 2 for i in r if i >= 2} for r in reads]  # the targets each output reads
+
+        def update(hp: Any, grads: Sequence[Any], *targets: Sequence[Any]) -> list:
+            return cpu_kernels.dense_update(hp, list(grads), [list(t) for t in targets], kernel)
+
+        def block(values: Sequence[Any]) -> np.ndarray:
+            return cpu_kernels.hp_block([kernel.params(v) for v in values])
+
+        compiled = jax.jit(update, donate_argnums=tuple(range(2, 2 + len(targets)))).lower(
+            block(values), grads, *targets).compile()
+        return lambda grads, values, *targets: compiled(block(values), grads, *targets)
+
+    def _pass_order(self, step: Callable[..., Any], grads: Sequence[Any], values: Sequence[Any],
+                    targets: Sequence[Sequence[Any]]) -> list[int] | None:
+        """The order of :meth:`compile_update`'s passes for an element-wise ``step``, or None
+        for one pass: CPU arrays whose outputs can be written one by one (output ``k``
+        overwrites target ``k`` only once no remaining output reads target ``k``)."""
+        import jax
+
+        arrays = [*grads, *(x for t in targets for x in t)]
+        if len(targets) < 2:
+            return None
+        if any(d.platform != "cpu" for x in arrays for d in x.sharding.device_set):
+            return None
+        reads = _reads_of_outputs(jax.make_jaxpr(step)(grads[0], values[0], *(t[0] for t in targets)))
+        n_values = len(values[0])
+        reads = [{i - 1 - n_values for i in r if i >= 1 + n_values} for r in reads]  # the targets each output reads
         order, left = [], list(range(len(targets)))
         while left:
             k = next((k for k in left if not any(k in reads[j] for j in left if j != k)), None)

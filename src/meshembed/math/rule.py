@@ -74,6 +74,13 @@ class UpdateRule:
         return self.math.algorithm
 
     @property
+    def elementwise(self) -> bool:
+        """Each output element depends only on the same element of each input: true of every
+        built-in algorithm (pure element-wise Array-API code), not of a CustomOptimizer or an
+        HLO program, which may do anything."""
+        return self.algorithm not in ("custom", "user_defined_program")
+
+    @property
     def plain(self) -> bool:
         """No gradient clipping, weight clipping or weight decay around the formula."""
         return self.weight_decay == 0 and self.gradient_clip is None and self.weight_clip is None

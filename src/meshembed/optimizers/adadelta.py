@@ -21,7 +21,6 @@ import numbers
 from typing import Any
 
 from meshembed.errors import ConfigError
-from meshembed.math import AdadeltaSlots, adadelta
 from meshembed.optimizers.base import Optimizer
 from meshembed.optimizers.options import EMAOption, GradientsClipOption
 from meshembed.sharding.mesh import Mesh
@@ -106,26 +105,16 @@ class Adadelta(Optimizer):
             self._accumulated_grads.append(self.add_variable_from_reference(v, "accumulated_grad"))
             self._accumulated_delta_vars.append(self.add_variable_from_reference(v, "accumulated_delta_var"))
 
+    _algorithm = "adadelta"  # meshembed.math.adadelta, shared with the embedding engine
+
+    def _static_hyperparameters(self) -> dict[str, float]:
+        return {"rho": self.rho, "epsilon": self.epsilon}
+
     def update_step(self, grad: Any, variable: Variable) -> None:
         i = self._slot_index(variable)
         grad, touched = self._densify(self._convert_gradient(grad, variable), variable)
         targets = (variable, self._accumulated_grads[i], self._accumulated_delta_vars[i])
-        self._apply_step(targets, grad, touched, self._step_fn)
-
-    def _step_fn(self, xp: Any) -> Any:
-        """The pure per-variable step over ``xp``: the core ``adadelta`` (what the backend
-        compiles; see ``Optimizer._apply_step``)."""
-        rho, epsilon = self.rho, self.epsilon
-
-        def step(grad: Any, lr: Any, params: Any, acc_grad: Any, acc_delta: Any) -> tuple[Any, Any, Any]:
-            new, slots = adadelta(xp, params, grad, AdadeltaSlots(acc_grad, acc_delta), lr=lr, rho=rho, epsilon=epsilon)
-            return new, slots.accumulators, slots.updates
-
-        step.elementwise = True  # each output element needs only the same element of each input
-        # a registered fused update computes this step (updates.REGISTERED_FUSED): a backend
-        # may run it instead, as the tests compare both with the core function
-        step.registered = ("adadelta", {"rho": rho, "epsilon": epsilon})
-        return step
+        self._apply_step(targets, grad, touched)
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "rho": self.rho, "epsilon": self.epsilon}

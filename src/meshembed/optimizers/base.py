@@ -38,7 +38,10 @@ import array_api_compat
 import numpy as np
 
 from meshembed.errors import CheckpointError, ConfigError, InputError, StateError
+from meshembed.backend.protocol import call_values
+from meshembed.math import get_math
 from meshembed.math.common import decay_weights
+from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.optimizers import schedules
 from meshembed.optimizers.options import EMAOption, GradientsClipOption, sum_squares
 from meshembed.sharding.mesh import Layout, Mesh
@@ -174,10 +177,11 @@ class Optimizer:
         self._traced = False  # stateless_apply under jax.jit: no host checks of values
         self._pending: dict[int, tuple[Variable, Any]] | None = None
         self._deferred: list[_InPlace] = []  # in-place updates staged for the commit
-        self._lr_arrays: dict[tuple, Any] = {}  # this step's learning rate as 0-d arrays
+        self._folded: set[int] = set()  # ids of variables whose clipvalue / weight decay the rule applies
+        self._rules: dict[tuple, UpdateRule] = {}
         self._in_place_ok = True  # False while a step must read staged values back (EMA)
         self._step_lr: float | None = None
-        self._compile_cache: dict[tuple, Callable[..., Any]] = {}  # (backend, make, in_place)
+        self._compile_cache: dict[tuple, Callable[..., Any]] = {}  # (backend, rule, in_place)
 
     # -- Keras option properties (read through to the option objects) -------------------
     clipnorm = property(lambda self: self.gradients_clip_option.clipnorm)
@@ -419,16 +423,44 @@ class Optimizer:
         for v, val in placed:
             v._value = val
 
-    def _compiled(self, backend: Any, make: Callable[[Any], Callable[..., Any]],
-                  in_place: int = 0) -> Callable[..., Any]:
-        """``make(xp)`` once per backend, through ``backend.compile`` (which compiles where it
-        pays). ``in_place=n``: instead, one function that runs the step for ``n`` variables
-        and writes each result over its array (see ``Backend.compile_update``)."""
-        key = (backend.name, make, in_place)
+    #: The algorithm's name in ``meshembed.math`` (each subclass sets it).
+    _algorithm: str = ""
+
+    def _static_hyperparameters(self) -> dict[str, float]:
+        """The algorithm's hyper-parameters besides the learning rate (fixed per optimizer)."""
+        return {}
+
+    def _rule(self, variable: Variable, folded: bool) -> UpdateRule:
+        """The :class:`UpdateRule` of ``variable``'s step: the algorithm, its slots and static
+        hyper-parameters, and, where ``folded`` (a dense gradient inside ``apply_gradients``),
+        the element-wise Keras terms — ``clipvalue`` as the gradient clip and the decoupled
+        weight decay ``w ← w − w·wd·lr`` — so the backend's one pass applies them. The learning
+        rate is the rule's call-time value: a schedule never recompiles. Norm clipping, EMA,
+        accumulation and loss scaling are not per element and stay around the rule."""
+        clip = self.gradients_clip_option
+        clipvalue = clip.clipvalue if folded and not clip.uses_norm else None
+        decay = self.weight_decay if folded and self.weight_decay and self._uses_weight_decay(variable) else 0.0
+        key = (variable.dtype, clipvalue, decay)
+        rule = self._rules.get(key)
+        if rule is None:
+            math_ = get_math(self._algorithm)
+            rule = UpdateRule(
+                math=math_, slot_names=math_.slot_names, static=tuple(sorted(self._static_hyperparameters().items())),
+                gradient_clip=None if clipvalue is None else (-clipvalue, clipvalue), weight_decay=float(decay or 0.0),
+                multiply_weight_decay_by_lr=True, lazy=False, dtype=variable.dtype,
+            )
+            self._rules[key] = rule
+        return rule
+
+    def _compiled(self, backend: Any, rule: UpdateRule, in_place: int = 0) -> Callable[..., Any]:
+        """The step of ``rule`` once per backend: ``backend.compile`` of the pure step
+        ``(grad, values, *targets) -> new targets`` (compiled where it pays), or with
+        ``in_place=n`` the backend's step for ``n`` variables over their storage
+        (``Backend.compile_update``). Keyed on the rule, never on a value."""
+        key = (backend.name, rule, in_place)
         fn = self._compile_cache.get(key)
         if fn is None:
-            fn = make(backend.xp)
-            fn = backend.compile_update(fn, in_place) if in_place else backend.compile(fn)
+            fn = backend.compile_update(rule, in_place) if in_place else backend.compile(_pure_step(backend.xp, rule))
             self._compile_cache[key] = fn
         return fn
 
@@ -445,13 +477,13 @@ class Optimizer:
         i = 0
         while i < len(updates):
             first = updates[i]
-            limit = first.backend.in_place_group(first.make(first.backend.xp))
+            limit = first.backend.in_place_group(first.rule)
             j = i + 1
             while j < len(updates) and j - i < limit and updates[j].same_kernel(first):
                 j += 1
             group = updates[i:j]
-            kernel = self._compiled(first.backend, first.make, in_place=len(group))
-            new = kernel([u.grad for u in group], [u.lr for u in group],
+            kernel = self._compiled(first.backend, first.rule, in_place=len(group))
+            new = kernel([u.grad for u in group], [u.values for u in group],
                          *([u.targets[k] for u in group] for k in range(len(first.targets))))
             if new is not None:  # immutable arrays (JAX): the old buffers were donated
                 for k in range(len(first.targets)):
@@ -475,34 +507,30 @@ class Optimizer:
                 return False
         return True
 
-    def _apply_step(self, targets: Sequence[Variable], grad: Any, touched: Any,
-                    make: Callable[[Any], Callable[..., Any]]) -> None:
-        """Run ``make(xp)``'s step ``step(grad, lr, *target_values) -> new target values``
-        for ``targets`` (a model variable, then its slots) and stage the results; with
-        ``touched`` (a sparse gradient's row mask) only those rows change.
+    def _apply_step(self, targets: Sequence[Variable], grad: Any, touched: Any) -> None:
+        """Run the step of the variable's :meth:`_rule` for ``targets`` (a model variable,
+        then its slots) and stage the results; with ``touched`` (a sparse gradient's row
+        mask) only those rows change.
 
-        A dense step that may run in place (:meth:`_can_update_in_place`) is staged as a
-        compiled in-place update run at commit; the learning rate is then passed as a 0-d
-        array, so a schedule does not specialise (and recompile) the kernel per value."""
+        A dense step that may run in place (:meth:`_can_update_in_place`) is staged for the
+        backend's ``compile_update`` run at commit. Otherwise the pure step is compiled with
+        the learning rate as a 0-d array of the variable's dtype (a Python float for a sharded
+        or traced value), so a schedule does not specialise (and recompile) it per value."""
         variable = targets[0]
         backend = variable.backend
-        lr = self.learning_rate
+        values = (self.learning_rate,)
+        rule = self._rule(variable, touched is None and id(variable) in self._folded)
         if touched is None and self._can_update_in_place(targets):
-            value = variable.value
-            key = (backend.name, value.dtype, array_api_compat.device(value))
-            lr_arg = self._lr_arrays.get(key) if self._pending is not None else None
-            if lr_arg is None:  # one 0-d array per step and dtype, shared by every variable
-                lr_arg = backend.xp.asarray(lr, dtype=value.dtype, device=key[2])
-                if self._pending is not None:
-                    self._lr_arrays[key] = lr_arg
-            update = _InPlace(backend, make, grad, lr_arg, tuple(t.value for t in targets), tuple(targets))
+            update = _InPlace(backend, rule, grad, values, tuple(t.value for t in targets), tuple(targets))
             if self._pending is None:  # update_step called on its own: apply now
                 self._run_in_place([update])
             else:
                 self._deferred.append(update)
             return
-        step = self._compiled(backend, make)
-        new = step(grad, lr, *(self._read(t) for t in targets))
+        current = [self._read(t) for t in targets]
+        plain = self._traced or backend.sharding_of(current[0]) is not None
+        step = self._compiled(backend, rule)
+        new = step(grad, values if plain else call_values(backend.xp, values, current[0]), *current)
         for t, value in zip(targets, new):
             self._write(t, value, touched)
 
@@ -673,7 +701,8 @@ class Optimizer:
             update = True
             if self.gradient_accumulation_steps:
                 grads, update = self._accumulate(grads, variables)
-            if update:
+            if update:  # the rule applies clipvalue and weight decay to dense gradients
+                self._folded = {id(v) for g, v in zip(grads, variables) if not isinstance(g, IndexedSlices)}
                 grads = self._clip_and_check(grads, variables)
                 self._decay_weights(variables, lr)
                 for g, v in zip(grads, variables):
@@ -686,7 +715,7 @@ class Optimizer:
         finally:
             self._pending = None
             self._deferred = []
-            self._lr_arrays = {}
+            self._folded = set()
             self._in_place_ok = True
             self._step_lr = None
         return self.iterations
@@ -736,19 +765,26 @@ class Optimizer:
         return out, True
 
     def _clip_and_check(self, grads: list[Any], variables: Sequence[Variable]) -> list[Any]:
-        """Clip (GradientsClipOption), then the NaN policy on the clipped values."""
+        """Clip (GradientsClipOption), then the NaN policy on the clipped values. ``clipvalue``
+        of a gradient the rule clips (``_folded``) is left to the rule: checked here only when
+        a raw value is not finite (clipping maps ±Inf into range)."""
         option = self.gradients_clip_option
         xp = self._xp
         values = [g.values if isinstance(g, IndexedSlices) else g for g in grads]
         sums = [sum_squares(xp, x) for x in values] if option.uses_norm else None
-        clipped = option.clip(xp, values, sums) if option.active else values
+        in_rule = [option.active and not option.uses_norm and id(v) in self._folded for v in variables]
+        if any(in_rule):
+            clipped = [x if r else option.clip(xp, [x])[0] for x, r in zip(values, in_rule)]
+        else:
+            clipped = option.clip(xp, values, sums) if option.active else values
         if not self.allow_nonfinite and not self._traced:  # traced: values unknown, NaN propagates
             if sums is not None and all(math.isfinite(x) for x in sums):
                 bad = []  # Σg² finite: every element finite, and so is the clipped gradient
             elif self._finite(variables, clipped):
                 bad = []
             else:
-                bad = [v.name for v, c in zip(variables, clipped) if not _all_finite(xp, c)]
+                final = [option.clip(xp, [c])[0] if r else c for c, r in zip(clipped, in_rule)]
+                bad = [v.name for v, c in zip(variables, final) if not _all_finite(xp, c)]
             if bad:
                 raw = [v.name for v, x in zip(variables, values) if not _all_finite(xp, x)]
                 why = (f" (the raw gradients of {raw} are not finite"
@@ -792,7 +828,7 @@ class Optimizer:
         if not self.weight_decay:
             return
         for v in variables:
-            if self._uses_weight_decay(v):
+            if self._uses_weight_decay(v) and id(v) not in self._folded:  # else the rule decays it
                 self._write(v, decay_weights(self._xp, self._read(v), self.weight_decay * lr))
 
     def _update_averages(self, variables: Sequence[Variable]) -> None:
@@ -1118,19 +1154,28 @@ def _check_schedule_value(value: Any, schedule: Any) -> float:
 
 
 class _InPlace(NamedTuple):
-    """One staged in-place update: ``make(backend.xp)``'s step on ``grad`` and ``lr``,
-    written over ``targets`` (the variable's array, then its slots'), the arrays of
+    """One staged in-place update: ``rule`` on ``grad`` with the call-time ``values``
+    (floats), written over ``targets`` (the variable's array, then its slots'), the arrays of
     ``variables`` (rebound to the results where the backend returns new arrays)."""
 
     backend: Any
-    make: Callable[[Any], Callable[..., Any]]
+    rule: UpdateRule
     grad: Any
-    lr: Any
+    values: tuple
     targets: tuple
     variables: tuple
 
     def same_kernel(self, other: "_InPlace") -> bool:
-        return self.backend is other.backend and self.make == other.make and len(self.targets) == len(other.targets)
+        return self.backend is other.backend and self.rule == other.rule and len(self.targets) == len(other.targets)
+
+
+def _pure_step(xp: Any, rule: UpdateRule) -> Callable[..., tuple]:
+    """``step(grad, values, *targets) -> new targets``: :func:`apply_rule` over ``xp``."""
+
+    def step(grad: Any, values: Sequence[Any], *targets: Any) -> tuple:
+        return apply_rule(xp, rule, values, grad, *targets)
+
+    return step
 
 
 def _required_positional(fn: Callable[..., Any]) -> int:
