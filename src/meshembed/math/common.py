@@ -22,6 +22,7 @@ __all__ = [
     "GRADIENT_ACCUMULATOR_INITIAL_VALUE",
     "Array",
     "Scalar",
+    "SymbolicScalar",
     "clamp",
     "decay_weights",
     "is_static",
@@ -40,6 +41,15 @@ __all__ = [
 #: segment sum before the update, so this value is only needed where an accumulator is
 #: stored (checkpoints that mirror TPU state); the math never reads it.
 GRADIENT_ACCUMULATOR_INITIAL_VALUE: float = struct.unpack("<f", struct.pack("<I", 1))[0]
+
+
+class SymbolicScalar:
+    """Base of a recorder's symbolic hyper-parameter (``meshembed_native.codegen``): a value
+    known only when a generated kernel runs, with a Python float's semantics (weak, double).
+    :func:`scalar` returns it unchanged and :func:`is_static` says False, so it is cast to the
+    rows' dtype only where it meets an array, exactly as the float the reference gets."""
+
+    __slots__ = ()
 
 
 def namespace(*arrays: Array) -> Any:
@@ -62,6 +72,8 @@ def scalar(xp: Any, value: Scalar, like: Array) -> Scalar:
     """
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
+    if isinstance(value, SymbolicScalar):  # a recorded Python float: stays weak
+        return value
     if is_static(value):
         return float(value)
     if type(value) is type(like):  # one library: no namespace lookup (nor its lru_cache in a torch.compile trace)

@@ -1,0 +1,676 @@
+"""Row kernels generated from the core's math: one formula, no second copy in C++.
+
+The core's update (:func:`meshembed.math.rule.apply_rule`) is pure Array-API code. It is run
+once per (rule, number of arrays) on a *recorder* — a small symbolic ``xp`` whose arrays stand
+for one element ``j`` of a row and whose dynamic hyper-parameters stand for the values of the
+call — and the recorded graph (:class:`Graph`, backend-neutral: a CUDA emitter can read it
+too) is translated op by op into a C++ loop ``for j in [0, dim)`` (:func:`emit_cpp`). The
+emitter knows no formula; it only writes each recorded op in the recorded order.
+
+Types follow what the NumPy reference does with the same code (NEP 50): the dynamic values
+are Python floats there, so here they are ``double``, arithmetic among them stays double and
+each is cast to the rows' dtype T where it meets an array; static Python numbers are written
+exactly (``float.hex``) and cast to T where they meet an array; ``asarray(v, dtype=T)`` is T.
+``maximum``/``minimum``/``sign``/``where`` keep NumPy's NaN and signed-zero behaviour (small
+inline helpers in the generated source). Built with ``-ffp-contract=off`` (no fused
+multiply-adds), so + − × ÷ sqrt give the reference's bits; pow/exp/log call libm, which may
+differ from NumPy's own SIMD versions by a few ulp (docs/internals.md "Generated kernels").
+
+C ABI of each kernel (one per rule's static part and dtype T)::
+
+    extern "C" void <symbol>(T* const* rows, const T* g, int64_t dim, const double* hp)
+
+``rows[k]``: this row of array k (k = 0 the table, then the slots in ``rule.slot_names``
+order), ``g``: the summed gradient row, ``hp``: the dynamic values in ``rule.dynamic`` order.
+The row is read and written in place. Dense use: the whole flat tensor is one row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import threading
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from meshembed.errors import InputError
+from meshembed.math.common import SymbolicScalar
+from meshembed.math.rule import UpdateRule, apply_rule
+from meshembed_native import build as native
+
+__all__ = ["Graph", "Node", "NotRecordable", "RowKernel", "emit_cpp", "prebuild", "record", "row_kernel"]
+
+#: Most arrays (table + slots) one kernel takes: what the backends' drivers dispatch on.
+MAX_ARRAYS = 8
+_FLOATS = ("float32", "float64")
+#: Algorithms never recorded: an XLA program (JAX only) and one with no public formula.
+_NOT_ELEMENTWISE = ("user_defined_program", "mdl_adagrad_light")
+
+
+class NotRecordable(Exception):
+    """The update does something one row loop cannot express (a reduction, a shape, a
+    Python branch on a value known only at run time, ...)."""
+
+
+# -- the recorded graph ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Node:
+    """One recorded value. ``op``: "row" (args: array k), "grad", "param" (args: index into
+    hp), "const" (args: the Python value), else an op over earlier nodes (args: indices).
+    ``dtype``: "float32" | "float64" | "bool"; ``weak``: a Python-number-like scalar
+    (double / bool, as the reference's floats); ``varying``: depends on the element j."""
+
+    op: str
+    args: tuple
+    dtype: str
+    weak: bool
+    varying: bool
+
+
+@dataclass
+class Graph:
+    """The recorded update: nodes in recorded order and the output node of each array."""
+
+    nodes: list[Node]
+    outputs: tuple[int, ...]
+    dtype: str
+    n_arrays: int
+    n_params: int
+
+
+class _Recorder:
+    """The symbolic ``xp`` namespace: Array-API functions that append nodes."""
+
+    float32 = np.dtype("float32")
+    float64 = np.dtype("float64")
+    bool = np.dtype("bool")
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self._memo: dict[tuple, int] = {}
+
+    # graph building
+    def node(self, op: str, args: tuple, dtype: str, weak: bool = False) -> int:
+        if op == "const":
+            key = (op, _const_key(args[0]), dtype, weak)
+            varying = False
+        else:
+            key = (op, args, dtype, weak)
+            varying = op in ("row", "grad") or any(self.nodes[a].varying for a in args if op != "param")
+        found = self._memo.get(key)
+        if found is None:  # pure ops: one node per distinct (op, operands)
+            found = self._memo[key] = len(self.nodes)
+            self.nodes.append(Node(op, args, dtype, weak, varying))
+        return found
+
+    def wrap(self, index: int) -> Any:
+        n = self.nodes[index]
+        return SymbolicValue(self, index) if n.weak else SymbolicArray(self, index)
+
+    def to(self, x: Any, dtype: str) -> int:
+        """Operand ``x`` (symbolic or a Python/NumPy number) as a node of array dtype ``dtype``."""
+        if isinstance(x, _Symbolic):
+            n = self.nodes[x.index]
+            if n.dtype == dtype and not n.weak:
+                return x.index
+            return self.node("cast", (x.index,), dtype)
+        return self.node("const", (_py(x),), dtype)
+
+    # the namespace
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise NotRecordable(f"xp.{name} is not an element-wise op a row kernel can record")
+
+    def asarray(self, obj: Any, dtype: Any = None, device: Any = None, copy: Any = None) -> Any:
+        if isinstance(obj, SymbolicArray):
+            return obj if dtype is None else self.astype(obj, dtype)
+        target = _dtype_name(dtype) if dtype is not None else _default_dtype(obj)
+        return SymbolicArray(self, self.to(obj, target))
+
+    def astype(self, x: Any, dtype: Any, copy: bool = True, device: Any = None) -> Any:
+        return SymbolicArray(self, self.to(_array(self, x), _dtype_name(dtype)))
+
+    def zeros_like(self, x: Any, dtype: Any = None, device: Any = None) -> Any:
+        return self.full_like(x, 0, dtype=dtype)
+
+    def ones_like(self, x: Any, dtype: Any = None, device: Any = None) -> Any:
+        return self.full_like(x, 1, dtype=dtype)
+
+    def full_like(self, x: Any, fill_value: Any, dtype: Any = None, device: Any = None) -> Any:
+        target = _dtype_name(dtype) if dtype is not None else self.nodes[_array(self, x).index].dtype
+        return SymbolicArray(self, self.to(fill_value, target))
+
+    def where(self, cond: Any, x1: Any, x2: Any) -> Any:
+        if not any(isinstance(v, SymbolicArray) for v in (cond, x1, x2)):
+            raise NotRecordable("where() of scalars only")
+        c = cond.index if isinstance(cond, _Symbolic) and self.nodes[cond.index].dtype == "bool" else None
+        if c is None:
+            raise NotRecordable("where() with a condition that is not boolean")
+        dtype = _result_dtype(self, (x1, x2))
+        return SymbolicArray(self, self.node("where", (c, self.to(x1, dtype), self.to(x2, dtype)), dtype))
+
+
+_UNARY = {"abs": "abs", "negative": "neg", "positive": "pos", "sign": "sign", "sqrt": "sqrt",
+          "floor": "floor", "ceil": "ceil", "exp": "exp", "log": "log", "square": "square",
+          "isnan": "isnan", "isinf": "isinf", "isfinite": "isfinite", "logical_not": "not"}
+_BINARY = {"add": "add", "subtract": "sub", "multiply": "mul", "divide": "div", "pow": "pow",
+           "maximum": "max", "minimum": "min", "less": "lt", "less_equal": "le", "greater": "gt",
+           "greater_equal": "ge", "equal": "eq", "not_equal": "ne", "logical_and": "and",
+           "logical_or": "or", "logical_xor": "xor"}
+_COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
+_LOGICAL = ("and", "or", "xor", "not")
+_PREDICATES = ("isnan", "isinf", "isfinite")
+
+
+def _xp_unary(op: str) -> Any:
+    def fn(self: _Recorder, x: Any) -> Any:
+        return _unary(self, op, _array(self, x))
+    fn.__name__ = op
+    return fn
+
+
+def _xp_binary(op: str) -> Any:
+    def fn(self: _Recorder, x1: Any, x2: Any) -> Any:
+        if not (isinstance(x1, SymbolicArray) or isinstance(x2, SymbolicArray)):
+            raise NotRecordable(f"xp.{op} of scalars only (NumPy would return a float64 scalar)")
+        return _binary(self, op, x1, x2)
+    fn.__name__ = op
+    return fn
+
+
+for _name, _op in _UNARY.items():
+    setattr(_Recorder, _name, _xp_unary(_op))
+for _name, _op in _BINARY.items():
+    setattr(_Recorder, _name, _xp_binary(_op))
+
+
+def _const_key(v: Any) -> Any:
+    return ("b", v) if isinstance(v, bool) else float(v).hex()  # keeps -0.0 apart from 0.0
+
+
+def _py(x: Any) -> Any:
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (int, float, np.integer, np.floating)):
+        return float(x)
+    raise NotRecordable(f"an operand of type {type(x).__name__}")
+
+
+def _dtype_name(dtype: Any) -> str:
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        raise NotRecordable(f"dtype {dtype!r}") from None
+    if name not in (*_FLOATS, "bool"):
+        raise NotRecordable(f"dtype {name}")
+    return name
+
+
+def _default_dtype(obj: Any) -> str:
+    """NumPy's dtype for ``asarray(obj)`` without a dtype (a Python float: float64)."""
+    if isinstance(obj, (bool, np.bool_)):
+        return "bool"
+    if isinstance(obj, np.generic):
+        return _dtype_name(obj.dtype)
+    if isinstance(obj, SymbolicValue):
+        return "bool" if obj._node.dtype == "bool" else "float64"
+    if isinstance(obj, (int, float)):
+        return "float64"
+    raise NotRecordable(f"asarray of {type(obj).__name__}")
+
+
+def _array(rec: _Recorder, x: Any) -> "SymbolicArray":
+    if not isinstance(x, SymbolicArray) or x.rec is not rec:
+        raise NotRecordable(f"an element-wise function of a non-array ({type(x).__name__})")
+    return x
+
+
+def _result_dtype(rec: _Recorder, operands: Sequence[Any]) -> str:
+    """NEP 50 result dtype: strong operands (arrays, NumPy scalars) decide; Python numbers and
+    weak symbolic values take it (a weak float with only boolean arrays gives float64)."""
+    strong = [rec.nodes[x.index].dtype for x in operands if isinstance(x, SymbolicArray)]
+    strong += [_dtype_name(x.dtype) for x in operands if isinstance(x, np.generic)]
+    floats = [d for d in strong if d != "bool"]
+    if floats:
+        return "float64" if "float64" in floats else "float32"
+    weak_float = any((isinstance(x, SymbolicValue) and x._node.dtype != "bool")
+                     or (isinstance(x, (int, float)) and not isinstance(x, bool)) for x in operands)
+    return "float64" if weak_float else "bool"
+
+
+def _unary(rec: _Recorder, op: str, x: "_Symbolic") -> Any:
+    n = rec.nodes[x.index]
+    if n.weak:  # Python arithmetic on a dynamic value: double
+        if op not in ("neg", "pos", "abs") or n.dtype == "bool":
+            raise NotRecordable(f"{op} of a dynamic scalar")
+        return rec.wrap(rec.node(op, (x.index,), "float64", weak=True))
+    if op == "pos":
+        return x
+    if op in _PREDICATES:
+        if n.dtype == "bool":
+            raise NotRecordable(f"{op} of a boolean array")
+        return SymbolicArray(rec, rec.node(op, (x.index,), "bool"))
+    if (op == "not") != (n.dtype == "bool"):
+        raise NotRecordable(f"{op} of a {n.dtype} array")
+    return SymbolicArray(rec, rec.node(op, (x.index,), n.dtype))
+
+
+def _binary(rec: _Recorder, op: str, a: Any, b: Any) -> Any:
+    if isinstance(a, _Symbolic) and a.rec is not rec or isinstance(b, _Symbolic) and b.rec is not rec:
+        raise NotRecordable("values of two recordings")
+    if not (isinstance(a, SymbolicArray) or isinstance(b, SymbolicArray)) and not (
+            isinstance(a, np.generic) or isinstance(b, np.generic)):
+        return _scalar_binary(rec, op, a, b)
+    if op == "pow" and isinstance(a, SymbolicArray) and isinstance(b, (int, float, np.integer, np.floating)) \
+            and not isinstance(b, bool) and rec.nodes[a.index].dtype in _FLOATS:
+        fast = _fast_power(rec, a, float(b))  # ndarray ** scalar: NumPy's fast paths
+        if fast is not None:
+            return fast
+    dtype = _result_dtype(rec, (a, b))
+    if (op in _LOGICAL) != (dtype == "bool") and op not in _COMPARE:
+        raise NotRecordable(f"{op} on {dtype}")
+    out = "bool" if op in _COMPARE else dtype
+    return SymbolicArray(rec, rec.node(op, (rec.to(a, dtype), rec.to(b, dtype)), out))
+
+
+def _fast_power(rec: _Recorder, a: "SymbolicArray", e: float) -> Any:
+    """``a ** e`` as NumPy computes it for these exponents (square, sqrt, reciprocal, ...)."""
+    dtype = rec.nodes[a.index].dtype
+    if e == 2.0:
+        return SymbolicArray(rec, rec.node("mul", (a.index, a.index), dtype))
+    if e == 0.5:
+        return SymbolicArray(rec, rec.node("sqrt", (a.index,), dtype))
+    if e == 1.0:
+        return a
+    if e == -1.0:
+        return SymbolicArray(rec, rec.node("div", (rec.to(1.0, dtype), a.index), dtype))
+    if e == 0.0:
+        return SymbolicArray(rec, rec.to(1.0, dtype))
+    return None
+
+
+def _scalar_binary(rec: _Recorder, op: str, a: Any, b: Any) -> Any:
+    """Python arithmetic between dynamic values and Python numbers: double (or bool)."""
+    def operand(x: Any) -> int:
+        if isinstance(x, SymbolicValue):
+            return x.index if x._node.dtype == "float64" or op in _LOGICAL else rec.node("cast", (x.index,), "float64", True)
+        return rec.node("const", (_py(x),) if op in _LOGICAL else (float(_py(x)),), "bool" if op in _LOGICAL else "float64", True)
+    if op in _LOGICAL:
+        if not all(isinstance(x, bool) or isinstance(x, SymbolicValue) and x._node.dtype == "bool" for x in (a, b)):
+            raise NotRecordable(f"{op} of non-boolean scalars")
+        return rec.wrap(rec.node(op, (operand(a), operand(b)), "bool", True))
+    if op in ("max", "min"):
+        raise NotRecordable(f"{op} of scalars only")
+    out = "bool" if op in _COMPARE else "float64"
+    return rec.wrap(rec.node(op, (operand(a), operand(b)), out, True))
+
+
+class _Symbolic:
+    """Operators shared by symbolic arrays and symbolic scalars."""
+
+    __slots__ = ("rec", "index")
+    __array_ufunc__ = None  # np.sqrt(x) and friends refuse instead of making object arrays
+
+    def __init__(self, rec: _Recorder, index: int) -> None:
+        self.rec = rec
+        self.index = index
+
+    @property
+    def _node(self) -> Node:
+        return self.rec.nodes[self.index]
+
+    def __bool__(self) -> bool:
+        raise NotRecordable("a Python branch on a value known only when the kernel runs")
+
+    def __float__(self) -> float:
+        raise NotRecordable("float() of a value known only when the kernel runs")
+
+    __int__ = __index__ = __float__  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]
+
+    def __neg__(self) -> Any:
+        return _unary(self.rec, "neg", self)
+
+    def __pos__(self) -> Any:
+        return _unary(self.rec, "pos", self)
+
+    def __abs__(self) -> Any:
+        return _unary(self.rec, "abs", self)
+
+    def __invert__(self) -> Any:
+        if isinstance(self, SymbolicValue):
+            raise NotRecordable("~ of a Python bool")
+        return _unary(self.rec, "not", self)
+
+
+def _dunder(op: str, reflected: bool = False) -> Any:
+    def fn(self: _Symbolic, other: Any) -> Any:
+        return _binary(self.rec, op, other, self) if reflected else _binary(self.rec, op, self, other)
+    return fn
+
+
+for _op, _names in {"add": ("add",), "sub": ("sub",), "mul": ("mul",), "div": ("truediv",),
+                    "pow": ("pow",), "and": ("and",), "or": ("or",), "xor": ("xor",)}.items():
+    for _n in _names:
+        setattr(_Symbolic, f"__{_n}__", _dunder(_op))
+        setattr(_Symbolic, f"__r{_n}__", _dunder(_op, reflected=True))
+for _op in _COMPARE:
+    setattr(_Symbolic, f"__{_op}__", _dunder(_op))
+
+
+class SymbolicValue(_Symbolic, SymbolicScalar):
+    """A dynamic hyper-parameter (or Python arithmetic on one): a weak double or bool."""
+
+    __slots__ = ()
+
+
+class SymbolicArray(_Symbolic):
+    """One element of a row (or a value broadcast over it) of dtype ``.dtype``."""
+
+    __slots__ = ()
+    device = "cpu"
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self._node.dtype)
+
+    @property
+    def shape(self) -> Any:
+        raise NotRecordable("the shape of a row (a row kernel sees one element)")
+
+    ndim = size = shape
+    mT = T = shape
+
+
+def record(rule: UpdateRule, n_arrays: int) -> Graph:
+    """Run :func:`apply_rule` on the recorder: the graph of ``rule`` over ``n_arrays`` arrays
+    (the table and its slots) of ``rule.dtype``. Raises NotRecordable (or whatever the
+    update raises) when it is not one element-wise row loop."""
+    if rule.algorithm in _NOT_ELEMENTWISE:
+        raise NotRecordable(f"{rule.algorithm} is not an element-wise formula")
+    if rule.dtype not in _FLOATS:
+        raise NotRecordable(f"dtype {rule.dtype}")
+    if not 1 <= n_arrays <= MAX_ARRAYS:
+        raise NotRecordable(f"{n_arrays} arrays (a kernel takes 1 to {MAX_ARRAYS})")
+    rec = _Recorder()
+    dtype = rule.dtype
+    rows = [SymbolicArray(rec, rec.node("row", (k,), dtype)) for k in range(n_arrays)]
+    grads = SymbolicArray(rec, rec.node("grad", (), dtype))
+    values = [SymbolicValue(rec, rec.node("param", (i,), "float64", weak=True)) for i in range(len(rule.dynamic))]
+    out = apply_rule(rec, rule, values, grads, rows[0], *rows[1:])
+    if len(out) != n_arrays:
+        raise NotRecordable(f"the update returns {len(out)} arrays for {n_arrays}")
+    outputs = []
+    for x in out:
+        if not isinstance(x, SymbolicArray) or x.rec is not rec or x._node.dtype == "bool":
+            raise NotRecordable(f"an output that is not a float row ({type(x).__name__})")
+        outputs.append(rec.to(x, dtype))  # stored into a row of dtype T
+    return Graph(rec.nodes, tuple(outputs), dtype, n_arrays, len(rule.dynamic))
+
+
+# -- the C++ emitter -------------------------------------------------------------------------
+
+_LIBM = ("pow", "exp", "log")
+_CTYPE = {"float32": "float", "float64": "double", "bool": "bool"}
+_EXPR = {
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+    "neg": "(-{0})", "pos": "{0}", "abs": "std::fabs({0})", "sqrt": "std::sqrt({0})",
+    "floor": "std::floor({0})", "ceil": "std::ceil({0})", "exp": "std::exp({0})", "log": "std::log({0})",
+    "square": "({0} * {0})", "pow": "std::pow({0}, {1})", "max": "me_max({0}, {1})", "min": "me_min({0}, {1})",
+    "sign": "me_sign({0})", "lt": "({0} < {1})", "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})",
+    "eq": "({0} == {1})", "ne": "({0} != {1})", "and": "({0} && {1})", "or": "({0} || {1})", "xor": "({0} != {1})",
+    "not": "(!{0})", "where": "({0} ? {1} : {2})", "isnan": "({0} != {0})", "isinf": "std::isinf({0})",
+    "isfinite": "std::isfinite({0})",
+}
+
+#: NumPy's NaN and signed-zero behaviour: maximum(a, b) = a if a > b or a is NaN, else b (so
+#: maximum(-0., 0.) = 0. and maximum(0., -0.) = -0., as np.maximum); sign(±0) = +0, sign(NaN) = NaN.
+PREAMBLE = """\
+#include <cmath>
+#include <cstdint>
+namespace {
+template <class T> inline T me_max(T a, T b) { return ((a > b) | (a != a)) ? a : b; }
+template <class T> inline T me_min(T a, T b) { return ((a < b) | (a != a)) ? a : b; }
+template <class T> inline T me_sign(T x) { return x > T(0) ? T(1) : (x < T(0) ? T(-1) : (x == T(0) ? T(0) : x)); }
+// A C library call's operand known at compile time stays opaque: GCC would otherwise turn
+// powf(x, 0.5f) into sqrtf(x) or fold exp(c) itself, not the library's (NumPy-like) result.
+template <class T> inline T me_opaque(T v) { volatile T t = v; return t; }
+}  // namespace
+"""
+
+
+def _literal(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if math.isnan(v):
+        return "__builtin_nan(\"\")"
+    if math.isinf(v):
+        return "__builtin_inf()" if v > 0 else "(-__builtin_inf())"
+    return f"({float(v).hex()})"
+
+
+def emit_cpp(graph: Graph, symbol: str) -> str:
+    """The C++ function ``symbol`` (C ABI above) computing ``graph``; no preamble."""
+    live = set(graph.outputs)
+    for i in range(len(graph.nodes) - 1, -1, -1):
+        n = graph.nodes[i]
+        if i in live and n.op not in ("const", "param", "row", "grad"):
+            live.update(n.args)
+    t = _CTYPE[graph.dtype]
+    before, inside = [], []
+    for i, n in enumerate(graph.nodes):
+        if i not in live:
+            continue
+        ctype = "double" if n.weak and n.dtype == "float64" else _CTYPE[n.dtype]
+        if n.op == "row":
+            expr = f"r{n.args[0]}[j]"
+        elif n.op == "grad":
+            expr = "g[j]"
+        elif n.op == "param":
+            expr = f"hp[{n.args[0]}]"
+        elif n.op == "const":
+            expr = _literal(n.args[0]) if n.weak or n.dtype == "bool" else f"static_cast<{ctype}>({_literal(n.args[0])})"
+        elif n.op == "cast":
+            expr = f"({'x%d' % n.args[0]} != 0)" if n.dtype == "bool" else f"static_cast<{ctype}>(x{n.args[0]})"
+        else:
+            names = [f"me_opaque(x{a})" if n.op in _LIBM and not graph.nodes[a].varying else f"x{a}" for a in n.args]
+            expr = _EXPR[n.op].format(*names)
+        (inside if n.varying else before).append(f"const {ctype} x{i} = {expr};")
+    stores = [f"r{k}[j] = x{o};" for k, o in enumerate(graph.outputs)
+              if not (graph.nodes[o].op == "row" and graph.nodes[o].args[0] == k)]
+    lines = [f'extern "C" void {symbol}({t}* const* rows, const {t}* g_, int64_t dim, const double* hp) {{']
+    lines += [f"  {t}* __restrict r{k} = rows[{k}];" for k in range(graph.n_arrays)]
+    lines += [f"  const {t}* __restrict g = g_;", "  (void)g; (void)hp;"]
+    lines += [f"  {s}" for s in before]
+    lines += ["  for (int64_t j = 0; j < dim; ++j) {"] + [f"    {s}" for s in inside + stores] + ["  }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+# -- building and loading --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowKernel:
+    """A compiled row kernel of ``rule`` over ``n_arrays`` arrays of ``dtype``.
+
+    ``address``: the C function pointer (valid while the process lives); ``params(values)``:
+    the ``hp`` block for this call's dynamic values (``rule.dynamic`` order)."""
+
+    rule: UpdateRule
+    n_arrays: int
+    dtype: str
+    symbol: str
+    address: int
+    n_params: int
+    source: str = field(repr=False, compare=False)
+    graph: Graph = field(repr=False, compare=False, hash=False)
+
+    def params(self, values: Sequence[Any]) -> tuple[float, ...]:
+        if len(values) != self.n_params:
+            raise InputError(
+                f"Invalid `values` for the {self.rule.algorithm!r} kernel. Expected {self.n_params} values "
+                f"for {self.rule.dynamic}. Received: {len(values)}")
+        return tuple(float(v) for v in values)
+
+    def apply(self, arrays: Sequence[np.ndarray], grads: np.ndarray, values: Sequence[Any]) -> None:
+        """Run on NumPy arrays in place (the table and its slots, each shaped like ``grads``):
+        for tests and dense use; every array C-contiguous of ``dtype``."""
+        arrays = list(arrays)
+        if len(arrays) != self.n_arrays or any(
+                not isinstance(a, np.ndarray) or a.dtype != self.dtype or not a.flags.c_contiguous
+                or not a.flags.writeable or a.shape != grads.shape for a in arrays):
+            raise InputError(f"Invalid `arrays`. Expected {self.n_arrays} writable C-contiguous {self.dtype} arrays "
+                             f"shaped like `grads` {grads.shape}.")
+        if grads.dtype != self.dtype or not grads.flags.c_contiguous:
+            raise InputError(f"Invalid `grads`. Expected a C-contiguous {self.dtype} array. Received: {grads.dtype}")
+        hp = (ctypes.c_double * max(1, self.n_params))(*self.params(values))
+        ptrs = (ctypes.c_void_p * self.n_arrays)(*(a.ctypes.data for a in arrays))
+        _call_type(self.address)(ptrs, grads.ctypes.data, grads.size, hp)
+
+
+_CALL = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+
+
+def _call_type(address: int) -> Any:
+    return _CALL(address)
+
+
+_lock = threading.RLock()
+_kernels: dict[Any, RowKernel | None] = {}
+_libraries: dict[str, ctypes.CDLL] = {}
+_warned = [False]
+STEM = "meshembed_rk"
+
+
+def _source_dir() -> Path:
+    return native.cache_dir() / "generated"
+
+
+def _write(path: Path, text: str) -> Path:
+    if not path.exists() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return path
+
+
+def _generate(rule: UpdateRule, n_arrays: int) -> tuple[Graph, str, str] | None:
+    """``(graph, symbol, full source)``, or None where the rule cannot be recorded."""
+    try:
+        graph = record(rule, n_arrays)
+    except Exception:  # NotRecordable, NotImplementedError (no formula), a custom update's own error
+        return None
+    body = emit_cpp(graph, "SYMBOL")
+    symbol = f"{STEM}_{graph.dtype}_{hashlib.sha256((PREAMBLE + body).encode()).hexdigest()[:16]}"
+    return graph, symbol, PREAMBLE + body.replace("SYMBOL", symbol, 1)
+
+
+def _load(path: Path, symbol: str) -> int:
+    lib = _libraries.get(str(path))
+    if lib is None:
+        lib = _libraries[str(path)] = ctypes.CDLL(str(path))
+    return ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value
+
+
+def prebuild(items: Iterable[tuple[UpdateRule, int]]) -> list[RowKernel | None]:
+    """:func:`row_kernel` for each ``(rule, n_arrays)``, compiling every kernel not yet in the
+    disk cache in one compiler run (each kernel's own cache entry then links to that one
+    library, so a later process finds it by its own source)."""
+    items = list(items)
+    with _lock:
+        out: list[Any] = [None] * len(items)
+        todo: dict[int, tuple[Any, Graph, str, str, Path]] = {}
+        for rule, n_arrays in items:  # every input checked before anything is cached
+            if not isinstance(n_arrays, int) or isinstance(n_arrays, bool) or n_arrays < 1:
+                raise InputError(f"Invalid `n_arrays`. Expected an int >= 1 (the table and its slots). "
+                                 f"Received: n_arrays={n_arrays!r}")
+            if not isinstance(rule, UpdateRule):
+                raise InputError(f"Invalid `rule`. Expected an UpdateRule. Received: {type(rule).__name__}")
+        for i, (rule, n_arrays) in enumerate(items):
+            key = _key(rule, n_arrays)
+            if key is not None and key in _kernels:
+                out[i] = _kernels[key]
+                continue
+            made = _generate(rule, n_arrays)
+            if made is None:
+                _remember(key, None)
+                continue
+            graph, symbol, source = made
+            src = _write(_source_dir() / f"{symbol}.cc", source)
+            todo[i] = (key, graph, symbol, source, native.library_path(src, STEM))
+        missing = {t[2]: t for t in todo.values() if not t[4].exists()}
+        failed = False
+        if missing:
+            failed = not _build(list(missing.values()))
+        for i, (key, graph, symbol, source, path) in todo.items():
+            rule, n_arrays = items[i]
+            kernel = None
+            if not failed:
+                kernel = RowKernel(rule, n_arrays, graph.dtype, symbol, _load(path, symbol), graph.n_params,
+                                   source, graph)
+            out[i] = kernel
+            _remember(key, kernel)
+        return out
+
+
+def _build(pending: list[tuple[Any, Graph, str, str, Path]]) -> bool:
+    """Compile ``pending`` kernels (one library when several); False (one warning per
+    process) where no compiler works."""
+    try:
+        if len(pending) == 1:
+            native.build_library(_source_dir() / f"{pending[0][2]}.cc", STEM)
+            return True
+        combined = PREAMBLE + "".join(t[3][len(PREAMBLE):] for t in pending)
+        name = hashlib.sha256(combined.encode()).hexdigest()[:16]
+        lib = native.build_library(_write(_source_dir() / f"batch_{name}.cc", combined), STEM + "_batch")
+        for t in pending:  # each kernel's own cache entry: a link to the batch library
+            tmp = t[4].with_name(f".{t[4].name}.{os.getpid()}.tmp")
+            if tmp.exists() or tmp.is_symlink():
+                tmp.unlink()
+            os.symlink(lib, tmp)
+            os.replace(tmp, t[4])
+        return True
+    except (native.BuildError, OSError) as exc:  # no compiler, a compiler that fails
+        if not _warned[0]:
+            _warned[0] = True
+            warnings.warn(f"meshembed: generated row kernels are unavailable ({str(exc)[:500]}); the core "
+                          "functions run instead (same numbers).", RuntimeWarning, stacklevel=4)
+        return False
+
+
+def _key(rule: UpdateRule, n_arrays: int) -> Any:
+    try:
+        key = (rule, n_arrays)
+        hash(key)
+        return key
+    except TypeError:  # a static hyper-parameter that is not hashable: not memoised
+        return None
+
+
+def _remember(key: Any, kernel: RowKernel | None) -> None:
+    if key is not None:
+        _kernels[key] = kernel
+
+
+def row_kernel(rule: UpdateRule, n_arrays: int) -> RowKernel | None:
+    """The generated kernel computing ``rule`` over ``n_arrays`` arrays (the table and its
+    slots) of ``rule.dtype``, compiled on first use and cached (memory and disk); None when
+    the rule is not one element-wise loop (user_defined_program, mdl_adagrad_light, an op
+    such as a reduction, a custom update that cannot be recorded) or no compiler works (one
+    RuntimeWarning per process)."""
+    key = _key(rule, n_arrays) if isinstance(rule, UpdateRule) else None
+    if key is not None:
+        with _lock:
+            if key in _kernels:
+                return _kernels[key]
+    return prebuild([(rule, n_arrays)])[0]

@@ -1,0 +1,382 @@
+"""Generated row kernels (meshembed_native.codegen) equal the NumPy reference of the core's
+math: every element-wise optimizer × float32/float64 × {none, gradient clipping, weight
+clipping, weight decay, weight decay × lr} and the static variants that change the code, bit
+for bit. Where a formula calls pow/exp/log the kernel calls the C library's function and NumPy
+its own SIMD one: the reference then takes the C library's too (``LibmNumpy``), and the two
+functions' difference is the stated bound ``LIBM_ULP``, tested on its own."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+import warnings
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from meshembed.errors import InputError
+from meshembed.math.custom import CustomOptimizer
+from meshembed.math.registry import OPTIMIZERS, get_math
+from meshembed.math.rule import UpdateRule, apply_rule
+from meshembed_native import codegen
+
+#: Measured bound, in ulp of the result, of the C library's pow/exp/log (what a generated
+#: kernel calls) against NumPy's (docs/internals.md "Generated kernels"; this machine: glibc,
+#: NumPy's AVX-512 code).
+LIBM_ULP = {"pow": 1, "exp": 2, "log": 2}
+
+_LIBM = ctypes.CDLL(ctypes.util.find_library("m"))
+
+
+def _libm(name: str, *args):
+    """Element-wise ``name`` from the C library, NumPy's result dtype (Python numbers weak)."""
+    dtype = np.result_type(*args)
+    suffix, ctype = ("f", ctypes.c_float) if dtype == np.float32 else ("", ctypes.c_double)
+    fn = getattr(_LIBM, name + suffix)
+    fn.restype, fn.argtypes = ctype, [ctype] * len(args)
+    arrays = np.broadcast_arrays(*(np.asarray(a, dtype=dtype) for a in args))
+    flat = [a.ravel().tolist() for a in arrays]
+    return np.array([fn(*v) for v in zip(*flat)], dtype=dtype).reshape(arrays[0].shape)
+
+
+class LibmNumpy:
+    """NumPy, but with the C library's pow, exp and log: what the generated kernels call."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    def pow(self, x, y):
+        return _libm("pow", x, y)
+
+    def exp(self, x):
+        return _libm("exp", x)
+
+    def log(self, x):
+        return _libm("log", x)
+
+
+LIBM_NUMPY = LibmNumpy()
+
+
+def reference(rule, values, grads, arrays):
+    with np.errstate(all="ignore"):
+        return [np.asarray(w) for w in apply_rule(LIBM_NUMPY, rule, values, grads, *arrays)]
+
+
+#: Static hyper-parameters per algorithm (and the dynamic ones besides lr).
+BASE: dict[str, tuple[dict, tuple[str, ...]]] = {
+    "stochastic_gradient_descent": ({}, ()),
+    "assign": ({}, ()),
+    "adagrad": ({}, ()),
+    "adagrad_momentum": (dict(momentum=0.9, use_nesterov=False, exponent=2.0, beta2=0.99, epsilon=1e-7), ()),
+    "bounded_adagrad": (dict(update_accumulator_first=False, max_var_update=0.05, max_accumulator=5.0), ()),
+    "frequency_aware_adagrad": (dict(l1_regularization_strength=0.001, l2_regularization_strength=0.002,
+                                     max_lr_multiplier=4.0, probability_exponent=0.5, accumulator_decay=0.95,
+                                     initial_accumulator_value=0.1), ("step_counter",)),
+    "ftrl": (dict(l1=0.01, l2=0.02, lr_power=-0.5, beta=0.1, multiply_linear_by_lr=False,
+                  allow_zero_accumulator=False), ()),
+    "adam": (dict(beta1=0.9, beta2=0.999, epsilon=1e-8, use_non_lazy_adam=False, use_sum_inside_sqrt=False), ()),
+    "momentum": (dict(momentum=0.9, use_nesterov=False), ()),
+    "lion": (dict(beta1=0.9, beta2=0.99, use_non_lazy_lion=False), ()),
+    "rms_prop": (dict(rho=0.9, momentum=0.5, epsilon=1e-7), ()),
+    "centered_rms_prop": (dict(rho=0.9, momentum=0.5, epsilon=1e-7), ()),
+    "adadelta": (dict(rho=0.9, epsilon=1e-6), ()),
+    "proximal_adagrad": (dict(l1=0.01, l2=0.02), ()),
+    "online_yogi": (dict(l1=0.01, l2=0.02, beta2=0.99), ()),
+    "proximal_yogi": (dict(l1=0.01, l2=0.02, beta1=0.9, beta2=0.99, epsilon=1e-3), ()),
+    "frequency_estimator": (dict(tau=0.1, max_delta=100.0, outlier_threshold=2.0, weight_exponent=1.0), ()),
+}
+#: Static variants that change the generated code, and hyper-parameters made dynamic (their
+#: Python arithmetic, e.g. 1 - rho, then runs in double inside the kernel).
+VARIANTS: list[tuple[str, dict, tuple[str, ...]]] = [
+    ("adam", dict(use_sum_inside_sqrt=True), ()),
+    ("adam", dict(use_non_lazy_adam=True), ()),
+    ("adam", {}, ("beta1", "beta2", "epsilon")),
+    ("ftrl", dict(multiply_linear_by_lr=True), ()),
+    ("ftrl", dict(lr_power=-0.7), ()),
+    ("ftrl", dict(lr_power=-0.7, multiply_linear_by_lr=True), ()),
+    ("ftrl", dict(lr_power=0.0), ()),
+    ("momentum", dict(use_nesterov=True), ()),
+    ("adagrad_momentum", dict(use_nesterov=True), ()),
+    ("adagrad_momentum", dict(beta2=1.0), ()),
+    ("adagrad_momentum", {}, ("beta2", "momentum")),
+    ("bounded_adagrad", dict(update_accumulator_first=True), ()),
+    ("bounded_adagrad", dict(max_var_update=0.0, max_accumulator=0.0), ()),
+    ("lion", dict(use_non_lazy_lion=True), ()),
+    ("adadelta", {}, ("rho", "epsilon")),
+]
+OPTIONS = {
+    "none": {},
+    "gradient_clip": dict(gradient_clip=(-0.5, 0.5)),
+    "weight_clip": dict(weight_clip=(-math.inf, 0.4)),
+    "weight_decay": dict(weight_decay=0.01),
+    "weight_decay_lr": dict(weight_decay=0.02, multiply_weight_decay_by_lr=True),
+}
+DYNAMIC_VALUES = {"lr": 0.3, "step_counter": 7.0, "beta1": 0.85, "beta2": 0.995, "epsilon": 1e-7, "rho": 0.93,
+                  "momentum": 0.8}
+
+
+def make_rule(algorithm: str, static: dict, dynamic: tuple[str, ...], option: dict, dtype: str) -> UpdateRule:
+    math_ = OPTIMIZERS[algorithm]
+    given = {**BASE[algorithm][0], **static}
+    names = tuple(BASE[algorithm][1]) + tuple(n for n in dynamic if n not in BASE[algorithm][1])
+    lazy = not (given.get("use_non_lazy_adam") or given.get("use_non_lazy_lion"))
+    return UpdateRule(math=math_, slot_names=math_.slot_names,
+                      static=tuple(sorted((k, v) for k, v in given.items() if k not in names)),
+                      dynamic=("lr", *names), lazy=lazy, dtype=dtype, **option)
+
+
+CASES = [(a, {}, (), o, d) for a in BASE for o in OPTIONS for d in ("float32", "float64")]
+CASES += [(a, s, dyn, "none", d) for a, s, dyn in VARIANTS for d in ("float32", "float64")]
+RULES = [make_rule(a, s, dyn, OPTIONS[o], d) for a, s, dyn, o, d in CASES]
+IDS = [f"{a}-{'-'.join(f'{k}={v}' for k, v in s.items()) or ','.join(dyn) or 'base'}-{o}-{d}" for a, s, dyn, o, d in CASES]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """Every case's kernel, compiled in one compiler run (cached on disk afterwards)."""
+    built = codegen.prebuild([(rule, 1 + len(rule.slot_names)) for rule in RULES])
+    return dict(zip(IDS, built))
+
+
+def mixture(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, signed: bool = True) -> np.ndarray:
+    """Normal values with zeros (both signs), tiny, subnormal and large ones mixed in."""
+    x = rng.standard_normal(shape)
+    pick = rng.integers(0, 8, size=shape)
+    x = np.where(pick == 0, 0.0, x)
+    x = np.where(pick == 1, -0.0, x)
+    x = np.where(pick == 2, x * 1e-30, x)
+    x = np.where(pick == 3, x * 1e-41 if dtype == "float32" else x * 1e-310, x)
+    x = np.where(pick == 4, x * 1e4, x)
+    x = x.astype(dtype)
+    return x if signed else np.abs(x)
+
+
+def inputs(rule: UpdateRule, seed: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    shape = (5, 37)  # an odd width: the vector loop's remainder runs too
+    grads = mixture(rng, shape, rule.dtype)
+    arrays = [mixture(rng, shape, rule.dtype)] + [mixture(rng, shape, rule.dtype, signed=False)
+                                                  for _ in rule.slot_names]
+    for a in arrays[1:]:
+        a[4] = -a[4]  # one row of negative slots (NaN paths of sqrt and pow must agree too)
+    return grads, arrays
+
+
+def values_for(rule: UpdateRule) -> tuple[float, ...]:
+    return tuple(DYNAMIC_VALUES[n] for n in rule.dynamic)
+
+
+def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Ulps between a and b (0 where both are NaN; huge where only one is)."""
+    int_t = np.int32 if a.dtype == np.float32 else np.int64
+    ia, ib = a.view(int_t).astype(np.int64), b.view(int_t).astype(np.int64)
+    ia = np.where(ia < 0, np.iinfo(int_t).min - ia, ia)  # monotone integer order of floats
+    ib = np.where(ib < 0, np.iinfo(int_t).min - ib, ib)
+    d = np.abs(ia - ib).astype(np.float64)
+    both_nan = np.isnan(a) & np.isnan(b)
+    one_nan = np.isnan(a) ^ np.isnan(b)
+    return np.where(both_nan, 0, np.where(one_nan, np.inf, d))
+
+
+def assert_same(got: np.ndarray, want: np.ndarray, ulps: int, what: str) -> None:
+    d = ulp_distance(got, want)
+    assert d.max() <= ulps, f"{what}: {int((d > ulps).sum())} elements differ, worst {d.max()} ulp"
+
+
+@pytest.mark.parametrize("index", range(len(RULES)), ids=IDS)
+def test_generated_kernel_equals_the_numpy_reference(kernels, index):
+    rule = RULES[index]
+    kernel = kernels[IDS[index]]
+    assert kernel is not None and kernel.dtype == rule.dtype and kernel.n_params == len(rule.dynamic)
+    grads, arrays = inputs(rule, seed=index)
+    values = values_for(rule)
+    want = [a.copy() for a in arrays]
+    for _ in range(2):
+        want = reference(rule, values, grads, want)
+        kernel.apply(arrays, grads, values)
+    for k, (got, ref) in enumerate(zip(arrays, want)):
+        assert got.dtype == ref.dtype
+        assert_same(got, ref, 0, f"array {k}")
+        assert np.isfinite(ref).mean() > 0.5, "too few finite values for the comparison to mean much"
+
+
+def test_the_comparison_catches_a_one_ulp_change(kernels):
+    """Bits, not a tolerance: a kernel of a rule 1 ulp apart in one constant fails it."""
+    rule = RULES[IDS.index("adam-base-none-float32")]
+    bumped = float(np.nextafter(np.float32(0.9), np.float32(1.0)))  # beta1 one float32 ulp up
+    other = replace(rule, static=tuple((k, bumped if k == "beta1" else v) for k, v in rule.static))
+    grads, arrays = inputs(rule, seed=1)
+    want = reference(other, values_for(rule), grads, arrays)
+    kernels["adam-base-none-float32"].apply(arrays, grads, values_for(rule))
+    assert ulp_distance(arrays[1], want[1]).max() > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_libm_calls_are_within_the_stated_ulp_bound_of_numpy(dtype):
+    """The kernels' pow/exp/log (C library) against NumPy's own, on one op each."""
+    def fn(xp, params, grads, slots, *, lr):
+        return params ** lr, type(slots)(xp.exp(grads), xp.log(xp.abs(slots.b)), 2.0 ** xp.minimum(grads, 60.0))
+    opt = CustomOptimizer(fn, ("a", "b", "c"), (0.0,) * 3)
+    rule = UpdateRule(math=get_math(opt), slot_names=("a", "b", "c"), dtype=dtype)
+    kernel = codegen.row_kernel(rule, 4)
+    rng = np.random.default_rng(4)
+    n = 20000
+    p = (np.abs(rng.standard_normal(n)) * 10).astype(dtype) ** 3
+    g = (rng.standard_normal(n) * 20).astype(dtype)
+    arrays = [p, np.zeros(n, dtype), (rng.standard_normal(n) * 1e3).astype(dtype), np.zeros(n, dtype)]
+    for lr in (-2.7, 0.3, 1.7):
+        with np.errstate(all="ignore"):
+            want = [np.asarray(w) for w in apply_rule(np, rule, (lr,), g, *arrays)]
+        got = [a.copy() for a in arrays]
+        kernel.apply(got, g, (lr,))
+        for name, a, b in zip(("pow", "exp", "log", "pow"), got, want):
+            assert ulp_distance(a, b).max() <= LIBM_ULP[name], (name, lr)
+
+
+def _all_ops(xp, params, grads, slots, *, lr, c):
+    """Every op the recorder knows, incl. NaN / signed-zero cases of maximum, sign, where."""
+    a = slots.a
+    t = xp.maximum(params, grads) + xp.minimum(a, params) * xp.sign(grads)
+    mask = ((grads > 0) & ~(a < params)) | (params == 0) | xp.isnan(a)
+    u = xp.where(mask, xp.abs(params), -a)
+    e = xp.exp(xp.minimum(grads, 10.0)) + xp.log(xp.abs(a) + 1) + xp.floor(params * 3) + xp.ceil(grads)
+    q = params ** 2 + xp.abs(a) ** 0.5 + 1 / (1 + a ** -1) + a ** 1 + a ** 0  # NumPy's fast ** paths
+    q = q + xp.pow(xp.abs(grads), c) + xp.pow(2.0, xp.minimum(grads, 3.0))
+    wide = xp.astype(xp.astype(t, xp.float64) * (lr * 3 + 1e-9), params.dtype)  # double, then back
+    step = xp.where(lr > 0.5, u, -u)  # a condition on a dynamic value
+    flag = xp.astype(xp.isfinite(params) & xp.logical_not(xp.isinf(grads)), params.dtype)
+    return t + step + e * lr + q * flag, type(slots)(wide - xp.zeros_like(a) + xp.asarray(0.25, dtype=a.dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_every_recorded_op_has_numpys_semantics(dtype):
+    opt = CustomOptimizer(_all_ops, ("a",), (0.0,), hyperparameters={"c": 1.5})
+    rule = UpdateRule(math=get_math(opt), slot_names=("a",), static=(("c", 1.5),), dtype=dtype)
+    ops = UpdateRule(math=get_math(opt), slot_names=("a",), static=(), dynamic=("lr", "c"), dtype=dtype)
+    specials = np.array([np.nan, -np.nan, 0.0, -0.0, np.inf, -np.inf, 1.0, -1.0], dtype=dtype)
+    for r in (rule, ops):
+        kernel = codegen.row_kernel(r, 2)
+        assert kernel is not None
+        for lr in (0.25, 0.75):
+            grads, arrays = inputs(r, seed=11)
+            grads[0, :8], arrays[0][0, :8], arrays[1][0, 8:16] = specials, specials[::-1], specials
+            arrays[0][1, :] = np.resize(specials, grads.shape[1])
+            vals = (lr,) if r is rule else (lr, 1.5)
+            want = reference(r, vals, grads, arrays)
+            kernel.apply(arrays, grads, vals)
+            for got, ref in zip(arrays, want):
+                assert_same(got, ref, 0, f"{r.dynamic} lr={lr}")
+            zeros = (np.asarray(want[0]) == 0) & ~np.isnan(np.asarray(want[0]))
+            assert (np.signbit(arrays[0][zeros]) == np.signbit(np.asarray(want[0])[zeros])).all()
+
+
+def test_signed_zeros_and_nans_of_maximum_minimum_sign_are_numpys():
+    def fn(xp, params, grads, slots, *, lr):
+        return xp.maximum(params, grads) + 0 * lr, type(slots)(xp.minimum(params, grads) * xp.sign(slots.s))
+    opt = CustomOptimizer(fn, ("s",), (0.0,))
+    rule = UpdateRule(math=get_math(opt), slot_names=("s",), dtype="float32")
+    kernel = codegen.row_kernel(rule, 2)
+    p = np.array([-0.0, 0.0, np.nan, 1.0, -0.0, 2.0], np.float32)
+    g = np.array([0.0, -0.0, 1.0, np.nan, -0.0, 2.0], np.float32)
+    s = np.array([-0.0, 0.0, -3.0, 5.0, np.nan, -0.0], np.float32)
+    want = reference(rule, (0.0,), g, [p, s])
+    arrays = [p.copy(), s.copy()]
+    kernel.apply(arrays, g, (0.0,))
+    for got, ref in zip(arrays, want):
+        ref = np.asarray(ref)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+        np.testing.assert_array_equal(np.signbit(got[~np.isnan(ref)]), np.signbit(ref[~np.isnan(ref)]))
+        np.testing.assert_array_equal(got, ref)
+
+
+def test_custom_elementwise_update_is_generated():
+    def scaled_sgd(xp, params, grads, slots, *, lr, scale):
+        return params - scale * lr * grads, type(slots)(slots.n + 1)
+    opt = CustomOptimizer(scaled_sgd, ("n",), (0.0,), hyperparameters={"scale": 0.5})
+    rule = UpdateRule(math=get_math(opt), slot_names=("n",), static=(("scale", 0.5),), dtype="float64",
+                      gradient_clip=(-1.0, 1.0))
+    kernel = codegen.row_kernel(rule, 2)
+    grads, arrays = inputs(rule, seed=2)
+    want = reference(rule, (0.1,), grads, arrays)
+    kernel.apply(arrays, grads, (0.1,))
+    for got, ref in zip(arrays, want):
+        assert_same(got, ref, 0, "custom")
+
+
+def _custom_rule(fn, slots=("s",)):
+    opt = CustomOptimizer(fn, slots, (0.0,) * len(slots))
+    return UpdateRule(math=get_math(opt), slot_names=slots)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda xp, p, g, s, *, lr: (p - lr * xp.sum(g), s),  # a reduction
+    lambda xp, p, g, s, *, lr: (p - lr * g if lr > 0.1 else p, s),  # a branch on a run-time value
+    lambda xp, p, g, s, *, lr: (p - lr * g[0], s),  # indexing
+    lambda xp, p, g, s, *, lr: (xp.reshape(p, (-1,)), s),  # a shape op
+    lambda xp, p, g, s, *, lr: (p - lr * np.sqrt(g), s),  # NumPy itself, not xp
+    lambda xp, p, g, s, *, lr: (p - lr * xp.zeros(p.shape), s),  # shapes
+    lambda xp, p, g, s, *, lr: (p > g, s),  # a boolean row
+    lambda xp, p, g, s, *, lr: (p,),  # one array short
+])
+def test_rules_that_are_not_one_elementwise_loop_get_none(fn):
+    assert codegen.row_kernel(_custom_rule(fn), 2) is None
+
+
+@pytest.mark.parametrize("algorithm", ["user_defined_program", "mdl_adagrad_light"])
+def test_no_kernel_for_the_hlo_program_and_the_formula_less_optimizer(algorithm):
+    rule = UpdateRule(math=OPTIMIZERS[algorithm], slot_names=("accumulators", "weights", "benefits"))
+    with _no_warning():
+        assert codegen.row_kernel(rule, 4) is None
+
+
+class _no_warning:
+    def __enter__(self):
+        self._w = warnings.catch_warnings(record=True)
+        self.seen = self._w.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self._w.__exit__(*exc)
+        assert not self.seen, [str(w.message) for w in self.seen]
+
+
+def test_bad_arguments_are_input_errors():
+    rule = RULES[0]
+    with pytest.raises(InputError, match="n_arrays"):
+        codegen.row_kernel(rule, 0)
+    with pytest.raises(InputError, match="rule"):
+        codegen.row_kernel("adam", 3)
+    kernel = codegen.row_kernel(make_rule("adagrad", {}, (), {}, "float32"), 2)
+    grads, arrays = inputs(kernel.rule, seed=0)
+    before = [a.copy() for a in arrays]
+    with pytest.raises(InputError, match="values"):
+        kernel.apply(arrays, grads, (0.1, 0.2))
+    with pytest.raises(InputError, match="arrays"):
+        kernel.apply([arrays[0], arrays[1].astype(np.float64)], grads, (0.1,))
+    for a, b in zip(arrays, before):
+        np.testing.assert_array_equal(a, b)
+    assert codegen.row_kernel(rule, codegen.MAX_ARRAYS + 1) is None
+
+
+def test_no_compiler_gives_none_and_one_warning(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("MESHEMBED_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(codegen, "_kernels", {})
+    monkeypatch.setattr(codegen, "_warned", [False])
+    with pytest.warns(RuntimeWarning, match="generated row kernels are unavailable"):
+        assert codegen.row_kernel(RULES[0], 1) is None
+    with _no_warning():
+        assert codegen.row_kernel(RULES[2], 2) is None
+
+
+def test_recorded_graph_is_backend_neutral():
+    """The graph names ops, not C++: what a CUDA emitter would read."""
+    graph = codegen.record(make_rule("adadelta", {}, (), {}, "float32"), 3)
+    ops = {n.op for n in graph.nodes}
+    assert ops <= {"row", "grad", "param", "const", "cast", "add", "sub", "mul", "div", "sqrt"}
+    assert len(graph.outputs) == 3 and graph.n_params == 1
+    assert not any("std::" in str(n.args) for n in graph.nodes)
