@@ -94,7 +94,7 @@ def _engine_step(d: _Data, optimizer: str) -> Callable[[], Any]:
 def _update_rows_step(d: _Data, optimizer: str) -> Callable[[], Any]:
     import meshembed as me
     from meshembed.embedding.layout import build_layout
-    from meshembed.embedding.updates import make_update_fn
+    from meshembed.embedding.updates import make_rule, rule_values
     from meshembed.sharding import Placement
 
     s = d.sizes
@@ -114,9 +114,10 @@ def _update_rows_step(d: _Data, optimizer: str) -> Callable[[], Any]:
     grads = be.asarray(d.grad[d.segments])
     holder = {"state": state}
 
+    rule = make_rule(spec, "jax")  # the update as data, its values passed per call (as the engine)
+
     def step() -> Any:
-        fn = make_update_fn(be.xp, spec, ())  # the engine builds a fresh closure every step
-        holder["state"] = be.update_rows(holder["state"], ids, grads, fn)
+        holder["state"] = be.update_rows(holder["state"], ids, grads, rule, values=rule_values(spec, rule, ()))
         return holder["state"][0].data
 
     return step

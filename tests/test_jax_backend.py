@@ -21,7 +21,8 @@ import meshembed as me  # noqa: E402
 from meshembed import math as me_math  # noqa: E402
 from meshembed.errors import CapacityError  # noqa: E402
 from meshembed.sharding import Placement  # noqa: E402
-from meshembed_jax import JaxBackend, fnspec  # noqa: E402
+from meshembed.math.rule import UpdateRule  # noqa: E402
+from meshembed_jax import JaxBackend  # noqa: E402
 from meshembed_numpy import NumpyBackend  # noqa: E402
 from tests.jax_x64 import x64_where_named  # noqa: E402,F401
 
@@ -74,14 +75,19 @@ class CompileCounter:
         return sum("backend_compile" in e for e in self._events[self._start:])
 
 
-def make_fn(xp, algorithm: str, lr: float, hp: dict):
-    """The engine's shape of optimizer callable: a closure over the core's apply_update."""
+def make_fn(xp, algorithm: str, lr: float, hp: dict) -> dict:
+    """``update_rows``' rule arguments (``**make_fn(...)``) for the core's ``algorithm`` with
+    static hyper-parameters ``hp`` and the learning rate ``lr`` passed as a value."""
+    math_ = me_math.get_math(algorithm)
+    rule = UpdateRule(math=math_, slot_names=math_.slot_names, static=tuple(sorted(hp.items())))
+    return {"fn": rule, "values": (lr,)}
 
-    def fn(grads, params, *slots):
-        new_params, new_slots = me_math.apply_update(xp, algorithm, params, grads, tuple(slots), lr=lr, hyperparameters=hp)
-        return (new_params, *tuple(new_slots))
 
-    return fn
+@pytest.fixture(autouse=True)
+def _xla_update_step(monkeypatch):
+    """These tests are about the XLA update step (capacity, pieces, donation); the generated
+    fused kernels have their own tests (test_jax_fused.py, test_jax_generated.py)."""
+    monkeypatch.setenv("MESHEMBED_JAX_FUSED", "0")
 
 
 OPTIMIZERS = {
@@ -194,11 +200,11 @@ def test_update_rows_core_optimizers_parity(be, ref, algorithm, vocab, shards, s
         grads = rng.standard_normal((11, 4)).astype(dtype)
         lr = 0.1 * (step + 1)
         with counter:
-            tj = be.update_rows(tj, be.asarray(ids), be.asarray(grads), make_fn(be.xp, algorithm, lr, hp))
+            tj = be.update_rows(tj, be.asarray(ids), be.asarray(grads), **make_fn(be.xp, algorithm, lr, hp))
             compiles = counter.count
         if step:
             assert compiles == 0, f"step {step} recompiled"
-        tr = ref.update_rows(tr, ids, grads, make_fn(ref.xp, algorithm, lr, hp))
+        tr = ref.update_rows(tr, ids, grads, **make_fn(ref.xp, algorithm, lr, hp))
     for a, b in zip(tj, tr):
         _close(be.unshard(a), ref.unshard(b), dtype)
 
@@ -228,9 +234,9 @@ def test_gather_combine_and_fused_backward_parity(be, ref, vocab, shards, strate
         assert tuple(out.shape) == (segments, 4)
         _close(be.to_numpy(out), ref.gather_combine(tr[0], ids, seg, segments, weights), "float32")
     g = rng.standard_normal((segments, 4)).astype(np.float32)
-    tj = be.update_rows(tj, be.asarray(ids), be.asarray(g), make_fn(be.xp, "adagrad", 0.1, {}),
+    tj = be.update_rows(tj, be.asarray(ids), be.asarray(g), **make_fn(be.xp, "adagrad", 0.1, {}),
                         grad_index=be.asarray(seg), grad_weights=be.asarray(w))
-    tr = ref.update_rows(tr, ids, g, make_fn(ref.xp, "adagrad", 0.1, {}), grad_index=seg, grad_weights=w)
+    tr = ref.update_rows(tr, ids, g, **make_fn(ref.xp, "adagrad", 0.1, {}), grad_index=seg, grad_weights=w)
     for a, b in zip(tj, tr):
         _close(be.unshard(a), ref.unshard(b), "float32")
 
@@ -240,7 +246,7 @@ def test_update_rows_donates_buffers(be):
     t = [be.create_table(_table(64, 8), placement), be.create_table(np.ones((64, 8), np.float32), placement)]
     old = [x.data for x in t]
     fn = make_fn(be.xp, "adagrad", 0.1, {})
-    t = be.update_rows(t, be.asarray(np.array([1, 2, 2])), be.asarray(np.ones((3, 8), np.float32)), fn)
+    t = be.update_rows(t, be.asarray(np.array([1, 2, 2])), be.asarray(np.ones((3, 8), np.float32)), **fn)
     assert all(o.is_deleted() for o in old), "table/slot buffers were copied, not donated"
     old = t[0].data
     t0 = be.scatter(t[0], be.asarray(np.array([5])), be.asarray(np.zeros((1, 8), np.float32)))
@@ -255,11 +261,11 @@ def test_capacity_error_leaves_state_unchanged():
     fn = make_fn(be.xp, "adagrad", 0.5, {})
     ids = np.arange(0, 20)  # 10 unique ids per shard (20 per device on one device) > capacity 4
     with pytest.raises(CapacityError, match=r"capacity is 4.*Nothing was updated.*at least (10|20)\b"):
-        be.update_rows(t, be.asarray(ids), be.asarray(np.ones((20, 3), np.float32)), fn)
+        be.update_rows(t, be.asarray(ids), be.asarray(np.ones((20, 3), np.float32)), **fn)
     np.testing.assert_array_equal(be.unshard(t[0]), values)
     np.testing.assert_array_equal(be.unshard(t[1]), np.full((40, 3), 0.1, np.float32))
     # a batch within capacity still works on the same tables
-    t = be.update_rows(t, be.asarray(np.array([1, 1, 30])), be.asarray(np.ones((3, 3), np.float32)), fn)
+    t = be.update_rows(t, be.asarray(np.array([1, 1, 30])), be.asarray(np.ones((3, 3), np.float32)), **fn)
     assert not np.array_equal(be.unshard(t[0])[[1, 30]], values[[1, 30]])
 
 
@@ -275,7 +281,7 @@ def test_false_guard_writes_nothing(be, combined):
     extra = {"grad_index": be.asarray(np.array([0, 1, 1, 0]))} if combined else {}
     grads = be.asarray(np.ones((2 if combined else 4, 3), np.float32))
     for guard in (False, True):
-        t = be.update_rows(t, ids, grads, fn, guard=be.finite_guard([np.float32(1 if guard else np.nan)]), **extra)
+        t = be.update_rows(t, ids, grads, **fn, guard=be.finite_guard([np.float32(1 if guard else np.nan)]), **extra)
         changed = not np.array_equal(be.unshard(t[0]), values)
         assert changed == guard
         assert changed == (not np.array_equal(be.unshard(t[1]), np.full((40, 3), 0.1, np.float32)))
@@ -297,10 +303,10 @@ def test_update_runs_only_the_pieces_holding_unique_rows(ref, monkeypatch):
     for guard in (False, True):
         t = [be.create_table(values, placement), be.create_table(np.full((3000, 4), 0.1, np.float32), placement)]
         r = [ref.create_table(values, placement), ref.create_table(np.full((3000, 4), 0.1, np.float32), placement)]
-        t = be.update_rows(t, be.asarray(ids), be.asarray(grads), make_fn(be.xp, "adagrad", 0.5, {}),
+        t = be.update_rows(t, be.asarray(ids), be.asarray(grads), **make_fn(be.xp, "adagrad", 0.5, {}),
                            guard=be.finite_guard([np.float32(1 if guard else np.nan)]))
         if guard:
-            r = ref.update_rows(r, ids, grads, make_fn(ref.xp, "adagrad", 0.5, {}))
+            r = ref.update_rows(r, ids, grads, **make_fn(ref.xp, "adagrad", 0.5, {}))
         for got, want in zip(t, r):
             _close(be.unshard(got), ref.unshard(want), "float32")
 
@@ -320,11 +326,11 @@ def test_update_kernel_copies_no_table(monkeypatch, ffi, capacity):
     t = [be.create_table(_table(5000, 8), placement), be.create_table(np.ones((5000, 8), np.float32), placement)]
     fn = make_fn(be.xp, "adagrad", 0.1, {})
     ids, grads = be.asarray(np.arange(0, 30, 3)), be.asarray(np.ones((10, 8), np.float32))
-    t = be.update_rows(t, ids, grads, fn)
+    t = be.update_rows(t, ids, grads, **fn)
     ((key, kernel),) = [(k, v) for k, v in be._kernels.items() if k[0] == "update"]
     gids, ggrads, _, _ = be._global_batch(t[0].layout, ids, grads)
     hlo = kernel.lower(tuple(x.data for x in t), gids, ggrads, be._guard(t[0].layout, None),
-                       fnspec.split(fn).dyn).compile().as_text()
+                       fn["values"]).compile().as_text()
     copies = [line for line in hlo.splitlines() if " copy(" in line and "5000" in line]
     assert not copies, copies
 
@@ -348,10 +354,10 @@ def test_one_device_kernels_have_no_collective():
             t[0].data, gids, gsegs, be._no_weights(layout, np.float32)).compile().as_text(),
     ]
     fn = make_fn(be.xp, "stochastic_gradient_descent", 0.1, {})
-    be.update_rows(t, be.asarray(ids), be.asarray(np.ones((20, 8), np.float32)), fn)
+    be.update_rows(t, be.asarray(ids), be.asarray(np.ones((20, 8), np.float32)), **fn)
     ((key, kernel),) = [(k, v) for k, v in be._kernels.items() if k[0] == "update"]
     g, gg, _, _ = be._global_batch(layout, be.asarray(ids), be.asarray(np.ones((20, 8), np.float32)))
-    texts.append(kernel.lower((t[0].data,), g, gg, be._guard(layout, None), fnspec.split(fn).dyn).compile().as_text())
+    texts.append(kernel.lower((t[0].data,), g, gg, be._guard(layout, None), fn["values"]).compile().as_text())
     for text in texts:
         assert "all-reduce" not in text, text[:3000]
 
@@ -433,8 +439,8 @@ def test_automatic_capacity_grows_without_error(ref):
     ids = np.arange(4096)  # all unique: more than the automatic first guess (a quarter)
     g = np.ones((4096, 2), np.float32)
     fn = make_fn(be.xp, "stochastic_gradient_descent", 0.5, {})
-    t = be.update_rows(t, be.asarray(ids), be.asarray(g), fn)
-    r = ref.update_rows(r, ids, g, make_fn(ref.xp, "stochastic_gradient_descent", 0.5, {}))
+    t = be.update_rows(t, be.asarray(ids), be.asarray(g), **fn)
+    r = ref.update_rows(r, ids, g, **make_fn(ref.xp, "stochastic_gradient_descent", 0.5, {}))
     np.testing.assert_array_equal(be.unshard(t[0]), ref.unshard(r[0]))
 
 
@@ -454,14 +460,14 @@ def test_overflow_on_one_device_writes_on_no_device(monkeypatch, ref, ffi):
     g = np.ones((ids.size, 2), np.float32)
     fn = make_fn(JaxBackend().xp, "stochastic_gradient_descent", 0.5, {})
     be = JaxBackend()
-    t = be.update_rows([be.create_table(values, placement)], be.asarray(ids), be.asarray(g), fn)
+    t = be.update_rows([be.create_table(values, placement)], be.asarray(ids), be.asarray(g), **fn)
     r = ref.update_rows([ref.create_table(values, placement)], ids, g,
-                        make_fn(ref.xp, "stochastic_gradient_descent", 0.5, {}))
+                        **make_fn(ref.xp, "stochastic_gradient_descent", 0.5, {}))
     np.testing.assert_array_equal(be.unshard(t[0]), ref.unshard(r[0]))
     fixed = JaxBackend(capacity=1024)
     t = [fixed.create_table(values, placement)]
     with pytest.raises(CapacityError, match="owns 1500 unique ids"):
-        fixed.update_rows(t, fixed.asarray(ids), fixed.asarray(g), fn)
+        fixed.update_rows(t, fixed.asarray(ids), fixed.asarray(g), **fn)
     np.testing.assert_array_equal(fixed.unshard(t[0]), values)
 
 
@@ -477,11 +483,11 @@ def test_automatic_capacity_check_waits_until_a_table_is_read(ref):
     fr = make_fn(ref.xp, "stochastic_gradient_descent", 0.5, {})
     for step, ids in enumerate((np.arange(4096), np.arange(4096) % 7)):  # overflows the first guess, then fits
         g = np.ones((4096, 2), np.float32)
-        t = be.update_rows(t, be.asarray(ids), be.asarray(g), fn)
+        t = be.update_rows(t, be.asarray(ids), be.asarray(g), **fn)
         assert t[0].pending is not None  # not checked yet
         # the first step's overflow is seen (and the step redone) when the second reads the table
         assert bool(be._auto_capacity) == (step == 1)
-        r = ref.update_rows(r, ids, g, fr)
+        r = ref.update_rows(r, ids, g, **fr)
     np.testing.assert_array_equal(be.unshard(t[0]), ref.unshard(r[0]))
     assert t[0].pending is None and max(be._auto_capacity.values()) >= 4096
 
@@ -495,7 +501,7 @@ def test_no_recompilation_across_steps_and_batch_sizes(be):
     def step(n: int, lr: float):
         nonlocal t
         ids = be.asarray(rng.integers(0, 1000, size=n))
-        t = be.update_rows(t, ids, be.asarray(np.ones((n, 8), np.float32)), make_fn(be.xp, "adadelta", lr, dict(rho=0.9, epsilon=1e-6)))
+        t = be.update_rows(t, ids, be.asarray(np.ones((n, 8), np.float32)), **make_fn(be.xp, "adadelta", lr, dict(rho=0.9, epsilon=1e-6)))
         be.gather(t[0], ids)
 
     step(120, 0.1)  # compiles
@@ -547,50 +553,32 @@ def test_engine_steps_with_varying_id_counts_do_not_recompile(n_features):
     assert counter.count == 0
 
 
-def test_fnspec_keys():
-    import functools
-
-    import jax.numpy as jnp
-
-    def base(xp, g, p, *, lr, flag):
-        return (p - lr * g,) if flag else (p,)
-
-    a = fnspec.split(functools.partial(base, jnp, lr=0.1, flag=True))
-    b = fnspec.split(functools.partial(base, jnp, lr=0.2, flag=True))
-    c = fnspec.split(functools.partial(base, jnp, lr=0.2, flag=False))
-    assert a.key == b.key and a.dyn == (0.1,) and b.dyn == (0.2,)
-    assert a.key != c.key
-    out = a.call((0.5,), jnp.ones(2), jnp.zeros(2))
-    np.testing.assert_allclose(np.asarray(out[0]), -0.5)
-
-    class Holder:  # mutable state read at trace time must never be baked into a shared key
-        lr = 0.1
-
-    h = Holder()
-
-    def closure(g, p):
-        return (p - h.lr * g,)
-
-    assert fnspec.split(closure).key[0] == "id"
-    hp1 = fnspec.split(make_fn(jnp, "adagrad", 0.1, {"x": 1.0}))
-    hp2 = fnspec.split(make_fn(jnp, "adagrad", 0.3, {"x": 2.0}))
-    assert hp1.key == hp2.key and len(hp1.dyn) == 2  # lr and the dict's float are traced
-
-
-def test_hyperparameter_branching_falls_back_to_static(be):
-    """A function that branches on a float in Python still works (kept static)."""
+def test_plain_callables_are_refused_with_the_fix(be):
+    """The backend takes an UpdateRule and its values, never a closure to take apart."""
     placement = Placement(10, 1, "mod")
     t = [be.create_table(_table(10, 2), placement)]
+    with pytest.raises(me.errors.InputError, match="UpdateRule.*make_rule"):
+        be.update_rows(t, be.asarray(np.array([1])), be.asarray(np.ones((1, 2), np.float32)), lambda g, p: (p - g,))
+    with pytest.raises(me.errors.InputError, match=r"Expected 1 values.*\('lr',\)"):
+        be.update_rows(t, be.asarray(np.array([1])), be.asarray(np.ones((1, 2), np.float32)),
+                       make_fn(be.xp, "adagrad", 0.1, {})["fn"])
+    np.testing.assert_array_equal(be.unshard(t[0]), _table(10, 2))
 
-    def make(lr):
-        def fn(g, p):
-            return (p - g if lr > 0.5 else p + g,)
 
-        return fn
+def test_a_rule_branching_on_a_traced_value_is_refused(be):
+    """Math that branches in Python on a dynamic value cannot take it traced: ConfigError
+    naming the rule and the fix, tables unchanged (the trace fails before anything runs)."""
+    from meshembed.math.registry import OptimizerMath
 
-    t = be.update_rows(t, be.asarray(np.array([1])), be.asarray(np.ones((1, 2), np.float32)), make(1.0))
-    t = be.update_rows(t, be.asarray(np.array([1])), be.asarray(np.ones((1, 2), np.float32)), make(0.1))
-    np.testing.assert_allclose(be.unshard(t[0])[1], _table(10, 2)[1])
+    def branching(xp, params, grads, slots, *, lr):
+        return (params - grads if lr > 0.5 else params + grads), slots
+
+    rule = UpdateRule(math=OptimizerMath("custom", branching, None, ()), slot_names=())
+    placement = Placement(10, 1, "mod")
+    t = [be.create_table(_table(10, 2), placement)]
+    with pytest.raises(me.errors.ConfigError, match="'custom'.*branches in Python.*Fix"):
+        be.update_rows(t, be.asarray(np.array([1])), be.asarray(np.ones((1, 2), np.float32)), rule, values=(1.0,))
+    np.testing.assert_array_equal(be.unshard(t[0]), _table(10, 2))
 
 
 def test_capabilities_and_namespace(be):

@@ -18,6 +18,8 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import meshembed as me  # noqa: E402
+from meshembed.math.registry import OptimizerMath  # noqa: E402
+from meshembed.math.rule import UpdateRule  # noqa: E402
 from meshembed.sharding import Placement  # noqa: E402
 from meshembed_jax import JaxBackend, cpu_kernels  # noqa: E402
 from meshembed_numpy import NumpyBackend  # noqa: E402
@@ -31,9 +33,16 @@ needs_compiler = pytest.mark.skipif(
 
 
 def _backend(monkeypatch, ffi: bool) -> JaxBackend:
-    """A fresh backend (own kernel cache) tracing with or without the FFI kernels."""
+    """A fresh backend (own kernel cache) tracing with or without the FFI row kernels; the
+    XLA update step (the generated fused kernels: test_jax_generated.py)."""
     monkeypatch.setenv("MESHEMBED_JAX_CPU_KERNELS", "1" if ffi else "0")
+    monkeypatch.setenv("MESHEMBED_JAX_FUSED", "0")
     return JaxBackend()
+
+
+def _rule(update, slots: tuple = ()) -> UpdateRule:
+    """An UpdateRule over a custom row update ``update(xp, w, g, slots, *, lr)``."""
+    return UpdateRule(math=OptimizerMath("custom", update, None, ()), slot_names=slots)
 
 
 def _close(actual, expected, dtype: str) -> None:
@@ -63,19 +72,20 @@ def test_compiled_steps_call_the_ffi_kernels(monkeypatch):
         lookup = kernels.make_gather_combine(layout, 4, 16, 8, False)
         text = lookup.lower(table, ids, segs, w).as_text()
         assert ("meshembed_gather_combine" in text) == ffi
-        update = kernels.make_update_combined(layout, 4, 1, 16, "dense", lambda dyn, g, t: (t - g,), False)
+        update = kernels.make_update(layout, 4, 1, 16, "dense", lambda dyn, g, t: (t - g,), combined=True)
         text = update.lower((table,), ids, jnp.ones((8, 4), jnp.float32), segs, w, jnp.asarray(True), ()).as_text()
         for target in ("meshembed_dedup_sum", "meshembed_gather_rows", "meshembed_scatter_rows"):
             assert (target in text) == ffi, target
 
 
-def _make_fn(xp, lr=0.1):
-    """Adagrad-like row update touching a slot (two tables)."""
-    def fn(g, w, acc):
-        acc = acc + g * g
-        return w - lr * g / xp.sqrt(acc), acc
+def _adagrad_like(xp, w, g, slots, *, lr):
+    acc = slots[0] + g * g
+    return w - lr * g / xp.sqrt(acc), (acc,)
 
-    return fn
+
+def _make_fn(xp, lr=0.1) -> dict:
+    """update_rows' rule arguments: an Adagrad-like row update touching a slot (two tables)."""
+    return {"fn": _rule(_adagrad_like, ("acc",)), "values": (lr,)}
 
 
 @needs_compiler
@@ -102,14 +112,14 @@ def test_ffi_and_xla_kernels_agree(monkeypatch, dtype, shards, strategy, sorted_
         t = [be.create_table(values, placement), be.create_table(np.full_like(values, 0.1), placement)]
         outs = [be.to_numpy(be.gather_combine(t[0], be.asarray(ids), be.asarray(seg), segments, wt))
                 for wt in (None, be.asarray(w))]
-        t = be.update_rows(t, be.asarray(ids), be.asarray(g), _make_fn(be.xp), grad_index=be.asarray(seg),
+        t = be.update_rows(t, be.asarray(ids), be.asarray(g), **_make_fn(be.xp), grad_index=be.asarray(seg),
                            grad_weights=be.asarray(w))
-        t = be.update_rows(t, be.asarray(ids[:300]), be.asarray(g[seg[:300]]), _make_fn(be.xp))  # plain form
+        t = be.update_rows(t, be.asarray(ids[:300]), be.asarray(g[seg[:300]]), **_make_fn(be.xp))  # plain form
         results.append(outs + [be.unshard(x) for x in t])
     r = [ref.create_table(values, placement), ref.create_table(np.full_like(values, 0.1), placement)]
     expected = [ref.gather_combine(r[0], ids, seg, segments, wt) for wt in (None, w)]
-    r = ref.update_rows(r, ids, g, _make_fn(ref.xp), grad_index=seg, grad_weights=w)
-    r = ref.update_rows(r, ids[:300], g[seg[:300]], _make_fn(ref.xp))
+    r = ref.update_rows(r, ids, g, **_make_fn(ref.xp), grad_index=seg, grad_weights=w)
+    r = ref.update_rows(r, ids[:300], g[seg[:300]], **_make_fn(ref.xp))
     expected += [ref.unshard(x) for x in r]
     for ffi_out, xla_out, want in zip(*results, expected):
         _close(ffi_out, want, dtype)
@@ -222,7 +232,7 @@ def test_huge_page_hint_keeps_the_table(monkeypatch):
     layout.collapse_to_huge_pages(t.data)  # again: idempotent
     np.testing.assert_array_equal(be.unshard(t), values)
     t = be.update_rows([t], be.asarray(np.array([5, 4000])), be.asarray(np.ones((2, 256), np.float32)),
-                       lambda g, w: (w - g,))[0]
+                       _rule(lambda xp, w, g, slots, *, lr: (w - lr * g, slots)), values=(1.0,))[0]
     expected = values.copy()
     expected[[5, 4000]] -= 1
     np.testing.assert_array_equal(be.unshard(t), expected)

@@ -98,23 +98,26 @@ def _hlo_worker() -> None:
     ids = be.asarray(np.arange(0, 1000, 7))
     grads = be.asarray(np.ones((ids.shape[0], 16), np.float32))
 
-    def fn(g, p, s):
-        s2 = s + g * g
-        return p - g / be.xp.sqrt(s2 + 1.0), s2
+    from meshembed.math.registry import OptimizerMath
+    from meshembed.math.rule import UpdateRule
 
+    def update(xp, p, g, slots, *, lr):
+        s2 = slots[0] + g * g
+        return p - lr * g / xp.sqrt(s2 + 1.0), (s2,)
+
+    rule = UpdateRule(math=OptimizerMath("custom", update, None, ()), slot_names=("s",))
     be.gather(tables[0], ids)
-    be.update_rows(tables, ids, grads, fn)
+    os.environ["MESHEMBED_JAX_FUSED"] = "0"  # the XLA step first (this worker's own process)
+    be.update_rows(tables, ids, grads, rule, values=(1.0,))
+    del os.environ["MESHEMBED_JAX_FUSED"]
     texts = {}
     gids, ggrads, _, _ = be._global_batch(tables[0].layout, ids, grads)
     for key, kernel in be._kernels.items():
         if key[0] == "lookup":
             texts["lookup"] = kernel.lower(tables[0].data, gids).compile().as_text()
         elif key[0] == "update":
-            from meshembed_jax import fnspec
-
-            spec = fnspec.split(fn)
             guard = be._guard(tables[0].layout, None)
-            texts["update"] = kernel.lower(tuple(t.data for t in tables), gids, ggrads, guard, spec.dyn).compile().as_text()
+            texts["update"] = kernel.lower(tuple(t.data for t in tables), gids, ggrads, guard, (1.0,)).compile().as_text()
     for name, text in texts.items():
         assert "all-gather" not in text and "all-to-all" not in text, f"{name} gathers: {text[:2000]}"
     reduces = [line for line in texts["lookup"].splitlines() if "all-reduce(" in line or "all-reduce-start(" in line]
@@ -125,13 +128,13 @@ def _hlo_worker() -> None:
 
     if cpu_kernels.usable("cpu", np.float32):  # the FFI row kernels run on every device
         assert "meshembed_dedup_sum" in texts["update"] and "meshembed_scatter_rows" in texts["update"]
-        # the registered fused update: one in-place call per device, no collective, no copy
-        from meshembed.embedding.updates import make_update_fn
+        # the generated fused update: one in-place call per device, no collective, no copy
+        from meshembed.embedding.updates import make_rule
 
         cfg = me.EmbeddingConfig(tables=[me.TableConfig("t", 1000, 16, optimizer=me.embedding.Adagrad(0.1))],
                                  features=[me.FeatureConfig("t", (4,), name="f")])
         spec = me.TPUEmbedding(cfg, backend="numpy").layout.tables[0]
-        be.update_rows(tables, ids, grads, make_update_fn(be.xp, spec, []))
+        be.update_rows(tables, ids, grads, make_rule(spec), values=(0.1,))
         key = next(k for k in be._kernels if k[0] == "fused_update")
         hp = next(iter(be._hp_arrays.values()))
         guard = be._guard(tables[0].layout, None)
@@ -157,12 +160,10 @@ def _process_worker(rank: int, port: int, out_dir: str) -> None:
     assert be.capabilities.distributed
     checks = 0
 
-    def make_fn(xp, lr):
-        def fn(g, p, a):
-            new_p, new_s = me_math.apply_update(xp, "adagrad", p, g, (a,), lr=lr, hyperparameters={})
-            return (new_p, *new_s)
+    from meshembed.math.rule import UpdateRule
 
-        return fn
+    def make_fn(xp, lr):  # update_rows' rule arguments: the core's Adagrad, lr as a value
+        return {"fn": UpdateRule(math=me_math.get_math("adagrad"), slot_names=("accumulators",)), "values": (lr,)}
 
     rng = np.random.default_rng(0)  # identical on both processes: each takes its part
     for vocab, shards, strategy in [(37, 4, "mod"), (37, 2, "div"), (64, 8, "div")]:
@@ -178,8 +179,8 @@ def _process_worker(rank: int, port: int, out_dir: str) -> None:
             mine = slice(0, 9) if rank == 0 else slice(9, 23)  # uneven parts
             rows = be.to_numpy(be.gather(tj[0], be.asarray(ids[mine])))
             np.testing.assert_allclose(rows, ref.gather(tr[0], ids)[mine], rtol=2e-6, atol=2e-6 * vocab)
-            tj = be.update_rows(tj, be.asarray(ids[mine]), be.asarray(grads[mine]), make_fn(be.xp, 0.1 * (step + 1)))
-            tr = ref.update_rows(tr, ids, grads, make_fn(ref.xp, 0.1 * (step + 1)))
+            tj = be.update_rows(tj, be.asarray(ids[mine]), be.asarray(grads[mine]), **make_fn(be.xp, 0.1 * (step + 1)))
+            tr = ref.update_rows(tr, ids, grads, **make_fn(ref.xp, 0.1 * (step + 1)))
             checks += 1
         for a, b in zip(tj, tr):
             np.testing.assert_allclose(be.unshard(a), ref.unshard(b), rtol=2e-6, atol=2e-6 * vocab)

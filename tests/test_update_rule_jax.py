@@ -9,6 +9,7 @@ import pytest
 jax = pytest.importorskip("jax")
 
 import meshembed as me  # noqa: E402
+from meshembed.math.rule import UpdateRule  # noqa: E402
 from conformance.test_engine_optimizers import CASES, OPTIONS, D, V, _config, _gradients, _inputs  # noqa: E402
 
 E = me.embedding
@@ -50,14 +51,24 @@ def _run(backend, name, option):
     return got, counts
 
 
+@pytest.mark.parametrize("path", ["xla", "fused"])
 @pytest.mark.parametrize("name,option", COUNT_CASES, ids=[f"{n}-{o}" for n, o in COUNT_CASES])
-def test_changing_learning_rate_compiles_nothing_after_warm_up(monkeypatch, name, option):
-    monkeypatch.setenv("MESHEMBED_JAX_FUSED", "0")  # every optimizer through the compiled core function
+def test_changing_learning_rate_compiles_nothing_after_warm_up(monkeypatch, name, option, path):
+    """Through the compiled core function (``MESHEMBED_JAX_FUSED=0``) and through the
+    generated fused kernels (the values travel in a host-made parameter block)."""
+    from meshembed_jax import backend as jax_backend
+
+    if path == "xla":
+        monkeypatch.setenv("MESHEMBED_JAX_FUSED", "0")
     assert me.get_backend("jax").capabilities.update_rules
     be = me.get_backend("jax")
+    calls = jax_backend.fused_calls[0]
     got, counts = _run("jax", name, option)
     assert counts[-1] == counts[WARM_UP - 1], f"recompiled after warm-up: compilations so far per step {counts}"
-    assert any(isinstance(k[-1], tuple) and k[-1][:1] == ("rule",) for k in be._kernels), "no kernel keyed on the rule"
+    if path == "xla":
+        assert any(k[0] == "update" and isinstance(k[-1], UpdateRule) for k in be._kernels), "no kernel keyed on the rule"
+    elif name != "user_defined_program":  # every recordable rule takes the generated kernel
+        assert jax_backend.fused_calls[0] - calls == STEPS, "the fused kernel did not run every step"
     want, _ = _run("numpy", name, option)
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=2e-5, atol=2e-6, err_msg=key)

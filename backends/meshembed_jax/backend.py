@@ -20,6 +20,7 @@ Design (see ``layout.py`` and ``kernels.py``):
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -29,7 +30,6 @@ from meshembed.backend.protocol import Backend, Capabilities, walk_blocks
 from meshembed.errors import CapacityError, ConfigError, InputError
 from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.sharding.placement import Placement
-from meshembed_jax import fnspec
 from meshembed_jax.dense import JaxDenseMixin
 from meshembed_jax.layout import (
     JaxShardedTable,
@@ -101,7 +101,6 @@ class JaxBackend(JaxDenseMixin, Backend):
         self._meshes: dict[tuple[int, ...], Any] = {}
         self._kernels: collections.OrderedDict[Any, Callable] = collections.OrderedDict()
         self._auto_capacity: dict[tuple[Any, int], int] = {}
-        self._static_only: set[Any] = set()
         self._prepared: collections.OrderedDict[Any, tuple[Any, Any]] = collections.OrderedDict()
         self._no_weight_arrays: dict[tuple, Any] = {}
         self._hp_arrays: collections.OrderedDict[Any, Any] = collections.OrderedDict()
@@ -597,7 +596,7 @@ class JaxBackend(JaxDenseMixin, Backend):
         tables: Sequence[JaxShardedTable],
         ids: Any,
         grads: Any,
-        fn: UpdateRule | Callable[..., tuple[Any, ...]],
+        fn: UpdateRule,
         *,
         values: Sequence[Any] = (),
         grad_index: Any = None,
@@ -606,15 +605,14 @@ class JaxBackend(JaxDenseMixin, Backend):
     ) -> list[JaxShardedTable]:
         """One compiled step: route, dedup + segment-sum, gather rows, the rule ``fn`` with
         ``values`` (traced arguments: a new learning rate compiles nothing), scatter back.
-        A plain callable ``fn(g, *rows)`` is split by :mod:`.fnspec` (legacy).
 
         With ``grad_index`` the gradient of ``ids[i]`` is ``grad_weights[i] *
         grads[grad_index[i]]`` (the combiner's backward pass), formed in pieces inside the
         per-row sum of the same compiled step, never as a ``[len(ids), D]`` array.
 
-        A registered fused update (``updates.REGISTERED_FUSED``: plain SGD, Adagrad, Adadelta
-        on float32 CPU tables with automatic capacity) runs as one C++ pass per device instead
-        of the core function; ``MESHEMBED_JAX_FUSED=0`` turns it off.
+        Where the rule has a generated row kernel (``cpu_kernels.row_kernel``: every
+        elementwise rule, float32/float64 CPU tables, automatic capacity) the step is one C++
+        pass per device instead of the XLA program; ``MESHEMBED_JAX_FUSED=0`` turns it off.
 
         Table and slot buffers are donated. On overflow of an explicit capacity it raises
         ``CapacityError`` with every table unchanged; with ``guard`` (a device boolean) false
@@ -624,6 +622,7 @@ class JaxBackend(JaxDenseMixin, Backend):
         """
         tables = list(tables)
         layout, dim = self._check_tables(tables)
+        values = self._check_rule(fn, values)
         guard = self._guard(layout, guard)
         if grad_index is not None and self._jax.process_count() > 1:
             # each process passes its own part: expand its rows and route them as before
@@ -681,97 +680,108 @@ class JaxBackend(JaxDenseMixin, Backend):
                 )
         return layout, dim
 
-    def _fused_update(self, tables: list[JaxShardedTable], layout: ShardLayout, dim: int, fn: Any,
-                      args: tuple, weighted: bool | None, values: Sequence[Any] = ()) -> bool:
-        """Run the registered fused update where it computes ``fn`` (float32 tables on CPU
-        devices with the FFI kernels, automatic capacity); False where the core function must
-        run. One in-place pass per device with buffers sized by the batch: no capacity to
-        check, nothing for the host to wait for. ``MESHEMBED_JAX_FUSED=0`` turns it off."""
-        from meshembed.embedding.updates import fused_kernel
+    def _check_rule(self, rule: Any, values: Sequence[Any]) -> tuple[float, ...]:
+        """The call's values as floats, after checking ``rule`` is an UpdateRule with as many."""
+        if not isinstance(rule, UpdateRule):
+            raise InputError(
+                "Invalid `fn` for the jax backend's update_rows. Expected a meshembed.math.UpdateRule "
+                f"(meshembed.embedding.updates.make_rule(table)) with its `values=`. Received: {type(rule).__name__}"
+            )
+        if len(values) != len(rule.dynamic):
+            raise InputError(
+                f"Invalid `values` for the {rule.algorithm!r} rule. Expected {len(rule.dynamic)} values, "
+                f"one per {rule.dynamic}. Received: {len(values)}"
+            )
+        return tuple(float(v) for v in values)
+
+    def rule_call(self, rule: UpdateRule) -> Callable[..., tuple]:
+        """``call(dyn, g, *rows)``: ``apply_rule`` with the call's values ``dyn`` (traced by the
+        compiled step), the static hyper-parameters Python constants as in the NumPy reference
+        (so derived constants such as ``1 - beta_2`` round once, in double). Cached per rule, so
+        the engine and me.jax share one compiled program."""
+        return self._kernel(("rule_call", rule), lambda: functools.partial(apply_rule, self.xp, rule))
+
+    def update_program(self, layout: ShardLayout, dim: int, n_tables: int, capacity: int, dedup: str,
+                       rule: UpdateRule, combined: bool = False, weighted: bool = False) -> Callable:
+        """The compiled XLA step of ``rule`` (``kernels.make_update``), cached on its static part."""
+        from meshembed_jax import kernels
+
+        call = self.rule_call(rule)
+        return self._kernel(("update", layout, dim, n_tables, capacity, dedup, combined, weighted, rule),
+                            lambda: kernels.make_update(layout, dim, n_tables, capacity, dedup, call, combined, weighted))
+
+    def fused_program(self, layout: ShardLayout, dim: int, rule: UpdateRule, dtypes: Sequence[Any], combined: bool,
+                      weighted: bool) -> tuple[Callable, Any] | None:
+        """``(step, kernel)``: the compiled fused step (``kernels.make_fused_update``) over the
+        rule's generated row kernel, for tables of ``dtypes`` (the table, then its slots), or
+        None where the XLA step must run: a fixed capacity (a promise the capacity-bounded
+        step keeps), mixed or non-float dtypes, no CPU FFI kernels, no generated kernel."""
         from meshembed_jax import cpu_kernels, kernels
 
-        if self.capacity is not None or not cpu_kernels.fused_enabled():
-            return False  # a fixed capacity is a promise the capacity-bounded kernels keep
+        dtypes = [np.dtype(d) for d in dtypes]
+        if self.capacity is not None or not cpu_kernels.fused_enabled() or len(set(dtypes)) != 1:
+            return None
+        if not kernels.use_cpu_kernels(layout, dtypes[0]):
+            return None
+        kernel = cpu_kernels.row_kernel(rule, len(dtypes), dtypes[0])
+        if kernel is None:
+            return None
+        step = self._kernel(("fused_update", layout, dim, len(dtypes), kernel.symbol, combined, weighted),
+                            lambda: kernels.make_fused_update(layout, dim, len(dtypes), kernel.address, combined,
+                                                              weighted))
+        return step, kernel
+
+    def _fused_update(self, tables: list[JaxShardedTable], layout: ShardLayout, dim: int, rule: UpdateRule,
+                      args: tuple, weighted: bool | None, values: tuple[float, ...]) -> bool:
+        """Run the rule's generated row kernel (:meth:`fused_program`); False where the XLA
+        step must run. One in-place pass per device with buffers sized by the batch: no
+        capacity to check, nothing for the host to wait for."""
+        from meshembed_jax import cpu_kernels
+
         grads = args[1]
-        if any(t.dtype != np.float32 for t in tables) or grads.dtype != np.float32 or grads.ndim != 2:
+        if grads.ndim != 2 or grads.dtype != tables[0].dtype:
             return False
         if grads.shape[1] != dim or (weighted is None and grads.shape[0] != args[0].shape[0]):
-            return False  # the core path reports the shape error before anything is written
-        if isinstance(fn, UpdateRule):
-            code = fn.fused_code(len(tables))
-            found = None if code is None else (code, fn.fused_params(values))
-        else:
-            found = fused_kernel(fn, len(tables))
-        if found is None or not kernels.use_cpu_kernels(layout, np.float32):
-            return False
-        code, (lr, rho, eps) = found
+            return False  # the XLA path reports the shape error before anything is written
         combined = weighted is not None
+        found = self.fused_program(layout, dim, rule, [t.dtype for t in tables], combined, bool(weighted))
+        if found is None:
+            return False
+        step, kernel = found
         if combined:
             ids, grads, segs, w, guard = args
         else:
-            (ids, grads, guard), segs, w = args, self._no_weights(layout, np.int32), self._no_weights(layout, np.float32)
-        values = (lr, rho, eps, 1.0 - rho)  # 1 - rho rounded once, as the core's Python floats
-        key = (layout, values)
+            (ids, grads, guard), segs, w = args, self._no_weights(layout, np.int32), self._no_weights(layout, grads.dtype)
+        params = tuple(kernel.params(values))
+        key = (layout, params)
         hp = self._hp_arrays.get(key)
         if hp is None:
-            hp = self._hp_arrays[key] = self._jax.device_put(np.asarray(values, np.float32), layout.replicated)
+            hp = self._hp_arrays[key] = self._jax.device_put(cpu_kernels.hp_block(params), layout.replicated)
             while len(self._hp_arrays) > 8:
                 self._hp_arrays.popitem(last=False)
-        weighted = bool(weighted)
-        step = self._kernel(("fused_update", layout, dim, len(tables), code, combined, weighted),
-                            lambda: kernels.make_fused_update(layout, dim, len(tables), code, combined, weighted))
         for t, d in zip(tables, step(tuple(t.data for t in tables), ids, grads, segs, w, guard, hp)):
             t.data = d
         fused_calls[0] += 1
         return True
 
-    def _spec(self, fn: Any, values: Sequence[Any]) -> fnspec.FnSpec:
-        """The compiled step's key, call and traced values: from the rule (keyed on the rule,
-        ``values`` traced), or from splitting a legacy callable."""
-        if not isinstance(fn, UpdateRule):
-            spec = fnspec.split(fn)
-            return fnspec.split(fn, trace_scalars=False) if spec.key in self._static_only else spec
-        xp, key = self.xp, ("rule", fn)
-        if key in self._static_only:  # the math branches on a value in Python: one trace per value
-            fixed = tuple(values)
-            return fnspec.FnSpec((key, fixed), lambda dyn, g, *rows: apply_rule(xp, fn, fixed, g, *rows), ())
-        # The static hyper-parameters stay Python constants, as in the NumPy reference: derived
-        # constants such as 1 - beta_2 are computed in double and rounded once (traced as float32
-        # values, 1 - 0.999 is 1.3e-5 off: conformance's adam_tf_defaults). me.jax takes this spec.
-        return fnspec.FnSpec(key, lambda dyn, g, *rows: apply_rule(xp, fn, dyn, g, *rows),
-                             tuple(float(v) for v in values))
-
-    def _update(self, tables, layout, dim, fn, nb, args, weighted=None, defer=True, values=()) -> list[JaxShardedTable]:
-        """Run the (plain or combined) update kernel; ``args`` are its batch arguments."""
-        from meshembed_jax import kernels
-
-        if self._fused_update(tables, layout, dim, fn, args, weighted, values):
+    def _update(self, tables, layout, dim, rule, nb, args, weighted=None, defer=True, values=()) -> list[JaxShardedTable]:
+        """Run the fused or the XLA update step; ``args`` are its batch arguments (with
+        ``weighted`` not None: the combiner's backward form)."""
+        if self._fused_update(tables, layout, dim, rule, args, weighted, values):
             return tables
         jax = self._jax
         capacity = self._capacity_for(layout, nb)
         dedup = self._dedup_for(layout, nb)
-        spec = self._spec(fn, values)
-        n_tables = len(tables)
-        if weighted is None:
-            key = ("update", layout, dim, n_tables, capacity, dedup, spec.key)
-            build = lambda: kernels.make_update(layout, dim, n_tables, capacity, dedup, spec.call)  # noqa: E731
-        else:
-            key = ("update_combined", layout, dim, n_tables, capacity, dedup, weighted, spec.key)
-            build = lambda: kernels.make_update_combined(  # noqa: E731
-                layout, dim, n_tables, capacity, dedup, spec.call, weighted
-            )
-        step = self._kernel(key, build)
-        datas = tuple(t.data for t in tables)
+        step = self.update_program(layout, dim, len(tables), capacity, dedup, rule, weighted is not None,
+                                   bool(weighted))
         try:
-            new, count = step(datas, *args, spec.dyn)
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
-            if not spec.dyn:
-                raise
-            # fn branches on a hyper-parameter in Python: keep those values static (one
-            # compilation per distinct value) instead of traced.
-            self._kernels.pop(key, None)
-            self._static_only.add(spec.key)
-            return self._update(tables, layout, dim, fn, nb, args, weighted, values=values)
+            new, count = step(tuple(t.data for t in tables), *args, values)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError) as exc:
+            raise ConfigError(
+                f"Invalid update rule {rule.algorithm!r}: its math branches in Python on one of its dynamic "
+                f"values {rule.dynamic}, which the jax backend passes as traced inputs (nothing was updated). "
+                "Fix: give that hyper-parameter a constant value, or write the math with xp.where."
+            ) from exc
         for t, d in zip(tables, new):
             t.data = d
 
@@ -785,7 +795,7 @@ class JaxBackend(JaxDenseMixin, Backend):
                 if fixed:
                     raise self._capacity_error(tables[0], worst, capacity)
                 self._auto_capacity[(layout, nb)] = bucket(worst + worst // 4)
-                self._update(tables, layout, dim, fn, nb, args, weighted, defer=False, values=values)
+                self._update(tables, layout, dim, rule, nb, args, weighted, defer=False, values=values)
 
         if defer and not fixed and jax.process_count() == 1:
             # Automatic capacity (growing is the only outcome of an overflow): check when

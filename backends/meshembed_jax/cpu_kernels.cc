@@ -2,9 +2,9 @@
 //
 // XLA's CPU gathers and scatters walk rows element by element on one thread; these do the
 // same data movement row by row on XLA's own intra-op thread pool. They move and sum rows
-// only: the optimizer formula stays in the core's function, compiled by XLA — except in
-// the registered fused update (FusedUpdateImpl), whose formulas are the C++ ones the torch
-// backend's fused kernel shares (row_kernels.h), compared with the core's by the tests.
+// only: the optimizer formula is the core's, compiled by XLA or, in the fused updates
+// (FusedUpdateImpl, DenseUpdateImpl), generated from the core's math as C++
+// (meshembed_native.codegen) and called through the address the caller passes.
 // Semantics match the pure-XLA kernels in kernels.py (rows >= m are "not owned": read as
 // zeros, never written; sums run in batch order, so results are deterministic).
 //
@@ -328,67 +328,119 @@ inline std::vector<int64_t> WorkCuts(const Groups& gr, int64_t n_dest, int64_t p
 // its slots (up to 3 rows), so fewer rows ahead than kAhead (the torch kernel's distance).
 constexpr int64_t kTableAhead = 8;
 
+// A generated row kernel (meshembed_native.codegen): the rule's formula over one row of the
+// table and of each slot, in place, with the summed gradient row g and the parameter block hp.
+template <class T>
+using RowFn = void (*)(T* const* rows, const T* g, int64_t dim, const double* hp);
+
+constexpr size_t kMaxArrays = 8;  // a table and up to 7 slots
+
+// The parameter block as doubles: F64 as is, U32/S32 pairs holding the doubles' bits (the
+// engine's values, exact without jax_enable_x64), or F32 widened (traced float32 values).
+bool ReadParams(const ffi::AnyBuffer& hp, int64_t blocks, std::vector<double>& out) {
+  const int64_t n = hp.element_count();
+  switch (hp.element_type()) {
+    case ffi::DataType::F64:
+      out.assign(static_cast<const double*>(hp.untyped_data()), static_cast<const double*>(hp.untyped_data()) + n);
+      break;
+    case ffi::DataType::U32:
+    case ffi::DataType::S32:
+      if (n % 2) return false;
+      out.resize(n / 2);
+      std::memcpy(out.data(), hp.untyped_data(), sizeof(double) * (n / 2));
+      break;
+    case ffi::DataType::F32: {
+      const float* f = static_cast<const float*>(hp.untyped_data());
+      out.assign(f, f + n);
+      break;
+    }
+    default:
+      return false;
+  }
+  return blocks > 0 && int64_t(out.size()) % blocks == 0;
+}
+
+// The rule's kernel applied to row `row` of the table and its slots.
+template <class T>
+struct GeneratedUpdate {
+  RowFn<T> fn;
+  int64_t dim;
+  size_t n;
+  T* base[kMaxArrays];
+  const double* hp;
+
+  void Prefetch(int64_t row) const {
+    for (size_t k = 0; k < n; ++k) meshembed::PrefetchBytes(base[k] + row * dim, int64_t(sizeof(T)) * dim, true);
+  }
+  void Apply(int64_t row, const T* g) const {
+    T* rows[kMaxArrays];
+    for (size_t k = 0; k < n; ++k) rows[k] = base[k] + row * dim;
+    fn(rows, g, dim, hp);
+  }
+};
+
 // Unique rows [lo, hi) of the fused update: each row's contributions summed in batch order
-// in a LocalRow, then the formula applied to the table row and its slots at once.
-template <int D, bool Scaled, class I, class Src, class Scale>
-void FusedRows(const meshembed::RowUpdate& upd, const Groups& gr, const I* uniq, int64_t lo, int64_t hi,
+// in a LocalRow, then the kernel applied to the table row and its slots at once.
+template <int D, bool Scaled, class T, class I, class Src, class Scale>
+void FusedRows(const GeneratedUpdate<T>& upd, const Groups& gr, const I* uniq, int64_t lo, int64_t hi,
                const Src& src, const Scale& scale) {
-  meshembed::LocalRow<D, float> sum(upd.dim);
-  const int64_t end = gr.start[hi], row_bytes = int64_t(sizeof(float)) * upd.dim;
+  meshembed::LocalRow<D, T> sum(upd.dim);
+  const int64_t end = gr.start[hi], row_bytes = int64_t(sizeof(T)) * upd.dim;
   for (int64_t s = lo; s < hi; ++s) {
     if (s + kTableAhead < hi) upd.Prefetch(int64_t(uniq[s + kTableAhead]));
     sum.Zero();
     for (int64_t p = gr.start[s], e = gr.start[s + 1]; p < e; ++p) {
       if (p + kAhead < end) meshembed::PrefetchBytes(src(gr.order[p + kAhead]), row_bytes, false);
       const int32_t k = gr.order[p];
-      sum.template Add<Scaled>(src(k), Scaled ? scale(k) : 1.0f);
+      sum.template Add<Scaled>(src(k), Scaled ? scale(k) : T(1));
     }
     upd.Apply(int64_t(uniq[s]), sum.Data());
   }
 }
 
-// The registered fused update (meshembed.embedding.updates.REGISTERED_FUSED) of a float32
-// table and its slots, in place: dedup of the owned rows, then for each unique row its
-// gradient summed in batch order and the formula applied at once (meshembed::RowUpdate, which
-// the torch backend's fused kernel uses too). Contribution k adds w[k] * grads[segs[k]]
-// (combined) or grads[k] (plain); ids outside [0, m) and segments outside the gradient rows
-// add nothing. hp: lr, rho, epsilon, 1 - rho (float32).
+// The fused update of a table and its slots (1..8 arrays, all float32 or all float64), in
+// place: dedup of the owned rows, then for each unique row its gradient summed in batch order
+// and the rule's generated kernel (attribute `fn`: its address) applied at once. Contribution
+// k adds w[k] * grads[segs[k]] (combined) or grads[k] (plain); ids outside [0, m) and
+// segments outside the gradient rows add nothing. hp: the kernel's parameter block.
 ffi::Error FusedUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::AnyBuffer ids,
                            ffi::AnyBuffer grads, ffi::AnyBuffer segs, ffi::AnyBuffer w, ffi::RemainingArgs tables,
-                           ffi::RemainingRets outs, int64_t algorithm, bool combined, bool weighted) {
+                           ffi::RemainingRets outs, int64_t fn, bool combined, bool weighted) {
   const size_t n_tables = tables.size();
-  if (n_tables < 1 || n_tables > 3 || outs.size() != n_tables)
-    return ffi::Error::InvalidArgument("meshembed fused update: expected 1-3 tables and as many results");
-  if (grads.element_type() != ffi::DataType::F32 || hp.element_type() != ffi::DataType::F32 ||
-      hp.element_count() != 4)
-    return Unsupported("fused update operand");
+  if (n_tables < 1 || n_tables > kMaxArrays || outs.size() != n_tables)
+    return ffi::Error::InvalidArgument("meshembed fused update: expected 1-8 tables and as many results");
+  if (fn == 0) return ffi::Error::InvalidArgument("meshembed fused update: no kernel address");
+  const ffi::DataType type = grads.element_type();
+  std::vector<double> params;
+  if (!IsFloat(type) || !ReadParams(hp, 1, params)) return Unsupported("fused update operand");
   if (combined && segs.element_type() != ffi::DataType::S32) return Unsupported("segment dtype");
-  if (weighted && w.element_type() != ffi::DataType::F32) return Unsupported("weight dtype");
-  float* data[3] = {nullptr, nullptr, nullptr};
+  if (weighted && w.element_type() != type) return Unsupported("weight dtype");
+  void* data[kMaxArrays] = {};
   int64_t m = 0, d = 0;
   for (size_t t = 0; t < n_tables; ++t) {
     auto in = tables.get<ffi::AnyBuffer>(t);
     auto out = outs.get<ffi::AnyBuffer>(t);
     if (!in.has_value() || !out.has_value()) return ffi::Error::InvalidArgument("meshembed fused update: bad table");
-    if (in->element_type() != ffi::DataType::F32) return Unsupported("table dtype");
+    if (in->element_type() != type) return Unsupported("table dtype (tables, slots and gradients must agree)");
     if (t == 0) m = Rows(*in), d = Dim(*in);
     if (Rows(*in) != m || Dim(*in) != d || (*out)->element_count() != in->element_count())
       return ffi::Error::InvalidArgument("meshembed fused update: a table and its slots differ in shape");
-    data[t] = static_cast<float*>((*out)->untyped_data());
-    if (data[t] != in->untyped_data()) std::memcpy(data[t], in->untyped_data(), sizeof(float) * m * d);
+    data[t] = (*out)->untyped_data();
+    if (data[t] != in->untyped_data()) std::memcpy(data[t], in->untyped_data(), ffi::ByteWidth(type) * m * d);
   }
   const int64_t s_all = Rows(grads);
   if (Dim(grads) != d || (!combined && s_all < ids.element_count()))
     return ffi::Error::InvalidArgument("meshembed fused update: gradient rows do not match the ids and the table");
-  const float* h = static_cast<const float*>(hp.untyped_data());
-  const meshembed::RowUpdate upd(int(algorithm), d, data[0], data[1], data[2], h[0], h[1], h[2], h[3]);
-  return Dispatch(grads.element_type(), ids.element_type(), [&](auto, auto i) {
+  return Dispatch(type, ids.element_type(), [&](auto t, auto i) {
+    using T = decltype(t);
     using I = decltype(i);
+    GeneratedUpdate<T> upd{reinterpret_cast<RowFn<T>>(fn), d, n_tables, {}, params.data()};
+    for (size_t k = 0; k < n_tables; ++k) upd.base[k] = static_cast<T*>(data[k]);
     const int64_t n = ids.element_count();
     const I* id = static_cast<const I*>(ids.untyped_data());
-    const float* gr = static_cast<const float*>(grads.untyped_data());
+    const T* gr = static_cast<const T*>(grads.untyped_data());
     const int32_t* sg = static_cast<const int32_t*>(segs.untyped_data());
-    const float* wt = static_cast<const float*>(w.untyped_data());
+    const T* wt = static_cast<const T*>(w.untyped_data());
     thread_local std::vector<I> uniq_store;
     thread_local std::vector<int32_t> slot_store;
     uniq_store.resize(n);
@@ -403,48 +455,54 @@ ffi::Error FusedUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::AnyBuff
     auto src = [&](int64_t k) { return gr + (combined ? int64_t(sg[k]) : k) * d; };
     const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(64, count / 256));
     const std::vector<int64_t> cut = WorkCuts(groups, count, parts);
-    ParallelFor(pool, parts, [&](int64_t t) {
-      const int64_t lo = cut[t], hi = cut[t + 1];
+    ParallelFor(pool, parts, [&](int64_t p) {
+      const int64_t lo = cut[p], hi = cut[p + 1];
       if (lo >= hi) return;
       meshembed::WithWidth(d, [&](auto width) {
         if (weighted) FusedRows<width.value, true>(upd, groups, u, lo, hi, src, [&](int64_t k) { return wt[k]; });
-        else FusedRows<width.value, false>(upd, groups, u, lo, hi, src, [](int64_t) { return 1.0f; });
+        else FusedRows<width.value, false>(upd, groups, u, lo, hi, src, [](int64_t) { return T(1); });
       });
     });
   });
 }
 
-// The registered fused update of the dense optimizer's float32 tensors, in place: the same
-// formulas (RowUpdate) over each flat tensor, in one pass that reads every input once and
-// writes every output once (XLA's CPU compiler splits a step with several outputs into
-// several loops). `count` tensors per call: args = hp [count, 4] (lr, rho, epsilon, 1 - rho
-// of each), the count gradients, then the targets by position (the variables, then each
-// slot: target k of tensor n is argument 1 + count + k * count + n, result k * count + n).
+// The dense optimizer's fused update, in place: the rule's generated kernel (attribute `fn`)
+// over each flat tensor taken as one row, cut into tasks (the kernel is elementwise), in one
+// pass that reads every input once and writes every output once (XLA's CPU compiler splits a
+// step with several outputs into several loops). `count` tensors per call: args = hp
+// [count, n_params] (each tensor's parameter block), the count gradients, then the targets by
+// position (the variables, then each slot: target k of tensor n is argument
+// 1 + count + k * count + n, result k * count + n); 1..8 targets, float32 or float64.
 ffi::Error DenseUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::RemainingArgs args,
-                           ffi::RemainingRets outs, int64_t algorithm, int64_t count) {
-  if (count < 1 || hp.element_type() != ffi::DataType::F32 || hp.element_count() != 4 * count)
-    return Unsupported("dense update hyper-parameters");
+                           ffi::RemainingRets outs, int64_t fn, int64_t count) {
+  std::vector<double> params;
+  if (count < 1 || fn == 0 || !ReadParams(hp, count, params)) return Unsupported("dense update hyper-parameters");
+  const int64_t n_params = int64_t(params.size()) / count;
   const int64_t k_targets = int64_t(outs.size()) / count;
-  if (k_targets < 1 || k_targets > 3 || k_targets * count != int64_t(outs.size()) ||
+  if (k_targets < 1 || k_targets > int64_t(kMaxArrays) || k_targets * count != int64_t(outs.size()) ||
       int64_t(args.size()) != count * (1 + k_targets))
-    return ffi::Error::InvalidArgument("meshembed dense update: expected count gradients and 1-3 targets each");
-  std::vector<const float*> grads(count);
-  std::vector<float*> data(count * 3, nullptr);
+    return ffi::Error::InvalidArgument("meshembed dense update: expected count gradients and 1-8 targets each");
+  auto first = args.get<ffi::AnyBuffer>(0);
+  if (!first.has_value() || !IsFloat(first->element_type())) return Unsupported("gradient dtype");
+  const ffi::DataType type = first->element_type();
+  const size_t width = ffi::ByteWidth(type);
+  std::vector<const void*> grads(count);
+  std::vector<void*> data(count * k_targets, nullptr);
   std::vector<int64_t> size(count);
   for (int64_t n = 0; n < count; ++n) {
     auto g = args.get<ffi::AnyBuffer>(n);
-    if (!g.has_value() || g->element_type() != ffi::DataType::F32) return Unsupported("gradient dtype");
-    grads[n] = static_cast<const float*>(g->untyped_data());
+    if (!g.has_value() || g->element_type() != type) return Unsupported("gradient dtype (all must agree)");
+    grads[n] = g->untyped_data();
     size[n] = g->element_count();
     for (int64_t k = 0; k < k_targets; ++k) {
       auto in = args.get<ffi::AnyBuffer>(count + k * count + n);
       auto out = outs.get<ffi::AnyBuffer>(k * count + n);
-      if (!in.has_value() || !out.has_value() || in->element_type() != ffi::DataType::F32 ||
+      if (!in.has_value() || !out.has_value() || in->element_type() != type ||
           in->element_count() != size[n] || (*out)->element_count() != size[n])
         return ffi::Error::InvalidArgument("meshembed dense update: a target differs from its gradient");
-      float* o = static_cast<float*>((*out)->untyped_data());
-      if (o != in->untyped_data()) std::memcpy(o, in->untyped_data(), sizeof(float) * size[n]);
-      data[n * 3 + k] = o;
+      void* o = (*out)->untyped_data();
+      if (o != in->untyped_data()) std::memcpy(o, in->untyped_data(), width * size[n]);
+      data[n * k_targets + k] = o;
     }
   }
   // Tasks of at most kDenseTask elements, so both threads get work with one tensor or many.
@@ -452,14 +510,19 @@ ffi::Error DenseUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::Remaini
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (tensor, start)
   for (int64_t n = 0; n < count; ++n)
     for (int64_t lo = 0; lo < size[n]; lo += kDenseTask) tasks.emplace_back(n, lo);
-  const float* h = static_cast<const float*>(hp.untyped_data());
-  ParallelFor(pool, int64_t(tasks.size()), [&](int64_t t) {
-    const auto [n, lo] = tasks[t];
-    const int64_t len = std::min(kDenseTask, size[n] - lo);
-    auto at = [&](int64_t k) { return data[n * 3 + k] ? data[n * 3 + k] + lo : nullptr; };
-    const float* p = h + 4 * n;
-    meshembed::RowUpdate(int(algorithm), len, at(0), at(1), at(2), p[0], p[1], p[2], p[3]).Apply(0, grads[n] + lo);
-  });
+  auto run = [&](auto t) {
+    using T = decltype(t);
+    const RowFn<T> kernel = reinterpret_cast<RowFn<T>>(fn);
+    ParallelFor(pool, int64_t(tasks.size()), [&](int64_t j) {
+      const auto [n, lo] = tasks[j];
+      T* rows[kMaxArrays];
+      for (int64_t k = 0; k < k_targets; ++k) rows[k] = static_cast<T*>(data[n * k_targets + k]) + lo;
+      kernel(rows, static_cast<const T*>(grads[n]) + lo, std::min(kDenseTask, size[n] - lo),
+             params.data() + n * n_params);
+    });
+  };
+  if (type == ffi::DataType::F64) run(double{});
+  else run(float{});
   return ffi::Error::Success();
 }
 
@@ -577,7 +640,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedFusedUpdate, FusedUpdateImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<int64_t>("algorithm")
+                                  .Attr<int64_t>("fn")
                                   .Attr<bool>("combined")
                                   .Attr<bool>("weighted"));
 
@@ -587,7 +650,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedDenseUpdate, DenseUpdateImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<int64_t>("algorithm")
+                                  .Attr<int64_t>("fn")
                                   .Attr<int64_t>("count"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedAllFinite, AllFiniteImpl,

@@ -19,6 +19,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from meshembed_native import build as native
 from meshembed.backend.env import env_flag
 
@@ -41,7 +43,7 @@ def enabled() -> bool:
 
 
 def fused_enabled() -> bool:
-    """Whether the registered fused updates are wanted (``MESHEMBED_JAX_FUSED``, default on)."""
+    """Whether the generated fused updates are wanted (``MESHEMBED_JAX_FUSED``, default on)."""
     return env_flag("MESHEMBED_JAX_FUSED", True)
 
 
@@ -89,8 +91,6 @@ def load() -> bool:
 
 def usable(platform: str, *dtypes: Any) -> bool:
     """Whether a kernel for ``platform`` with these row dtypes can use the FFI kernels."""
-    import numpy as np
-
     if platform != "cpu" or not enabled():
         return False
     if any(np.dtype(d) not in (np.float32, np.float64) for d in dtypes):
@@ -162,16 +162,17 @@ def scatter_rows(table: Any, idx: Any, rows: Any) -> Any:
     return _vary_like(res, table, idx, rows)
 
 
-def fused_update(tables: list, ids: Any, grads: Any, segs: Any, w: Any, hp: Any, algorithm: int,
+def fused_update(tables: list, ids: Any, grads: Any, segs: Any, w: Any, hp: Any, address: int,
                  combined: bool, weighted: bool) -> list:
-    """A registered fused update of float32 ``tables`` (the table, then its slots), in place
-    (the results alias the donated tables); ``hp`` = float32 ``[lr, rho, epsilon, 1 - rho]``."""
+    """The generated row kernel at ``address`` over ``tables`` (the table, then its slots; 1..8,
+    all float32 or all float64), in place (the results alias the donated tables); ``hp`` =
+    the kernel's parameter block (see :func:`hp_block`)."""
     import jax
 
     outs = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tables]
     aliases = {5 + k: k for k in range(len(tables))}
     res = jax.ffi.ffi_call("meshembed_fused_update", outs, input_output_aliases=aliases)(
-        hp, ids, grads, segs, w, *tables, algorithm=int(algorithm), combined=combined, weighted=weighted
+        hp, ids, grads, segs, w, *tables, fn=np.int64(address), combined=combined, weighted=weighted
     )
     return list(_vary_like(list(res), *tables, ids, grads))
 
@@ -184,10 +185,11 @@ def all_finite(arrays: list) -> Any:
     return jax.ffi.ffi_call("meshembed_all_finite", jax.ShapeDtypeStruct((), jnp.bool_))(*arrays)
 
 
-def dense_update(hp: Any, grads: list, targets: list, algorithm: int) -> list:
-    """The registered fused update of dense float32 tensors in place: ``hp`` = ``[count, 4]``
-    (lr, rho, epsilon, 1 - rho of each), ``targets[k][n]`` = target k (the variable, then its
-    slots) of tensor n; returns the new targets in the same layout (aliasing the donated ones)."""
+def dense_update(hp: Any, grads: list, targets: list, kernel: Any) -> list:
+    """The generated row kernel ``kernel`` (a ``codegen.RowKernel``) over dense tensors in
+    place: ``hp`` = ``[count, kernel.n_params]`` parameter blocks (:func:`hp_block`), one per
+    tensor; ``targets[k][n]`` = array k (the variable, then its slots) of tensor n; returns the
+    new targets in the same layout (aliasing the donated ones)."""
     import jax
 
     count, k_targets = len(grads), len(targets)
@@ -195,9 +197,51 @@ def dense_update(hp: Any, grads: list, targets: list, algorithm: int) -> list:
     outs = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in flat]
     aliases = {1 + count + i: i for i in range(len(flat))}
     res = jax.ffi.ffi_call("meshembed_dense_update", outs, input_output_aliases=aliases)(
-        hp, *grads, *flat, algorithm=int(algorithm), count=count
+        hp, *grads, *flat, fn=np.int64(kernel.address), count=count
     )
     return [list(res[k * count:(k + 1) * count]) for k in range(k_targets)]
+
+
+def hp_block(params: Any) -> np.ndarray:
+    """Host parameter blocks (one row of ``RowKernel.params`` per tensor, or one flat row) as
+    the FFI kernels read them: the float64 values' bits as uint32 pairs, so the doubles reach
+    the kernel unrounded whether or not jax_enable_x64 is on."""
+    block = np.ascontiguousarray(np.asarray(params, np.float64))
+    return block.view(np.uint32)
+
+
+def traced_hp(values: Any) -> Any:
+    """The parameter block of traced values (inside a user's jit): float64 with x64 on, else
+    float32 (the kernel widens it; such values are float32 already)."""
+    import jax
+    import jax.numpy as jnp
+
+    dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+    return jnp.stack([jnp.asarray(v).astype(dtype).reshape(()) for v in values])
+
+
+_kernels: dict[tuple, Any] = {}
+
+
+def row_kernel(rule: Any, n_arrays: int, dtype: Any) -> Any:
+    """The generated row kernel of ``rule`` over ``n_arrays`` ``dtype`` arrays
+    (``meshembed_native.codegen.row_kernel``), or None: the rule cannot be generated, no
+    compiler, or ``MESHEMBED_JAX_FUSED=0``. Cached per (rule, n_arrays, dtype)."""
+    import dataclasses
+
+    if not fused_enabled():
+        return None
+    name = np.dtype(dtype).name
+    key = (rule, n_arrays, name)
+    if key not in _kernels:
+        try:
+            from meshembed_native import codegen
+        except ImportError:  # pragma: no cover - meshembed_native without codegen
+            return None
+        if rule.dtype != name:
+            rule = dataclasses.replace(rule, dtype=name)
+        _kernels[key] = codegen.row_kernel(rule, n_arrays)
+    return _kernels[key]
 
 
 if __name__ == "__main__":  # python -m meshembed_jax.cpu_kernels: build and report

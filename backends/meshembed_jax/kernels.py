@@ -352,64 +352,28 @@ def _update_body(layout: ShardLayout, dim: int, capacity: int, dedup: str, call:
     return on_platform(layout, lambda: run(True), lambda: run(False), grad_dtype, *(b.dtype for b in blocks))
 
 
-def make_update(
-    layout: ShardLayout,
-    dim: int,
-    n_tables: int,
-    capacity: int,
-    dedup: str,
-    call: Callable[..., Any],
-) -> Callable:
-    """``update(datas, ids, grads, guard, dyn) -> (datas, count)``: the fused sparse step.
+def make_update(layout: ShardLayout, dim: int, n_tables: int, capacity: int, dedup: str,
+                call: Callable[..., Any], combined: bool = False, weighted: bool = False) -> Callable:
+    """The sparse step: ``update(datas, ids, grads, guard, dyn) -> (datas, count)``, or with
+    ``combined`` ``update(datas, ids, grads, segs, w, guard, dyn)``, the combiner's backward
+    pass fused in: row ``i``'s gradient is ``w[i] * grads[segs[i]]`` (``w`` read when
+    ``weighted``), formed piece by piece inside the per-row sum, so the ``[len(ids), D]`` row
+    gradients never exist.
 
-    ``call(dyn, g, *rows)`` is the core's optimizer function (see ``fnspec``), traced as is
-    and applied to pieces of the unique rows (it is row-wise). ``count`` is the largest
-    number of unique ids one device owns; ``> capacity`` means nothing was written.
+    ``call(dyn, g, *rows)`` is the rule's function (``apply_rule`` with the call's values
+    ``dyn`` traced), applied to pieces of the unique rows (it is row-wise). ``count`` is the
+    largest number of unique ids one device owns; ``> capacity`` means nothing was written.
     """
 
-    def per_device(blocks: tuple, ids: jax.Array, grads: jax.Array, guard: jax.Array, dyn: tuple) -> tuple:
+    def per_device(blocks: tuple, ids: jax.Array, grads: jax.Array, *rest: Any) -> tuple:
+        (segs, w, guard, dyn) = rest if combined else (None, None, *rest)
         n = ids.shape[0]
         c = chunk_rows(n, dim * grads.dtype.itemsize)
 
         def add_grads(g: jax.Array, slot: jax.Array) -> jax.Array:
             def body(start: jax.Array, acc: jax.Array) -> jax.Array:
-                return acc.at[_slice(slot, start, c)].add(_slice(grads, start, c), mode="promise_in_bounds")
-
-            return _pieces(n, c, body, g)
-
-        def ffi_sum(flat: jax.Array, m: int, cap: int) -> tuple:
-            none = jnp.zeros((1,), jnp.int32)
-            return cpu_kernels.dedup_sum(flat, grads, none, none, m, cap, combined=False, weighted=False)
-
-        return _update_body(layout, dim, capacity, dedup, call, blocks, ids, guard, dyn, add_grads, grads.dtype,
-                            ffi_sum)
-
-    specs = (tuple(P(AXIS) for _ in range(n_tables)), P(), P(), P(), P())
-    fn = device_map(layout, per_device, in_specs=specs, out_specs=(tuple(P(AXIS) for _ in range(n_tables)), P()))
-    return jax.jit(fn, donate_argnums=(0,))
-
-
-def make_update_combined(
-    layout: ShardLayout,
-    dim: int,
-    n_tables: int,
-    capacity: int,
-    dedup: str,
-    call: Callable[..., Any],
-    weighted: bool,
-) -> Callable:
-    """``update(datas, ids, grads, segs, weights, guard, dyn) -> (datas, count)``: the combiner's
-    backward pass fused with the sparse step. Row ``i``'s gradient is
-    ``weights[i] * grads[segs[i]]`` (``grads`` is ``[num_segments, D]``); it is formed piece
-    by piece inside the per-row sum, so the ``[len(ids), D]`` row gradients never exist."""
-
-    def per_device(blocks: tuple, ids: jax.Array, grads: jax.Array, segs: jax.Array, w: jax.Array,
-                   guard: jax.Array, dyn: tuple) -> tuple:
-        n = ids.shape[0]
-        c = chunk_rows(n, dim * grads.dtype.itemsize)
-
-        def add_grads(g: jax.Array, slot: jax.Array) -> jax.Array:
-            def body(start: jax.Array, acc: jax.Array) -> jax.Array:
+                if not combined:
+                    return acc.at[_slice(slot, start, c)].add(_slice(grads, start, c), mode="promise_in_bounds")
                 rows = grads.at[_slice(segs, start, c)].get(mode="fill", fill_value=0)
                 if weighted:
                     rows = rows * _slice(w, start, c).astype(rows.dtype)[:, None]
@@ -418,22 +382,24 @@ def make_update_combined(
             return _pieces(n, c, body, g)
 
         def ffi_sum(flat: jax.Array, m: int, cap: int) -> tuple:
+            none = jnp.zeros((1,), jnp.int32)
             wt = w if weighted else jnp.zeros((1,), grads.dtype)
-            return cpu_kernels.dedup_sum(flat, grads, segs, wt, m, cap, combined=True, weighted=weighted)
+            return cpu_kernels.dedup_sum(flat, grads, segs if combined else none, wt if combined else none, m, cap,
+                                         combined=combined, weighted=combined and weighted)
 
         return _update_body(layout, dim, capacity, dedup, call, blocks, ids, guard, dyn, add_grads, grads.dtype,
                             ffi_sum)
 
-    specs = (tuple(P(AXIS) for _ in range(n_tables)), P(), P(), P(), P(), P(), P())
+    specs = (tuple(P(AXIS) for _ in range(n_tables)),) + (P(),) * (6 if combined else 4)
     fn = device_map(layout, per_device, in_specs=specs, out_specs=(tuple(P(AXIS) for _ in range(n_tables)), P()))
     return jax.jit(fn, donate_argnums=(0,))
 
 
-def make_fused_update(layout: ShardLayout, dim: int, n_tables: int, algorithm: int, combined: bool,
+def make_fused_update(layout: ShardLayout, dim: int, n_tables: int, address: int, combined: bool,
                       weighted: bool) -> Callable:
-    """``update(datas, ids, grads, segs, w, guard, hp) -> datas``: a registered fused update on
-    CPU devices (``cpu_kernels.fused_update``: dedup, per-row sums and the C++ formula in one
-    in-place pass per device; see ``meshembed.embedding.updates.REGISTERED_FUSED``). Its
+    """``update(datas, ids, grads, segs, w, guard, hp) -> datas``: the rule's generated row
+    kernel (``address``, see ``cpu_kernels.row_kernel``) run by ``cpu_kernels.fused_update``
+    on CPU devices: dedup, per-row sums and the kernel in one in-place pass per device. Its
     buffers are sized by the batch, so no capacity can overflow; the call is skipped when
     ``guard`` is false. ``combined``: row ``i``'s gradient is ``w[i] * grads[segs[i]]``."""
     m = layout.rows_per_device
@@ -444,7 +410,7 @@ def make_fused_update(layout: ShardLayout, dim: int, n_tables: int, algorithm: i
         flat = local_rows(layout, ids)
 
         def body(_: jax.Array, tabs: tuple) -> tuple:
-            return tuple(cpu_kernels.fused_update(list(tabs), flat, grads, segs, w, hp, algorithm, combined, weighted))
+            return tuple(cpu_kernels.fused_update(list(tabs), flat, grads, segs, w, hp, address, combined, weighted))
 
         # a loop of one trip (none when the guard is false): inline, XLA copies the donated
         # tables around the in-place call, as with the scatter in _apply_unique
