@@ -543,3 +543,122 @@ def test_adadelta_follows_a_torch_lr_scheduler():
     assert opt.param_groups[0]["lr"] == 0.25
     for p, v in zip(ours, variables):
         np.testing.assert_array_equal(p.detach().numpy(), v.numpy())
+
+
+# -- nested configs (TF's feature_config nests, dict-of-features configs) ----------------------
+def _nest_config():
+    import collections
+
+    pair = collections.namedtuple("Pair", ["left", "right"])
+    table = me.tpu.TableConfig(vocabulary_size=VOCAB, dim=DIM, name="t", combiner="mean")
+    other = me.tpu.TableConfig(vocabulary_size=VOCAB + 3, dim=DIM, name="o", combiner="sum",
+                               optimizer=me.tpu.SGD(learning_rate=0.5))
+    return pair, {"user": me.tpu.FeatureConfig(table, output_shape=(BATCH,)),
+                  "towers": pair(me.tpu.FeatureConfig(other), (me.tpu.FeatureConfig(table, max_sequence_length=SEQ),))}
+
+
+def _nest_inputs(pair, rng):
+    values, offsets, weights, seq = batch(rng)
+    dense = rng.integers(0, VOCAB + 3, size=BATCH)
+    torch_in = {"user": (torch.from_numpy(values), torch.from_numpy(offsets)),
+                "towers": pair(torch.from_numpy(dense), (torch.from_numpy(seq),))}
+    torch_w = {"user": torch.from_numpy(weights), "towers": pair(None, (None,))}
+    tf_in = {"user": me.RaggedIds(offsets, values), "towers": pair(dense, (seq[..., None],))}
+    tf_w = {"user": me.RaggedIds(offsets, weights), "towers": pair(None, (None,))}
+    return torch_in, torch_w, tf_in, tf_w
+
+
+def _nest_loss(out):
+    return ((out["user"] - 0.3) ** 2).sum() + (out["towers"].left ** 2).sum() + out["towers"].right[0].sum()
+
+
+def test_nested_feature_config_in_and_out_like_tf_eager_and_compiled():
+    """A TF feature_config nest: forward takes and returns it (namedtuples included, dict in
+    the config's key order), eager and under torch.compile(fullgraph=True) with no graph
+    break, training bit-identical to me.tpu.TPUEmbedding(backend="torch")."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    pair, nest = _nest_config()
+    opt = me.tpu.Adagrad(learning_rate=0.1)
+    eager = me.torch.EmbeddingCollection(nest, optimizer=opt, batch_size=BATCH, seed=3)
+    compiled = me.torch.EmbeddingCollection(nest, optimizer=opt, batch_size=BATCH, seed=3)
+    tf = me.tpu.TPUEmbedding(nest, opt, backend="torch", seed=3)
+    assert eager.feature_names == ["towers/left", "towers/right/0", "user"]
+    counter = CompileCounter()
+    step = torch.compile(lambda x, w: _nest_loss(compiled(x, w)), backend=counter, fullgraph=True)
+    rng = np.random.default_rng(20)
+    explained = torch._dynamo.explain(lambda x, w: _nest_loss(compiled.eval()(x, w)))(*_nest_inputs(pair, rng)[:2])
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled.train()
+    for k in range(4):
+        x, w, tx, tw = _nest_inputs(pair, rng)
+        out = eager(x, w)
+        assert list(out) == ["user", "towers"] and type(out["towers"]) is pair
+        assert isinstance(out["towers"].right, tuple) and out["towers"].right[0].shape == (BATCH, SEQ, DIM)
+        tf.enqueue(tx, tw)
+        want = tf.dequeue()
+        for got, ref in ((out["user"], want["user"]), (out["towers"].left, want["towers"].left),
+                         (out["towers"].right[0], want["towers"].right[0])):
+            torch.testing.assert_close(got, ref, rtol=0, atol=0)
+        grads = {k: v for k, v in want.items()}
+        acts = [want["user"].requires_grad_(), want["towers"].left.requires_grad_(),
+                want["towers"].right[0].requires_grad_()]
+        _nest_loss(want).backward()
+        tf.apply_gradients({"user": acts[0].grad, "towers": pair(acts[1].grad, (acts[2].grad,))})
+        _nest_loss(out).backward()
+        step(x, w).backward()
+        del grads
+        if k == 1:  # warm: the second batch's new id count made the shapes dynamic
+            warm = counter.frame_count
+        for name in ("t", "o"):
+            for k, v in tf.engine.retrieve_parameters(name).items():
+                np.testing.assert_array_equal(eager.engine.retrieve_parameters(name)[k], v, err_msg=k)
+                np.testing.assert_array_equal(compiled.engine.retrieve_parameters(name)[k], v, err_msg=k)
+    assert counter.frame_count == warm
+
+
+def test_nested_config_errors_name_the_path_and_the_fix():
+    pair, nest = _nest_config()
+    opt = me.tpu.SGD(learning_rate=0.1)
+    with pytest.raises(me.ConfigError, match=r"\['towers/left', 'towers/right/0'\].*batch_size="):
+        me.torch.EmbeddingCollection(nest, optimizer=opt)
+    with pytest.raises(me.ConfigError, match="optimizer"):
+        me.torch.EmbeddingCollection(nest, batch_size=BATCH)
+    with pytest.raises(me.ConfigError, match="`batch_size`.*EmbeddingConfig"):
+        me.torch.EmbeddingCollection(config(), batch_size=BATCH)
+    with pytest.raises(me.ConfigError, match="EmbeddingConfig or a nest"):
+        me.torch.EmbeddingCollection("t")
+    with pytest.raises(me.ConfigError, match="initializer"):
+        me.torch.EmbeddingCollection(nest, optimizer=opt, batch_size=BATCH, initializers={"t": "zeros"})
+    ec = me.torch.EmbeddingCollection(nest, optimizer=opt, batch_size=BATCH)
+    before = ec.state_dict()
+    x, w, _, _ = _nest_inputs(pair, np.random.default_rng(21))
+    with pytest.raises(me.InputError, match="path 'towers'.*2 entries"):
+        ec({"user": x["user"], "towers": (x["towers"].left,)})
+    with pytest.raises(me.InputError, match="path 'towers': expected a Pair.*Received: a dict"):
+        ec({"user": x["user"], "towers": {"left": x["towers"].left}})
+    with pytest.raises(me.InputError, match="Missing: \\['user'\\]"):
+        ec({"towers": x["towers"]})
+    bad = {"user": x["user"], "towers": pair(torch.full((BATCH,), VOCAB + 3), x["towers"].right)}
+    with pytest.raises(me.InputError, match="towers/left"):
+        ec(bad, w)
+    for k, v in ec.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+
+def test_dict_config_outputs_keyed_by_its_keys_in_the_order_given():
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig("t", VOCAB, DIM, optimizer=me.embedding.SGD(learning_rate=0.1), combiner="sum")],
+        features={"z_seq": me.FeatureConfig("t", (BATCH, SEQ)), "a_bag": me.FeatureConfig("t", (BATCH,), name="bag")})
+    ec = me.torch.EmbeddingCollection(cfg).eval()
+    emb = me.TPUEmbedding(cfg, backend="torch")
+    values, offsets, _, seq = batch(np.random.default_rng(22))
+    out = ec({"a_bag": (torch.from_numpy(values), torch.from_numpy(offsets)), "z_seq": torch.from_numpy(seq)})
+    assert list(out) == ["z_seq", "a_bag"]
+    emb.enqueue({"a_bag": me.RaggedIds(offsets, values), "z_seq": seq}, training=False)
+    want = emb.dequeue()
+    for k in out:
+        torch.testing.assert_close(out[k], want[k], rtol=0, atol=0)
+    with pytest.raises(me.InputError, match="Missing: \\['z_seq'\\]"):
+        ec({"a_bag": out["a_bag"]})

@@ -27,6 +27,8 @@ import torch
 from meshembed.embedding.engine import TPUEmbedding
 from meshembed.embedding.inputs import RaggedIds, SparseIds
 from meshembed.errors import ConfigError, InputError, StateError
+from meshembed.tpu import _nest
+from meshembed.tpu._embedding import _is_feature
 
 __all__ = ["EmbeddingCollection"]
 
@@ -216,33 +218,56 @@ class EmbeddingCollection(torch.nn.Module):
     exactly as ``me.TPUEmbedding(config, backend="torch")`` does; ``seed`` and
     ``initializers`` (``{table: initializer or [V, D] array}``) are the engine's.
 
+    ``config``: an ``me.EmbeddingConfig`` (outputs keyed by feature name; by the config's keys,
+    in the order given, when its ``features`` were a dict), or TF's ``feature_config``: any
+    nest (dicts, lists, tuples, namedtuples) of ``me.tpu.FeatureConfig``, built as
+    ``me.tpu.TPUEmbedding`` builds it (``optimizer=`` for tables without one; ``batch_size=``
+    for features without ``output_shape``): ``forward`` then takes and returns that nest, as
+    TF's mid-level API does. ``process_group``: any ``dist.new_group`` this rank is in (tables
+    sharded over its ranks only); None = the default group.
+
     Under ``torch.compile`` pass tensors, ``(values, offsets|lengths)`` pairs or jagged
     tensors: dynamo refuses sparse COO tensors (they work eagerly).
     """
 
     def __init__(self, config: Any, *, num_shards: int | None = None, process_group: Any = None,
                  device: Any = None, seed: int = 0, fused_optimizer: bool = True,
-                 initializers: Mapping[str, Any] | None = None) -> None:
+                 initializers: Mapping[str, Any] | None = None, optimizer: Any = None,
+                 batch_size: int | None = None) -> None:
         super().__init__()
-        _check_group(process_group)
+        from meshembed.config import EmbeddingConfig
         from meshembed_torch.backend import TorchBackend
 
-        engine = TPUEmbedding(config, backend=TorchBackend(device=device), num_shards=num_shards, seed=seed,
-                              initializers=initializers)
-        self._attach(engine, fused_optimizer)
+        backend = TorchBackend(device=device, process_group=_check_group(process_group))
+        if isinstance(config, EmbeddingConfig):
+            for name, value in (("optimizer", optimizer), ("batch_size", batch_size)):
+                if value is not None:
+                    raise ConfigError(
+                        f"Invalid `{name}`: it is for a feature_config nest (me.tpu.FeatureConfig leaves); an "
+                        f"EmbeddingConfig carries its own optimizers and input shapes. Received: {name}={value!r}")
+            engine = TPUEmbedding(config, backend=backend, num_shards=num_shards, seed=seed, initializers=initializers)
+            self._attach(engine, fused_optimizer)
+            return
+        engine = _engine_of_nest(config, optimizer, batch_size, initializers,
+                                 dict(backend=backend, num_shards=num_shards, seed=seed))
+        self._attach(engine, fused_optimizer, nest=config)
 
     @classmethod
-    def _from_engine(cls, engine: TPUEmbedding, fused_optimizer: bool = True) -> "EmbeddingCollection":
+    def _from_engine(cls, engine: TPUEmbedding, fused_optimizer: bool = True, nest: Any = None) -> "EmbeddingCollection":
         self = cls.__new__(cls)
         torch.nn.Module.__init__(self)
-        self._attach(engine, fused_optimizer)
+        self._attach(engine, fused_optimizer, nest)
         return self
 
-    def _attach(self, engine: TPUEmbedding, fused_optimizer: bool) -> None:
+    def _attach(self, engine: TPUEmbedding, fused_optimizer: bool, nest: Any = None) -> None:
         if engine.backend.name != "torch":
             raise ConfigError(f"EmbeddingCollection needs the torch backend. Received: backend={engine.backend.name!r}")
         self.engine = engine
         self.fused_optimizer = bool(fused_optimizer)
+        # Output structure: `_nest` (a feature_config nest, packed as me.tpu does), else a dict
+        # keyed by `_keys` (a dict-of-features EmbeddingConfig: its keys, in the order given;
+        # otherwise the feature names)
+        self._nest = nest
         layout = engine.layout
         self._out_specs = [
             (f.output_shape + (layout.tables[f.table].dimension,), engine._state[f.table][0].data.dtype)
@@ -250,6 +275,10 @@ class EmbeddingCollection(torch.nn.Module):
         ]
         self._batch_sizes = [int(f.output_shape[0]) for f in layout.features]
         self._names = [f.name for f in layout.features]
+        if engine._keys:  # inputs and outputs keyed by the config's keys (engine order: sorted)
+            self._names = sorted(engine._keys)
+        self._keys = list(engine._keys) if engine._keys else list(self._names)
+        self._order = [self._names.index(k) for k in self._keys]
         self._learning_rates: list[float] | None = None
         self._batches: dict[int, Any] = {}  # token -> the engine's pending batch (+ its lrs)
         self._accumulated: list[tuple[Any, list, Any]] = []  # fused_optimizer=False
@@ -275,12 +304,16 @@ class EmbeddingCollection(torch.nn.Module):
         self.engine._check_learning_rates(lrs)  # count, rank, finiteness; raises InputError
         self._learning_rates = [float(v) for v in lrs][:n]
 
-    def forward(self, features: Any, weights: Any = None, learning_rates: Any = None) -> dict[str, torch.Tensor]:
-        """Activations by feature name. ``learning_rates`` (optional, a 1-D tensor or a list)
+    def forward(self, features: Any, weights: Any = None, learning_rates: Any = None) -> Any:
+        """Activations by feature name (or in the config's nest: see the class). ``learning_rates`` (optional, a 1-D tensor or a list)
         overrides ``set_learning_rates`` for this batch's update; pass a tensor under
         ``torch.compile`` so a new value is a new input, not a recompilation."""
-        ids = self._by_name(features, "features")
-        ws = [None] * len(ids) if weights is None else self._by_name(weights, "weights", allow_missing=True)
+        if self._nest is not None:
+            ids = _nest.match(self._nest, features, "features", _is_feature)
+            ws = [None] * len(ids) if weights is None else _nest.match(self._nest, weights, "weights", _is_feature)
+        else:
+            ids = self._by_name(features, "features")
+            ws = [None] * len(ids) if weights is None else self._by_name(weights, "weights", allow_missing=True)
         kinds, flat = [], []
         for name, b, x, w in zip(self._names, self._batch_sizes, ids, ws):
             kind, ts = _flatten(name, b, x, w)
@@ -297,7 +330,9 @@ class EmbeddingCollection(torch.nn.Module):
             outs = torch.ops.meshembed.ec_forward(self._handle, spec, anchor, flat, lrs)
         else:
             outs = _EagerLookup.apply(self._handle, spec, anchor, lrs, *flat)
-        return dict(zip(self._names, outs[:-1]))
+        if self._nest is not None:
+            return _nest.pack(self._nest, list(outs[:-1]), _is_feature)
+        return {k: outs[i] for k, i in zip(self._keys, self._order)}
 
     def apply_gradients(self, learning_rates: Sequence[Any] | None = None) -> None:
         """``fused_optimizer=False``: send the gradients every backward since the last call
@@ -338,7 +373,7 @@ class EmbeddingCollection(torch.nn.Module):
             values = e.retrieve_parameters(table)
             engine.load_parameters(table, values.pop("parameters"), **values)
         engine.step = e.step
-        new = type(self)._from_engine(engine, self.fused_optimizer)
+        new = type(self)._from_engine(engine, self.fused_optimizer, self._nest)
         new._learning_rates = None if self._learning_rates is None else list(self._learning_rates)
         memo[id(self)] = new
         return new.train(self.training)
@@ -469,19 +504,58 @@ class EmbeddingCollection(torch.nn.Module):
                 engine._pending = saved
 
 
-def _check_group(process_group: Any) -> None:
-    """Only the default group: the torch backend shards over the world process group."""
+def _check_group(process_group: Any) -> Any:
+    """The group tables are sharded over: None for the default (world) group, else a
+    ``ProcessGroup`` this rank belongs to (any ``dist.new_group``)."""
     if process_group is None:
-        return
+        return None
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
             "Invalid `process_group`: torch.distributed is not initialised. Fix: call "
             "torch.distributed.init_process_group(...) first, or pass process_group=None."
         )
-    default = dist.distributed_c10d._get_default_group()
-    if process_group is not default and process_group is not dist.group.WORLD:
+    if process_group is dist.group.WORLD or process_group is dist.distributed_c10d._get_default_group():
+        return None
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns to non-members
         raise ConfigError(
-            "Invalid `process_group`: the torch backend shards tables over the default (world) "
-            "process group only. Fix: pass process_group=None or torch.distributed.group.WORLD."
-        )
+            f"Invalid `process_group`: rank {dist.get_rank()} is not one of its ranks (dist.new_group returned "
+            "NON_GROUP_MEMBER here). Fix: build the module only on the group's ranks.")
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise ConfigError(
+            "Invalid `process_group`: expected a torch.distributed ProcessGroup (from dist.new_group) "
+            f"or None. Received: {type(process_group).__name__}")
+    if dist.get_rank(process_group) < 0:
+        raise ConfigError(
+            f"Invalid `process_group`: rank {dist.get_rank()} is not one of its ranks "
+            f"{dist.get_process_group_ranks(process_group)}. Fix: build the module only on the group's "
+            "ranks (every rank must call dist.new_group, but only members use the group).")
+    return process_group
+
+
+def _engine_of_nest(nest: Any, optimizer: Any, batch_size: int | None, initializers: Any,
+                    engine_args: dict) -> TPUEmbedding:
+    """The engine of a TF-style feature_config nest, built as ``me.tpu.TPUEmbedding`` builds it
+    (tables by first appearance, features named by their nest paths)."""
+    from meshembed.tpu import FeatureConfig
+    from meshembed.tpu import TPUEmbedding as TFEmbedding
+    from meshembed.tpu._embedding import flat_features
+
+    if not (isinstance(nest, FeatureConfig) or _nest.is_container(nest)):
+        raise ConfigError(
+            "Invalid `config`: expected a meshembed.EmbeddingConfig or a nest (dict, list, tuple) of "
+            f"meshembed.tpu.FeatureConfig. Received: {type(nest).__name__}")
+    if initializers is not None:
+        raise ConfigError(
+            "Invalid `initializers`: a feature_config nest takes each table's initializer from its "
+            "me.tpu.TableConfig(initializer=...). Fix: drop initializers=.")
+    unknown = [p or "<top>" for p, f in flat_features(nest) if f.output_shape is None]
+    if unknown and batch_size is None:
+        raise ConfigError(
+            f"Invalid `batch_size`: features {unknown} have no output shape, and the module needs every "
+            "shape when it is built (its ops have static shapes). Fix: pass batch_size=, or give "
+            "me.tpu.FeatureConfig(output_shape=...).")
+    emb = TFEmbedding(nest, optimizer, **engine_args)
+    if batch_size is not None:
+        emb.build(per_replica_batch_size=batch_size)
+    return emb.engine
