@@ -133,20 +133,18 @@ def test_segment_sum_to(backend, dtype):
 
 @pytest.mark.parametrize("vocab,shards,strategy", SHARDINGS)
 def test_update_rows_sums_duplicates_then_applies_once(backend, vocab, shards, strategy):
-    """fn must see one summed gradient per unique row; untouched rows stay bit-identical."""
+    """The rule must see one summed gradient per unique row; untouched rows stay bit-identical."""
+    from meshembed.math import UpdateRule, get_math
+
     values = _table(vocab, 2, "float32")
     slot = np.full((vocab, 2), 0.5, dtype=np.float32)
     placement = Placement(vocab, shards, strategy)
     tables = [backend.create_table(values, placement), backend.create_table(slot, placement)]
     ids = np.array([1, 3, 1, 1, vocab - 1], dtype=np.int64)
     grads = np.array([[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]], dtype=np.float32)
-    xp = backend.xp
-
-    def fn(g, p, s):  # a nonlinear rule, so summing after squaring would differ
-        s2 = s + g * g
-        return p - g / xp.sqrt(s2), s2
-
-    new = backend.update_rows(tables, backend.asarray(ids), backend.asarray(grads), fn)
+    # Adagrad with lr 1: a nonlinear rule, so summing after squaring would differ
+    rule = UpdateRule(get_math("adagrad"), ("accumulators",))
+    new = backend.update_rows(tables, backend.asarray(ids), backend.asarray(grads), rule, values=(1.0,))
     p, s = backend.unshard(new[0]), backend.unshard(new[1])
     ep, es = values.copy(), slot.copy()
     for row in np.unique(ids):

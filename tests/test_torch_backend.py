@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch", reason="the torch backend needs torch (pip 
 
 import meshembed as me  # noqa: E402
 from meshembed.errors import InputError  # noqa: E402
-from meshembed.math import AdadeltaSlots, AdagradSlots, adadelta, adagrad  # noqa: E402
+from meshembed.math import AdagradSlots, adagrad  # noqa: E402
 from meshembed.sharding import Placement  # noqa: E402
 from meshembed_numpy import NumpyBackend  # noqa: E402
 from meshembed_torch import TorchBackend, TorchShardedTable  # noqa: E402
@@ -42,22 +42,8 @@ def _table(vocab: int, dim: int, dtype: str) -> np.ndarray:
     return (np.arange(vocab)[:, None] + np.arange(dim)[None, :] / 1000.0).astype(dtype)
 
 
-def _optimizer_fn(name: str, xp):
-    """The core's pure update bound to fixed hyper-parameters, as the engine builds it."""
-    if name == "adagrad":
-        def fn(g, p, acc):
-            new_p, slots = adagrad(xp, p, g, AdagradSlots(acc), lr=0.1)
-            return (new_p, *slots)
-        return fn, (0.1,)
-
-    def fn(g, p, a, u):
-        new_p, slots = adadelta(xp, p, g, AdadeltaSlots(a, u), lr=0.5, rho=0.9, epsilon=1e-6)
-        return (new_p, *slots)
-    return fn, (0.05, 0.02)
-
-
 def _optimizer_rule(name: str):
-    """(UpdateRule, values, slot initial values): the rule form of :func:`_optimizer_fn`."""
+    """(UpdateRule, values, slot initial values): the core's rule, as the engine builds it."""
     from meshembed.math import UpdateRule, get_math
 
     if name == "adagrad":
@@ -186,15 +172,14 @@ def test_update_rows_matches_numpy(tb, nb, vocab, shards, strategy, dtype, opt):
     rng = np.random.default_rng(vocab * shards)
     p = Placement(vocab, shards, strategy)
     values = _table(vocab, 4, dtype)
-    fn_t, inits = _optimizer_fn(opt, tb.xp)
-    fn_n, _ = _optimizer_fn(opt, nb.xp)
+    rule, hv, inits = _optimizer_rule(opt)
     ts = [tb.create_table(values, p)] + [tb.create_table(np.full_like(values, v), p) for v in inits]
     ns = [nb.create_table(values, p)] + [nb.create_table(np.full_like(values, v), p) for v in inits]
     for _ in range(3):
         ids = rng.integers(0, vocab, size=2 * vocab)
         grads = rng.standard_normal((ids.size, 4)).astype(dtype)
-        ts = tb.update_rows(ts, tb.asarray(ids), tb.asarray(grads), fn_t)
-        ns = nb.update_rows(ns, ids, grads, fn_n)
+        ts = tb.update_rows(ts, tb.asarray(ids), tb.asarray(grads), rule, values=hv)
+        ns = nb.update_rows(ns, ids, grads, rule, values=hv)
     for a, b in zip(ts, ns):
         np.testing.assert_allclose(tb.unshard(a), nb.unshard(b), rtol=TOL[dtype], atol=TOL[dtype])
 
@@ -204,16 +189,16 @@ def test_update_rows_from_sample_gradients(tb, nb):
     rng = np.random.default_rng(7)
     p = Placement(50, 3, "mod")
     values = _table(50, 4, "float32")
-    fn_t, inits = _optimizer_fn("adagrad", tb.xp)
-    fn_n, _ = _optimizer_fn("adagrad", nb.xp)
+    rule, hv, inits = _optimizer_rule("adagrad")
     ts = [tb.create_table(values, p), tb.create_table(np.full_like(values, inits[0]), p)]
     ns = [nb.create_table(values, p), nb.create_table(np.full_like(values, inits[0]), p)]
     ids = rng.integers(0, 50, size=40)
     sample = np.repeat(np.arange(10), 4)
     w = rng.uniform(0.1, 1.0, size=40).astype(np.float32)
     g = rng.standard_normal((10, 4)).astype(np.float32)
-    tb.update_rows(ts, tb.asarray(ids), tb.asarray(g), fn_t, grad_index=tb.asarray(sample), grad_weights=tb.asarray(w))
-    nb.update_rows(ns, ids, g[sample] * w[:, None], fn_n)
+    tb.update_rows(ts, tb.asarray(ids), tb.asarray(g), rule, values=hv, grad_index=tb.asarray(sample),
+                   grad_weights=tb.asarray(w))
+    nb.update_rows(ns, ids, g[sample] * w[:, None], rule, values=hv)
     for a, b in zip(ts, ns):
         np.testing.assert_allclose(tb.unshard(a), nb.unshard(b), rtol=2e-6, atol=2e-6)
 
@@ -279,24 +264,32 @@ def test_malloc_tuning_once_per_process_and_opt_out():
 
 
 def test_update_rows_touched_with_zero_gradient_still_updates(tb):
-    """Lazy but 'touched means looked up': a zero net gradient still runs fn on the row."""
+    """Lazy but 'touched means looked up': a zero net gradient still runs the rule on the row
+    (here SGD whose weight clip [1, inf) moves every row it runs on to 1)."""
+    from meshembed.math import UpdateRule, get_math
+
     p = Placement(6, 2, "mod")
     t = tb.create_table(np.zeros((6, 2), np.float32), p)
     ids = np.array([4, 4], dtype=np.int64)
     grads = np.array([[1.0, -2.0], [-1.0, 2.0]], dtype=np.float32)
-    tb.update_rows([t], tb.asarray(ids), tb.asarray(grads), lambda g, r: (r + 1.0 + g,))
+    rule = UpdateRule(get_math("stochastic_gradient_descent"), (), weight_clip=(1.0, np.inf))
+    tb.update_rows([t], tb.asarray(ids), tb.asarray(grads), rule, values=(0.1,))
     expected = np.zeros((6, 2), np.float32)
     expected[4] = 1.0
     np.testing.assert_array_equal(tb.unshard(t), expected)
 
 
 def test_out_of_range_ids_raise(tb):
+    from meshembed.math import UpdateRule, get_math
+
+    sgd = UpdateRule(get_math("stochastic_gradient_descent"), ())
     t = tb.create_table(_table(10, 2, "float32"), Placement(10, 3, "mod"))
     for bad in ([10], [-1]):
         with pytest.raises(InputError, match=r"\[0, 10\)"):
             tb.gather(t, tb.asarray(np.array(bad)))
         with pytest.raises(InputError):
-            tb.update_rows([t], tb.asarray(np.array(bad)), tb.asarray(np.ones((1, 2), np.float32)), lambda g, r: (r,))
+            tb.update_rows([t], tb.asarray(np.array(bad)), tb.asarray(np.ones((1, 2), np.float32)), sgd,
+                           values=(0.1,))
     with pytest.raises(InputError, match="integer"):
         tb.gather(t, tb.asarray(np.array([1.0])))
 
@@ -424,13 +417,13 @@ def test_cuda_tables_match_cpu():
     cuda, cpu = TorchBackend(device="cuda"), TorchBackend(device="cpu")
     p = Placement(33, 4, "mod")
     values = _table(33, 8, "float32")
-    fn, inits = _optimizer_fn("adagrad", cuda.xp)
+    rule, hv, inits = _optimizer_rule("adagrad")
     tc = [cuda.create_table(values, p), cuda.create_table(np.full_like(values, inits[0]), p)]
     th = [cpu.create_table(values, p), cpu.create_table(np.full_like(values, inits[0]), p)]
     ids = np.random.default_rng(0).integers(0, 33, 100)
     g = np.random.default_rng(1).standard_normal((100, 8)).astype(np.float32)
     assert tc[0].device.type == "cuda"
-    cuda.update_rows(tc, cuda.asarray(ids), cuda.asarray(g), fn)
-    cpu.update_rows(th, cpu.asarray(ids), cpu.asarray(g), fn)
+    cuda.update_rows(tc, cuda.asarray(ids), cuda.asarray(g), rule, values=hv)
+    cpu.update_rows(th, cpu.asarray(ids), cpu.asarray(g), rule, values=hv)
     for a, b in zip(tc, th):
         np.testing.assert_allclose(cuda.unshard(a), cpu.unshard(b), rtol=1e-5, atol=1e-6)

@@ -53,19 +53,14 @@ def _split(x: np.ndarray, rank: int, world: int) -> np.ndarray:
     return x[bounds[rank]:bounds[rank + 1]]
 
 
-def _opt_fn(name: str, xp):
-    from meshembed.math import AdadeltaSlots, AdagradSlots, adadelta, adagrad
+def _opt_rule(name: str):
+    """(UpdateRule, values, slot initial values) of the core's Adagrad or Adadelta."""
+    from meshembed.math import UpdateRule, get_math
 
     if name == "adagrad":
-        def fn(g, p, acc):
-            new_p, slots = adagrad(xp, p, g, AdagradSlots(acc), lr=0.1)
-            return (new_p, *slots)
-        return fn, (0.1,)
-
-    def fn(g, p, a, u):
-        new_p, slots = adadelta(xp, p, g, AdadeltaSlots(a, u), lr=0.5, rho=0.9, epsilon=1e-6)
-        return (new_p, *slots)
-    return fn, (0.0, 0.0)
+        return UpdateRule(get_math("adagrad"), ("accumulators",)), (0.1,), (0.1,)
+    rule = UpdateRule(get_math("adadelta"), ("accumulators", "updates"), static=(("epsilon", 1e-6), ("rho", 0.9)))
+    return rule, (0.5,), (0.0, 0.0)
 
 
 def _num_shards(k: int, world: int) -> int:
@@ -97,19 +92,19 @@ def _scenario_protocol(rank: int, world: int, tmp: pathlib.Path) -> dict[str, np
         b.scatter(t, b.asarray(uids), b.asarray(-np.outer(uids, np.ones(DIM)).astype(np.float32)))
         out[f"scatter_{key}"] = b.unshard(t)
         for opt in ("adagrad", "adadelta"):
-            fn, inits = _opt_fn(opt, b.xp)
+            fn, hv, inits = _opt_rule(opt)
             tables = [b.create_table(values, p)] + [b.create_table(np.full_like(values, v), p) for v in inits]
             for ids, grads in _batches():
                 tables = b.update_rows(tables, b.asarray(_split(ids, rank, world)),
-                                       b.asarray(_split(grads, rank, world)), fn)
+                                       b.asarray(_split(grads, rank, world)), fn, values=hv)
             for i, t2 in enumerate(tables):
                 out[f"{opt}_{key}_{i}"] = b.unshard(t2)
         # ranks with nothing to look up or update still take part in the collectives
         lone = np.array([5, 5, VOCAB - 1]) if rank == 0 else np.zeros(0, np.int64)
         out[f"lone_gather_{key}"] = b.to_numpy(b.gather(t, b.asarray(lone)))
-        fn, inits = _opt_fn("adagrad", b.xp)
+        fn, hv, inits = _opt_rule("adagrad")
         tables = [b.create_table(values, p), b.create_table(np.full_like(values, inits[0]), p)]
-        b.update_rows(tables, b.asarray(lone), b.asarray(np.ones((lone.size, DIM), np.float32)), fn)
+        b.update_rows(tables, b.asarray(lone), b.asarray(np.ones((lone.size, DIM), np.float32)), fn, values=hv)
         out[f"lone_update_{key}"] = b.unshard(tables[0])
     return out
 
@@ -341,17 +336,17 @@ def test_protocol_over_gloo_ranks_equals_numpy(world, tmp_path):
             np.testing.assert_array_equal(results[r][f"gather_{key}"], values[_split(gather_ids, r, world)], err_msg=key)
             np.testing.assert_array_equal(results[r][f"scatter_{key}"], expected_scatter, err_msg=key)
         np.testing.assert_array_equal(results[0][f"lone_gather_{key}"], expected_scatter[[5, 5, VOCAB - 1]])
-        fn, inits = _opt_fn("adagrad", nb.xp)
+        fn, hv, inits = _opt_rule("adagrad")
         lone = [nb.create_table(values, p), nb.create_table(np.full_like(values, inits[0]), p)]
-        nb.update_rows(lone, np.array([5, 5, VOCAB - 1]), np.ones((3, DIM), np.float32), fn)
+        nb.update_rows(lone, np.array([5, 5, VOCAB - 1]), np.ones((3, DIM), np.float32), fn, values=hv)
         for r in range(world):
             assert results[r][f"lone_gather_{key}"].shape == ((3 if r == 0 else 0), DIM)
             np.testing.assert_allclose(results[r][f"lone_update_{key}"], nb.unshard(lone[0]), rtol=2e-6, atol=2e-6)
         for opt in ("adagrad", "adadelta"):
-            fn, inits = _opt_fn(opt, nb.xp)
+            fn, hv, inits = _opt_rule(opt)
             tables = [nb.create_table(values, p)] + [nb.create_table(np.full_like(values, v), p) for v in inits]
             for ids, grads in _batches():
-                tables = nb.update_rows(tables, ids, grads, fn)
+                tables = nb.update_rows(tables, ids, grads, fn, values=hv)
             for i, t in enumerate(tables):
                 for r in range(world):  # every rank sees the same unsharded result
                     np.testing.assert_allclose(results[r][f"{opt}_{key}_{i}"], nb.unshard(t), rtol=2e-6, atol=2e-6,

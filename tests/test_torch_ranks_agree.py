@@ -207,16 +207,17 @@ def scenario_backend_refusals(rank: int, world: int, tmp: pathlib.Path) -> dict[
     ids = np.array([VOCAB + 2 if bad else 1, 3])
     rows = np.ones((2, DIM), np.float32)
 
-    def fn(g, p):
-        return (p - 0.5 * g,)
+    from meshembed.math import UpdateRule, get_math
+
+    fn = UpdateRule(get_math("stochastic_gradient_descent"), ())  # p - 0.5 g with values=(0.5,)
 
     calls = {
         "gather": lambda: b.gather(table, b.asarray(ids)),
         "gather_combine": lambda: b.gather_combine(table, b.asarray(ids), b.asarray(np.array([0, 1])), 2),
         "scatter": lambda: b.scatter(table, b.asarray(ids), b.asarray(rows)),
         "update_rows": lambda: b.update_rows([table], b.asarray(np.array([1, 3])),
-                                             b.asarray(rows[:1] if bad else rows), fn),
-        "update_rows_in_order": lambda: b.update_rows_in_order([table], ids, b.asarray(rows), fn),
+                                             b.asarray(rows[:1] if bad else rows), fn, values=(0.5,)),
+        "update_rows_in_order": lambda: b.update_rows_in_order([table], ids, b.asarray(rows), fn, values=(0.5,)),
     }
     out = {}
     for what in BACKEND_CALLS:

@@ -369,14 +369,14 @@ class TorchBackend(TorchDenseMixin, Backend):
         tables: Sequence[TorchShardedTable],
         ids: Any,
         grads: Any,
-        fn: UpdateRule | Callable[..., tuple[Any, ...]],
+        fn: UpdateRule,
         *,
         values: Sequence[Any] = (),
         grad_index: Any = None,
         grad_weights: Any = None,
     ) -> list[TorchShardedTable]:
         """Dedup → gather params and slots → the rule ``fn`` with ``values`` once per unique
-        row → scatter (a plain callable ``fn(g, *rows)`` runs eager).
+        row → scatter.
 
         The sums come from one stable sort + ``embedding_bag`` (see :mod:`.kernels`), one
         storage index serves every table's gather and scatter. Distributed: each rank sums its
@@ -440,7 +440,7 @@ class TorchBackend(TorchDenseMixin, Backend):
         return list(tables)
 
     def update_rows_in_order(self, tables: Sequence[TorchShardedTable], ids: Any, grads: Any,
-                             fn: UpdateRule | Callable[..., tuple[Any, ...]], *, values: Sequence[Any] = (),
+                             fn: UpdateRule, *, values: Sequence[Any] = (),
                              groups: Any = None, guard: Any = None) -> list[TorchShardedTable]:
         """Gradient accumulation off. Distributed, every (id, row, group) goes to its owner
         unsummed (one route, the same collectives on every rank whatever its ids); the owner
@@ -482,7 +482,7 @@ class TorchBackend(TorchDenseMixin, Backend):
         g = route.send("gradients", g.reshape(ids.shape[0], table.data.shape[1]))
         return route.send("ids", ids), g
 
-    def _update_held(self, tables: Sequence[TorchShardedTable], uids: Any, g: Any, fn: Any,
+    def _update_held(self, tables: Sequence[TorchShardedTable], uids: Any, g: Any, fn: UpdateRule,
                      values: Sequence[Any]) -> None:
         """``fn`` on the rows of *unique* ids held here: gather → fn → scatter in place."""
         first = tables[0]
@@ -497,12 +497,9 @@ class TorchBackend(TorchDenseMixin, Backend):
             self._run_compiled(fused, _gather_update_scatter, update, self._hyper(values, first.data.device),
                                g, index, *datas)
 
-    def _update_fn(self, fn: Any) -> Callable:
+    def _update_fn(self, fn: UpdateRule) -> Callable:
         """``update(values, g, *rows) -> new rows``: the rule through ``apply_rule`` (one
-        function object per rule, so a compiled caller sees the same one every step), or a
-        plain callable that ignores ``values``."""
-        if not isinstance(fn, UpdateRule):
-            return lambda values, g, *rows: fn(g, *rows)
+        function object per rule, so a compiled caller sees the same one every step)."""
         update = self._rule_updates.get(fn)
         if update is None:
             xp = self.xp
@@ -554,10 +551,9 @@ class TorchBackend(TorchDenseMixin, Backend):
             return True
         return device.type == "cpu" and elements >= COMPILE_MIN_ELEMENTS
 
-    def _fused_update(self, fn: Any, elements: int, device: Any, layout: tuple = (),
+    def _fused_update(self, fn: UpdateRule, elements: int, device: Any, layout: tuple = (),
                       func: Callable | None = None) -> Callable | None:
-        """A ``torch.compile``d gather → rule → scatter for the rule ``fn``, or None for eager
-        (also for a plain callable: nothing to key a compiled entry on).
+        """A ``torch.compile``d gather → rule → scatter for the rule ``fn``, or None for eager.
 
         One compiled entry per rule (its static part) and row layout (``layout``: each table's
         row width and dtype); the rule's values are tensor inputs, so a learning rate that
@@ -566,7 +562,7 @@ class TorchBackend(TorchDenseMixin, Backend):
         tail (measured at W1: Adagrad's update 3.2 → 2.6 ms, SGD 1.2–1.7 → 1.16 ms), and one
         entry per width keeps each entry's dynamo cache small. ``func`` is what gets compiled
         (default :func:`_gather_update_scatter`; :func:`_bag_update_scatter` also sums)."""
-        if not isinstance(fn, UpdateRule) or not self._wants_compile(elements, device):
+        if not self._wants_compile(elements, device):
             return None
         func = func or _gather_update_scatter
         key = (fn, layout, func.__name__)

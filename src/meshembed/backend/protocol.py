@@ -34,10 +34,10 @@ class Capabilities:
     #: ``update_rows`` takes ``guard`` (from ``finite_guard``) and writes nothing where it
     #: is false, without waiting for it: the engine's NaN/Inf check then costs no sync.
     guarded_updates: bool = False
-    #: ``update_rows`` / ``update_rows_in_order`` take an :class:`~meshembed.math.UpdateRule`
-    #: with its call-time ``values=`` (the protocol's default does); without it the engine
-    #: passes a closure ``fn(grad_rows, *rows)`` instead (legacy).
-    update_rules: bool = False
+    #: Always true: ``update_rows`` / ``update_rows_in_order`` take an
+    #: :class:`~meshembed.math.UpdateRule` with its call-time ``values=`` (nothing else).
+    #: Kept so that code which asked still reads True; the engine no longer asks.
+    update_rules: bool = True
     #: ``update_rows`` takes ``grad_index`` / ``grad_weights`` (the combiner's backward pass
     #: fused into the update; the protocol's default does).
     grad_index_updates: bool = True
@@ -176,7 +176,7 @@ class Backend(abc.ABC):
         tables: Sequence[ShardedTable],
         ids: Array,
         grads: Array,
-        fn: UpdateRule | Callable[..., tuple[Array, ...]],
+        fn: UpdateRule,
         *,
         values: Sequence[Any] = (),
         grad_index: Array | None = None,
@@ -189,8 +189,8 @@ class Backend(abc.ABC):
         ``ids`` may repeat; their gradients are summed first (duplicate ids are combined
         before any scatter). ``fn`` is the core's :class:`UpdateRule` (static: cache compiled
         code on it) and ``values`` this call's dynamic hyper-parameters (``fn.dynamic``
-        order; never compile them in). A plain callable ``fn(grad_rows, *rows)`` is run as
-        is. Backends override this to fuse, compile or route to the owning ranks.
+        order; never compile them in). Backends override this to fuse, compile or route to
+        the owning ranks.
 
         With ``grad_index`` the gradient of ``ids[i]`` is ``grad_weights[i] * grads[grad_index[i]]``
         (the combiner's backward pass), so a backend can sum it without building one row per id.
@@ -205,7 +205,7 @@ class Backend(abc.ABC):
                 grads = grads * self.xp.reshape(grad_weights, (-1, 1))
         uids, g = self.segment_sum(ids, grads)
         rows = [self.gather(t, uids) for t in tables]
-        new_rows = apply_rule(self.xp, fn, values, g, *rows) if isinstance(fn, UpdateRule) else fn(g, *rows)
+        new_rows = apply_rule(self.xp, fn, values, g, *rows)
         return [self.scatter(t, uids, r) for t, r in zip(tables, new_rows)]
 
     def update_rows_in_order(
@@ -213,7 +213,7 @@ class Backend(abc.ABC):
         tables: Sequence[ShardedTable],
         ids: np.ndarray,
         grads: Array,
-        fn: UpdateRule | Callable[..., tuple[Array, ...]],
+        fn: UpdateRule,
         *,
         values: Sequence[Any] = (),
         groups: np.ndarray | None = None,
@@ -230,9 +230,7 @@ class Backend(abc.ABC):
         through :meth:`update_rows`, which is right for one process (or for processes that all
         pass the same ids). A multi-process backend routes the contributions to the owners and
         runs the rounds there, so the number of rounds never has to match across processes."""
-        guarded = {} if guard is None else {"guard": guard}
-        if isinstance(fn, UpdateRule):
-            guarded["values"] = values
+        guarded: dict[str, Any] = {"values": values} if guard is None else {"values": values, "guard": guard}
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         rounds = occurrence_rounds(ids)
         state = list(tables)

@@ -231,28 +231,25 @@ def apply_table(
     host_ids: np.ndarray,
     row_grads: Any,
     learning_rates: Sequence[float],
-    fn: UpdateRule | Callable[..., tuple] | None = None,
+    rule: UpdateRule | None = None,
     guard: Any = None,
     part_sizes: Sequence[int] | None = None,
     values: Sequence[Any] = (),
 ) -> list[Any]:
     """Run the optimizer on ``table``'s rows; returns the new ``[params, *slots]``.
 
-    ``fn`` is the table's rule (with this step's ``values``) or, for a backend without
-    ``capabilities.update_rules``, ``make_update_fn``'s closure, when the caller built (and
-    so validated) it first; ``guard`` goes to every ``update_rows`` (false: nothing is
-    written). ``part_sizes``: how many of ``host_ids`` each feature contributed, in order
-    (gradient accumulation off with several processes orders an id's contributions by
-    feature, then rank)."""
+    ``rule`` is the table's rule with this step's ``values``, when the caller built (and so
+    validated) them first; else both are built here. ``guard`` goes to every
+    ``update_rows`` (false: nothing is written). ``part_sizes``: how many of ``host_ids``
+    each feature contributed, in order (gradient accumulation off with several processes
+    orders an id's contributions by feature, then rank)."""
     xp = backend.xp
-    if fn is None and backend.capabilities.update_rules:
-        fn = make_rule(table, getattr(backend, "name", ""))
-        values = rule_values(table, fn, learning_rates)
-    elif fn is None:
-        fn = make_update_fn(xp, table, learning_rates, getattr(backend, "name", ""))
-    extra = {} if guard is None else {"guard": guard}
-    if isinstance(fn, UpdateRule):
-        extra["values"] = tuple(values)
+    if rule is None:
+        rule = make_rule(table, getattr(backend, "name", ""))
+        values = rule_values(table, rule, learning_rates)
+    extra: dict[str, Any] = {"values": tuple(values)}
+    if guard is not None:
+        extra["guard"] = guard
     if is_non_lazy(table):
         every = np.arange(table.vocabulary_size, dtype=np.int64)
         zeros = xp.zeros(
@@ -260,10 +257,10 @@ def apply_table(
             device=array_api_compat.device(row_grads),
         )
         ids = backend.asarray(np.concatenate([host_ids, every]), dtype="int64")
-        return list(backend.update_rows(state, ids, xp.concat([row_grads, zeros], axis=0), fn, **extra))
+        return list(backend.update_rows(state, ids, xp.concat([row_grads, zeros], axis=0), rule, **extra))
     if host_ids.size == 0 and backend.processes == 1:
         return state  # with several processes an empty rank still takes part in the update
     if uses_accumulation(table):
-        return list(backend.update_rows(state, backend.asarray(host_ids, dtype="int64"), row_grads, fn, **extra))
+        return list(backend.update_rows(state, backend.asarray(host_ids, dtype="int64"), row_grads, rule, **extra))
     groups = None if part_sizes is None else np.repeat(np.arange(len(part_sizes)), part_sizes)
-    return list(backend.update_rows_in_order(state, host_ids, row_grads, fn, groups=groups, **extra))
+    return list(backend.update_rows_in_order(state, host_ids, row_grads, rule, groups=groups, **extra))
