@@ -662,3 +662,46 @@ def test_dict_config_outputs_keyed_by_its_keys_in_the_order_given():
         torch.testing.assert_close(out[k], want[k], rtol=0, atol=0)
     with pytest.raises(me.InputError, match="Missing: \\['z_seq'\\]"):
         ec({"a_bag": out["a_bag"]})
+
+
+# -- .to(device) / .cpu() / dtype conversions ------------------------------------------------
+def test_to_device_moves_tables_and_refuses_what_cannot_be_done():
+    rng = np.random.default_rng(23)
+    ec = me.torch.EmbeddingCollection(config("adagrad"), num_shards=2)
+    twin = me.torch.EmbeddingCollection(config("adagrad"), num_shards=2)
+    loss_of(ec(*module_inputs(*batch(rng))).values()).backward()
+    before = ec.state_dict()
+    model = torch.nn.ModuleDict({"emb": ec, "lin": torch.nn.Linear(2, 1)})
+    assert model.to("cpu") is model and ec.cpu() is ec and ec.float() is ec
+    assert model.to(torch.device("cpu"), torch.float32) is model
+    refused = {
+        "dtype": (lambda: model.to(torch.float64), "keep their dtype \\(torch.float32\\).*dense part only"),
+        "double": (lambda: model.double(), "keep their dtype"),
+        "half": (lambda: ec.half(), "keep their dtype"),
+        "meta": (lambda: ec.to("meta"), "meta device: its tables are data"),
+    }
+    if not torch.cuda.is_available():
+        refused["cuda"] = (lambda: ec.cuda(), "cannot apply this conversion.*CUDA")
+    for what, (call, match) in refused.items():
+        with pytest.raises(me.ConfigError, match=match):
+            call()
+        after = ec.state_dict()
+        for k in before:
+            torch.testing.assert_close(after[k], before[k], rtol=0, atol=0, msg=what)
+        assert ec.anchor.device.type == "cpu" and ec.engine.backend.device.type == "cpu"
+    # the move itself (only the CPU here): a fresh backend, every table and slot moved, the
+    # module training on exactly as before; refused while a backward is pending
+    out = twin(*module_inputs(*batch(np.random.default_rng(23))))
+    with pytest.raises(me.StateError, match="backward.*pending"):
+        twin._move_tables(torch.device("cpu"))
+    loss_of(out.values()).backward()
+    old_backend = twin.engine.backend
+    twin._move_tables(torch.device("cpu"))
+    assert twin.engine.backend is not old_backend and twin.anchor.requires_grad
+    for k, v in twin.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    for _ in range(2):
+        b = batch(rng)
+        loss_of(ec(*module_inputs(*b)).values()).backward()
+        loss_of(twin(*module_inputs(*b)).values()).backward()
+    assert_same_tables(twin, ec.engine)

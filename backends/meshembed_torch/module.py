@@ -378,6 +378,60 @@ class EmbeddingCollection(torch.nn.Module):
         memo[id(self)] = new
         return new.train(self.training)
 
+    # -- .to(device) / .cpu() / .cuda(): the tables move with the module ------------------------
+    def _apply(self, fn: Any, recurse: bool = True) -> "EmbeddingCollection":
+        """``nn.Module.to``/``cpu``/``cuda``/``double``... call this with a per-tensor ``fn``; it
+        is probed on an empty tensor of each table dtype first, so what cannot be done (a dtype
+        change: the TPU tables keep the config's dtype; ``meta``; another device for tables
+        sharded over ranks) raises before anything moves. A device change moves every table
+        and slot (a new backend on that device: the engine's may be shared)."""
+        engine = self.engine
+        here = engine.backend.device
+        tables = [t for state in engine._state.values() for t in state]
+        target = None
+        for dtype in dict.fromkeys(t.data.dtype for t in tables):
+            try:
+                out = fn(torch.empty(0, dtype=dtype, device=here))
+            except (RuntimeError, AssertionError, TypeError) as exc:  # e.g. .cuda() without CUDA
+                raise ConfigError(f"EmbeddingCollection cannot apply this conversion to its tables: {exc}") from exc
+            if out.dtype != dtype:
+                raise ConfigError(
+                    f"EmbeddingCollection tables keep their dtype ({dtype}): the TPU optimizers and fused "
+                    f"kernels update them in it, so converting them to {out.dtype} is refused. Fix: convert the "
+                    "dense part only (e.g. model.mlp.to(dtype)), or build the tables in that dtype "
+                    "(initializers={table: array of that dtype}). Nothing was changed.")
+            target = out.device
+        if target is not None and target != here:
+            self._move_tables(torch.device(target))
+        return super()._apply(fn, recurse)
+
+    def _move_tables(self, device: Any) -> None:
+        from meshembed_torch.backend import TorchBackend
+
+        engine = self.engine
+        tables = [t for state in engine._state.values() for t in state]
+        if device.type == "meta":
+            raise ConfigError(
+                "EmbeddingCollection cannot move to the meta device: its tables are data (lookups, "
+                "state_dict and checkpoints read their rows). Nothing was changed.")
+        if any(t.group is not None for t in tables):
+            raise ConfigError(
+                f"EmbeddingCollection tables sharded over torch.distributed ranks stay on their device "
+                f"({engine.backend.device}): every rank's collectives use it. Fix: build the module with "
+                f"device={str(device)!r} on every rank. Nothing was changed.")
+        if self._batches or self._accumulated:
+            raise StateError(
+                "EmbeddingCollection cannot move while a training forward's backward (or, with "
+                "fused_optimizer=False, an apply_gradients()) is pending. Fix: finish the step first.")
+        old = engine.backend
+        backend = TorchBackend(device=device, compile=old._compile_mode, process_group=old._group)
+        moved = [t.data.to(device) for t in tables]  # may fail (memory): nothing assigned yet
+        offsets = [t.rowmap._offsets.to(device) for t in tables]
+        for t, data, off in zip(tables, moved, offsets):
+            t.data, t.rowmap._offsets = data, off
+        engine.backend = backend
+        self.anchor = torch.zeros(0, device=device, requires_grad=True)
+
     def extra_repr(self) -> str:
         return (f"tables={self.table_names}, features={self._names}, num_shards={self.engine.num_shards}, "
                 f"fused_optimizer={self.fused_optimizer}")
