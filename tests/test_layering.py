@@ -1,0 +1,229 @@
+"""The layering rules of docs/internals.md ("Layering"), checked on the source text (ast).
+
+* A backend package imports, from meshembed, only the protocol, the math, sharding, config
+  and errors (plus its own package and ``meshembed_native``), never ``meshembed.embedding``
+  or the top-level ``meshembed`` — anywhere in the file, lazy imports included. Front ends
+  that live in a backend package (``me.jax``, ``me.torch``) may use the public engine API.
+* The core (``src/meshembed``) imports no framework (torch, jax, cupy, tensorflow) when it is
+  imported (inside a function is fine: a lazy alias), and never the repository's
+  ``benchmarks`` package; ``meshembed/bench.py`` imports nothing outside the standard library
+  and meshembed.
+* No import circle among the core's modules at import time.
+
+Reading the files (not importing them) keeps the test fast and lets it see lazy imports.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ROOT / "src" / "meshembed"
+BACKENDS = ROOT / "backends"
+
+#: meshembed modules a backend file may import (with their submodules).
+BACKEND_MAY_USE = ("meshembed.backend", "meshembed.math", "meshembed.sharding", "meshembed.config",
+                   "meshembed.errors", "meshembed_native")
+#: Front ends living in backend packages: they may use the public engine API as well.
+FRONT_ENDS = {"meshembed_jax/api.py", "meshembed_torch/api.py", "meshembed_torch/module.py",
+              "meshembed_torch/optim.py"}
+FRAMEWORKS = ("torch", "jax", "jaxlib", "cupy", "tensorflow")
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool, top_level_only: bool = False
+             ) -> list[tuple[int, str, tuple[str, ...]]]:
+    """``(line, module, names)`` of every import in ``tree``: ``import m`` gives ``(line, "m",
+    ())``, ``from m import a, b`` gives ``(line, "m", ("a", "b"))`` (relative ones resolved).
+    With ``top_level_only``, only those that run when the module is imported: not inside a
+    function, nor under ``if TYPE_CHECKING:``."""
+    out: list[tuple[int, str, tuple[str, ...]]] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if top_level_only and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if top_level_only and isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for sub in child.orelse:
+                    visit(ast.Module(body=[sub], type_ignores=[]))
+                continue
+            if isinstance(child, ast.Import):
+                out.extend((child.lineno, alias.name, ()) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    pkg = module.split(".") if is_package else module.split(".")[:-1]
+                    pkg = pkg[: len(pkg) - (child.level - 1)]
+                    base = ".".join(pkg + ([base] if base else []))
+                out.append((child.lineno, base, tuple(alias.name for alias in child.names)))
+            visit(child)
+
+    visit(tree)
+    return out
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts and not p.name.endswith("_pb2.py"))
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def backend_violations(backends: Path = BACKENDS) -> list[str]:
+    """Every forbidden meshembed import in backend files, as ``file:line name``."""
+    bad = []
+    for path in _files(backends):
+        rel = path.relative_to(backends).as_posix()
+        if rel in FRONT_ENDS:
+            continue
+        allowed = (*BACKEND_MAY_USE, rel.split("/")[0])
+        tree = ast.parse(path.read_text(), str(path))
+        for line, base, names in _imports(tree, _module_name(path, backends), path.name == "__init__.py"):
+            if not _under(base, ("meshembed",)) or _under(base, allowed):
+                continue  # the standard library, frameworks, own package, allowed core modules
+            if base == "meshembed" and names:  # from meshembed import errors, math: each must be allowed
+                bad += [f"{rel}:{line} meshembed.{n}" for n in names if not _under(f"meshembed.{n}", allowed)]
+            else:
+                bad.append(f"{rel}:{line} {base}")
+    return bad
+
+
+def core_violations(core: Path = CORE) -> list[str]:
+    """Frameworks imported when a core module is imported, and ``benchmarks`` anywhere."""
+    bad = []
+    for path in _files(core):
+        rel = path.relative_to(core.parent).as_posix()
+        module, package = _module_name(path, core.parent), path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), str(path))
+        for line, base, _ in _imports(tree, module, package, top_level_only=True):
+            if _under(base, FRAMEWORKS):
+                bad.append(f"{rel}:{line} {base} (at import time)")
+        bad += [f"{rel}:{line} {base}" for line, base, _ in _imports(tree, module, package)
+                if _under(base, ("benchmarks",))]
+    return bad
+
+
+def bench_violations(path: Path = CORE / "bench.py") -> list[str]:
+    """Imports of ``meshembed/bench.py`` from outside the standard library and meshembed."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [f"bench.py:{line} {base}" for line, base, _ in _imports(tree, "meshembed.bench", False)
+            if base.split(".")[0] not in (*sys.stdlib_module_names, "meshembed", "__future__")]
+
+
+def import_graph(core: Path = CORE) -> dict[str, set[str]]:
+    """Core module -> core modules it imports when it is imported. Explicit imports only (a
+    package's ``__init__`` running before its submodule is not an edge); ``from pkg import
+    sub`` is an edge to the submodule ``pkg.sub``, ``from pkg import name`` to ``pkg``."""
+    modules = {_module_name(p, core.parent): p for p in _files(core)}
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        edges = set()
+        for _, base, names in _imports(tree, module, path.name == "__init__.py", top_level_only=True):
+            targets = [f"{base}.{n}" if f"{base}.{n}" in modules else base for n in names] or [base]
+            edges.update(t for t in targets if t in modules and t != module)
+        graph[module] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph`` (one per strongly connected component, Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_backends_import_only_protocol_math_sharding_config():
+    assert backend_violations() == [], (
+        "backend files may import only meshembed.{backend,math,sharding,config,errors}, their own "
+        "package and meshembed_native (front ends: docs/internals.md, Layering)")
+
+
+def test_core_imports_no_framework_at_import_and_never_benchmarks():
+    assert core_violations() == []
+
+
+def test_bench_imports_nothing_outside_the_package():
+    assert bench_violations() == []
+
+
+def test_no_import_circle_in_the_core():
+    assert cycles(import_graph()) == []
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_the_checks_catch_what_they_forbid(tmp_path):
+    """Each check fails on a planted violation (so the empty lists above mean something)."""
+    _write(tmp_path / "b", {
+        "meshembed_x/backend.py": "from meshembed.math.rule import UpdateRule\n"
+                                  "def f():\n    from meshembed.embedding.updates import make_rule\n",
+        "meshembed_x/api.py": "import meshembed as me\nfrom meshembed import errors, TPUEmbedding\n",
+        "meshembed_x/ok.py": "from meshembed.backend.status import status_of\nfrom meshembed_x import backend\n"
+                             "import numpy\nfrom meshembed_native import build\n",
+    })
+    assert backend_violations(tmp_path / "b") == [
+        "meshembed_x/api.py:1 meshembed", "meshembed_x/api.py:2 meshembed.TPUEmbedding",
+        "meshembed_x/backend.py:3 meshembed.embedding.updates",
+    ]
+    core = tmp_path / "src" / "meshembed"
+    _write(core, {
+        "__init__.py": "from meshembed import a\n",
+        "a.py": "import torch\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import jax\n"
+                "def f():\n    import jax\n    from benchmarks import runner\n",
+        "b.py": "from meshembed.c import x\n",
+        "c.py": "from . import b\n",
+        "bench.py": "import json\nfrom benchmarks.runner import main\nfrom meshembed import a\n",
+    })
+    assert core_violations(core) == ["meshembed/a.py:1 torch (at import time)", "meshembed/a.py:7 benchmarks",
+                                     "meshembed/bench.py:2 benchmarks.runner"]
+    assert bench_violations(core / "bench.py") == ["bench.py:2 benchmarks.runner"]
+    assert cycles(import_graph(core)) == [["meshembed.b", "meshembed.c"]]
+
+
+@pytest.mark.parametrize("rel", sorted(FRONT_ENDS))
+def test_front_ends_named_here_exist(rel):
+    assert (BACKENDS / rel).is_file(), f"{rel} is listed as a front end but does not exist"
