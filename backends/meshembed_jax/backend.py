@@ -143,6 +143,13 @@ class JaxBackend(JaxDenseMixin, Backend):
             guarded_updates=jax.process_count() == 1,
         )
 
+    def hlo_program(self, table_name: str, program: bytes, num_slots: int) -> dict[str, Any]:
+        """UserDefinedProgram's ``hlo_runner`` / ``takes_learning_rate`` (``runs_hlo``): the
+        program runs on XLA's CPU client, also inside the compiled step (:mod:`.hlo`)."""
+        from meshembed_jax import hlo
+
+        return dict(hlo.program_hyperparameters(table_name, bytes(program), int(num_slots)))
+
     @property
     def xp(self) -> Any:
         xp = self.__dict__.get("_xp")
