@@ -1,0 +1,262 @@
+"""The optimizer's state: the step counter, the learning rate of the step, building the
+slots (co-sharded with their variables), and the transactional read/write of a step (values are
+staged and assigned together at commit, so an error changes nothing).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import array_api_compat
+import numpy as np
+
+from meshembed.errors import ConfigError, InputError, StateError
+from meshembed.optimizers.config import _check_learning_rate, _check_schedule_value, _required_positional
+from meshembed.sharding.mesh import Layout
+from meshembed.variable import Variable, _Fresh, dtype_name
+
+__all__ = ["VariablesMixin"]
+
+
+class VariablesMixin:
+    """The step counter, the learning rate, the slots and the staged reads/writes of a step.
+
+    One part of :class:`~meshembed.optimizers.Optimizer`."""
+
+    # -- state ----------------------------------------------------------------------------
+    @property
+    def iterations(self) -> Variable:
+        """Steps taken so far: an int64 variable replicated over the mesh. With
+        ``gradient_accumulation_steps=n`` (Keras 3) it counts updates: a snapshot of the calls
+        so far floor-divided by ``n`` (the variable itself counts calls)."""
+        it = self._counter
+        if self.gradient_accumulation_steps:
+            return Variable(np.asarray(self._calls() // self.gradient_accumulation_steps, np.int64),
+                            name="iteration", trainable=False, backend=it.backend, dtype="int64")
+        return it
+
+    @iterations.setter
+    def iterations(self, value: Any) -> None:
+        """tf_keras: a start value (an int or a scalar integer variable) before the first step."""
+        if self.built or (self._iterations is not None and self._calls() != 0):
+            raise StateError("Cannot set `iterations` after the optimizer was built (tf_keras refuses it too).")
+        start = value.numpy() if isinstance(value, Variable) else np.asarray(value)
+        if start.shape != () or start.dtype.kind not in "iu" or int(start) < 0:
+            raise InputError(f"Invalid `iterations`. Expected a non-negative integer scalar. Received: {value!r}")
+        from meshembed.backend import get_backend
+
+        self._iterations = self._make_iterations(get_backend(self._backend), int(start))
+
+    lr = property(lambda self: self.learning_rate,
+                  lambda self, value: setattr(self, "learning_rate", value),
+                  doc="tf_keras' legacy alias of ``learning_rate``.")
+
+    @property
+    def _counter(self) -> Variable:
+        """The step-counter variable (apply_gradients calls; what ``variables[0]`` holds)."""
+        if self._iterations is None:
+            from meshembed.backend import get_backend
+
+            self._iterations = self._make_iterations(get_backend(self._backend), 0)
+        return self._iterations
+
+    def _make_iterations(self, backend: Any, start: int) -> Variable:
+        layout = None if self.mesh is None else Layout.replicated(self.mesh, 0)
+        return Variable(np.asarray(start, dtype=np.int64), name="iteration", layout=layout,
+                        trainable=False, backend=backend, dtype="int64")
+
+    @property
+    def variables(self) -> list[Variable]:
+        """``[iterations, *optimizer variables in creation order]``: Keras 3's order (EMA
+        averages, gradient accumulators, then each variable's slots, variable by variable)
+        without Keras 3's learning-rate variable (meshembed keeps the learning rate a float
+        or schedule; ``load_own_variables`` reads Keras 3's layout too)."""
+        return [self._counter, *self._variables]
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate of the next step (a schedule evaluated at the call counter
+        before the update, as Keras 3 and tf_keras do)."""
+        if self._step_lr is not None:
+            return self._step_lr
+        lr = self._learning_rate
+        if callable(lr):  # a schedule of the step, or (Keras legacy) a zero-argument callable
+            value = lr(self._calls()) if _required_positional(lr) else lr()
+            return _check_schedule_value(value, lr)
+        return lr
+
+    @learning_rate.setter
+    def learning_rate(self, value: Any) -> None:
+        """A float, or a new schedule / callable (Keras 3 and tf_keras allow replacing a
+        schedule; only a float over a schedule is refused, as both do)."""
+        new = _check_learning_rate(value)
+        if callable(self._learning_rate) and not callable(new):
+            raise TypeError(
+                "This optimizer was created with a learning-rate schedule, so its learning rate "
+                "is not settable to a float; assign a new schedule, or create the optimizer with a "
+                f"float `learning_rate`. Received: learning_rate={value!r}"
+            )
+        self._learning_rate = new
+
+    def _calls(self) -> int:
+        return int(self._counter.numpy())
+
+    def _step(self) -> int:
+        """Keras 3's ``iterations``: updates so far (calls // accumulation steps)."""
+        return self._calls() // (self.gradient_accumulation_steps or 1)
+
+    # -- building ---------------------------------------------------------------------------
+    def build(self, var_list: Sequence[Variable]) -> None:
+        """Create the optimizer's variables for ``var_list`` (once; later calls are no-ops).
+
+        Subclasses check ``self.built``, call this, then add their slots."""
+        if self.built:
+            return
+        var_list = self._check_var_list(var_list, "var_list")
+        self._resolve_backend(var_list)
+        self._trainable = list(var_list)
+        self._index = {id(v): i for i, v in enumerate(var_list)}
+        for v in var_list:
+            self._check_trainable(v)
+        if self.use_ema:  # tf_keras starts the average at the variable; Keras 3 at zeros (unused)
+            self._averages = [self.add_variable_from_reference(v, "average", initial_value=None if self.keras3 else v.value)
+                              for v in var_list]
+        if self.gradient_accumulation_steps:
+            self._accumulators = [self.add_variable_from_reference(v, "gradient_accumulator") for v in var_list]
+        self.built = True
+
+    @staticmethod
+    def _check_trainable(v: Variable) -> None:
+        """Only real floating variables: an integer one would truncate every update, and a
+        complex one has no Adadelta of its own (torch.optim runs it on the real view)."""
+        name = v.dtype
+        kind = "f" if "float" in name else "c" if "complex" in name else "i"
+        if kind != "f":
+            fix = ("optimize torch.view_as_real / the real and imaginary parts as float variables"
+                   if kind == "c" else "create it with a float dtype (e.g. dtype='float32')")
+            raise InputError(
+                f"Invalid variable {v.name!r}. Expected a real floating dtype (float16/bfloat16/float32/float64). "
+                f"Received: dtype={v.dtype}. Fix: {fix}."
+            )
+
+    def _check_var_list(self, var_list: Any, what: str) -> list[Variable]:
+        if isinstance(var_list, Variable) or not isinstance(var_list, Iterable):
+            raise InputError(f"Invalid `{what}`. Expected a list of meshembed.Variable. Received: {what}={var_list!r}")
+        var_list = list(var_list)
+        for v in var_list:
+            if not isinstance(v, Variable):
+                raise InputError(
+                    f"Invalid `{what}`. Expected a list of meshembed.Variable. Received an element {v!r}"
+                )
+        if len({id(v) for v in var_list}) != len(var_list):
+            raise InputError(f"Invalid `{what}`. Expected each variable once. Received: {[v.name for v in var_list]}")
+        return var_list
+
+    def _resolve_backend(self, var_list: Sequence[Variable]) -> None:
+        """All variables (and the mesh) must share one backend; iterations follow it."""
+        backends = {v.backend.name: v.backend for v in var_list}
+        if self.mesh is not None:
+            backends.setdefault(self.mesh.backend.name, self.mesh.backend)
+            for v in var_list:
+                if v.layout is not None and v.layout.mesh != self.mesh:
+                    raise InputError(
+                        f"Invalid `var_list`. Expected variables laid out on the optimizer's mesh "
+                        f"{self.mesh!r}. Received: {v.name!r} on {v.layout.mesh!r}"
+                    )
+        if len(backends) > 1:
+            raise InputError(
+                f"Invalid `var_list`. Expected variables (and mesh) on one backend. Received backends {sorted(backends)}"
+            )
+        if backends:
+            self._backend = next(iter(backends.values()))
+        if self._iterations is not None and self._iterations.backend is not self._backend:
+            self._iterations = self._make_iterations(self._backend, self._calls())
+
+    def add_variable(self, shape: Sequence[int], dtype: Any = None, initializer: Any = "zeros",
+                     name: str | None = None) -> Variable:
+        """A new optimizer variable, replicated over the mesh (Keras DTensor behaviour).
+
+        ``initializer``: ``"zeros"``, ``"ones"`` or a callable ``(shape, dtype) -> array``."""
+        from meshembed.backend import get_backend
+
+        shape = tuple(int(d) for d in shape)
+        dtype = dtype_name(dtype) if dtype is not None else "float32"
+        if initializer == "zeros":
+            value = _Fresh(np.zeros(shape, dtype=dtype))
+        elif initializer == "ones":
+            value = _Fresh(np.ones(shape, dtype=dtype))
+        elif callable(initializer):
+            value = initializer(shape, dtype)
+        else:
+            raise ConfigError(
+                "Invalid `initializer`. Expected 'zeros', 'ones' or a callable (shape, dtype). "
+                f"Received: initializer={initializer!r}"
+            )
+        layout = None if self.mesh is None else Layout.replicated(self.mesh, len(shape))
+        var = Variable(value, name=name, layout=layout, trainable=False, backend=get_backend(self._backend), dtype=dtype)
+        self._variables.append(var)
+        return var
+
+    def add_variable_from_reference(self, model_variable: Variable, variable_name: str,
+                                    initial_value: Any = None) -> Variable:
+        """A slot named ``"{variable_name}/{model_variable.name}"`` with the model variable's
+        shape, dtype and layout, so it is co-sharded with it (zeros unless ``initial_value``)."""
+        if not isinstance(model_variable, Variable):
+            raise InputError(
+                f"Invalid `model_variable`. Expected a meshembed.Variable. Received: model_variable={model_variable!r}"
+            )
+        backend = model_variable.backend
+        if initial_value is None:  # zeros made for this slot alone, adopted without a copy
+            ref, xp = model_variable.value, backend.xp
+            initial_value = _Fresh(xp.zeros_like(ref) if backend.sharding_of(ref) is not None else
+                                   xp.zeros(ref.shape, dtype=ref.dtype, device=array_api_compat.device(ref)))
+        var = Variable(initial_value, name=f"{variable_name}/{model_variable.name}", layout=model_variable.layout,
+                       trainable=False, backend=backend, dtype=model_variable.dtype)
+        if var.shape != model_variable.shape:
+            raise InputError(
+                f"Invalid `initial_value`. Expected shape {model_variable.shape}. Received: shape={var.shape}"
+            )
+        self._variables.append(var)
+        return var
+
+    def _slot_index(self, variable: Variable) -> int:
+        i = self._index.get(id(variable))
+        if i is None or self._trainable[i] is not variable:
+            raise InputError(
+                f"Invalid variable {getattr(variable, 'name', variable)!r}. Expected one of the variables "
+                f"this optimizer was built with ({[v.name for v in self._trainable]}). Create a new "
+                "optimizer for a different set of variables."
+            )
+        return i
+
+    # -- reading/writing inside a step (transactional) -----------------------------------
+    def _read(self, variable: Variable) -> Any:
+        if self._pending is not None and id(variable) in self._pending:
+            return self._pending[id(variable)][1]
+        return variable.value
+
+    def _write(self, variable: Variable, value: Any, touched: Any = None) -> None:
+        """Stage ``value`` (only the ``touched`` rows, when given) for ``variable``."""
+        if touched is not None:
+            value = self._xp.where(touched, value, self._read(variable))
+        if self._pending is not None:
+            self._pending[id(variable)] = (variable, value)
+        else:
+            variable._assign_fresh(value)
+
+    def _commit(self) -> None:
+        pending, self._pending = self._pending or {}, None
+        deferred, self._deferred = self._deferred, []
+        placed = [(v, v._prepare(val, copy=False)) for v, val in pending.values()]
+        # Every step was built and validated; only now do the staged in-place updates run
+        # (they cannot fail on valid arrays — a compiler failure falls back to eager inside
+        # the backend —, short of running out of memory mid-commit).
+        self._run_in_place(deferred)
+        for v, val in placed:
+            v._value = val
+
+    @property
+    def _xp(self) -> Any:
+        from meshembed.backend import get_backend
+
+        return get_backend(self._backend).xp
