@@ -1,12 +1,12 @@
-"""Registered fused CPU updates of the torch backend (``fused_cpu.cc``).
+"""Fused CPU updates of the torch backend: ``fused_cpu.cc`` drives a generated row kernel.
 
-The default update is the core's optimizer function on gathered rows (compiled by
-inductor). For SGD, Adagrad and Adadelta on float32 CPU tables a fused C++ kernel does the
-dedup, the per-row gradient sums (in batch order) and the same formula in one pass over each
-unique row — what fbgemm's TBE does, and what the W1 target asks of this backend. It is an
-*optimisation*, not the definition: ``REGISTERED`` names the algorithms it covers,
-``MESHEMBED_TORCH_FUSED=0`` turns it off, and the conformance tests run every registered
-kernel against the core function and the NumPy reference.
+The driver does the dedup, the per-row gradient sums (in batch order) and, per unique row, one
+call of the optimizer's row kernel — generated from the core's math by
+:mod:`meshembed_native.codegen`, so no formula is written here — in one pass over each row
+(what fbgemm's TBE does). Every element-wise optimizer, float32 and float64, with clipping and
+weight decay; the learning rate and other dynamic values are the kernel's parameters, so a
+value that changes every step compiles nothing. It is an *optimisation* of the core function:
+``MESHEMBED_TORCH_FUSED=0`` turns it off, and tests compare it with the core function and NumPy.
 
 Built on first use with the system compiler (see :mod:`meshembed_native.build`); where it cannot
 be built the core function runs (one RuntimeWarning).
@@ -15,20 +15,25 @@ be built the core function runs (one RuntimeWarning).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 from meshembed_native import build as native
+from meshembed_native import codegen
 from meshembed.backend.env import env_flag
 from meshembed.errors import InputError
-from meshembed.math.rule import REGISTERED_FUSED, UpdateRule
+from meshembed.math.rule import UpdateRule
 
 _SOURCE = Path(__file__).with_name("fused_cpu.cc")
 
-REGISTERED = REGISTERED_FUSED  # the algorithms the kernel covers (shared with the JAX backend)
 _state: dict[str, Any] = {}
 calls = [0]  # fused updates run in this process (tests check the path was taken)
+
+_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+         ctypes.c_int]
 
 
 def enabled() -> bool:
@@ -36,15 +41,13 @@ def enabled() -> bool:
 
 
 def _library() -> Any:
-    """The loaded kernel library, or None (with one warning) where it cannot be built."""
+    """The loaded driver library, or None (with one warning) where it cannot be built."""
     if "lib" not in _state:
         try:
             lib = ctypes.CDLL(str(native.build_library(_SOURCE, "torch_fused_cpu", flags=(*native.FLAGS, "-fopenmp"))))
-            fn = lib.meshembed_fused_update
-            fn.restype = ctypes.c_int64
-            fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+            for dtype in ("float32", "float64"):
+                fn = getattr(lib, f"meshembed_fused_update_{dtype}")
+                fn.restype, fn.argtypes = ctypes.c_int64, _ARGS
             _state["lib"] = lib
         except Exception as exc:  # no compiler, ...
             _state["lib"] = None
@@ -56,50 +59,52 @@ def _library() -> Any:
 
 
 def kernel_for(rule: Any, values: Sequence[float], datas: Sequence[Any], grads: Any, n: int, grad_index: Any,
-               weights: Any) -> tuple[int, tuple[float, float, float]] | None:
-    """``(kernel code, (lr, rho, epsilon))`` when a registered kernel computes ``rule`` with
-    ``values`` for these float32 CPU tables (a plain update: no clipping or weight decay) and
-    ``n`` ids' gradients of the expected shapes, else None (the core function then runs, and
-    reports any shape error)."""
+               weights: Any) -> tuple[codegen.RowKernel, tuple[float, ...]] | None:
+    """``(row kernel, parameter block)`` when a generated kernel computes ``rule`` with
+    ``values`` for these CPU tables (float32 or float64, one dtype) and ``n`` ids' gradients
+    of the expected shapes, else None (the core function then runs, and reports any error)."""
     import torch
 
-    code = rule.fused_code(len(datas)) if enabled() and isinstance(rule, UpdateRule) else None
-    if code is None:
+    if not enabled() or not isinstance(rule, UpdateRule) or not 1 <= len(datas) <= codegen.MAX_ARRAYS:
         return None
-    kernel = code, rule.fused_params(values)
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in (*datas, grads)):
+    dtype = {torch.float32: "float32", torch.float64: "float64"}.get(datas[0].dtype)
+    if dtype is None or any(t.dtype != datas[0].dtype or t.device.type != "cpu" or not t.is_contiguous()
+                            for t in (*datas, grads)):
         return None
-    dim = datas[0].shape[1]
+    dim = datas[0].shape[1] if datas[0].dim() == 2 else -1
     if grads.dim() != 2 or grads.shape[1] != dim or any(d.shape != datas[0].shape for d in datas):
         return None
     if (grad_index is None and grads.shape[0] != n) or (grad_index is not None and grad_index.numel() != n):
         return None
     if weights is not None and weights.numel() != n:
         return None
-    if _library() is None:
+    if len(values) != len(rule.dynamic) or _library() is None:
         return None
-    return kernel
+    kernel = codegen.row_kernel(rule if rule.dtype == dtype else dataclasses.replace(rule, dtype=dtype), len(datas))
+    if kernel is None:
+        return None
+    return kernel, kernel.params(values)
 
 
-def update(kernel: tuple[int, tuple[float, float, float]], rows: Any, grads: Any, grad_index: Any,
+def update(kernel: tuple[codegen.RowKernel, tuple[float, ...]], rows: Any, grads: Any, grad_index: Any,
            weights: Any, datas: Sequence[Any], threads: int) -> None:
     """Run the kernel in place on ``datas`` (the table, then its slots): contribution ``i``
     adds ``weights[i] * grads[grad_index[i]]`` (defaults: 1 and ``i``) to row ``rows[i]``."""
     import torch
 
-    code, hp = kernel
+    row_kernel, hp = kernel
     rows = rows.to(torch.int64).contiguous()
     index = None if grad_index is None else grad_index.to(torch.int64).contiguous()
-    w = None if weights is None else weights.to(torch.float32).contiguous()
-    params = (ctypes.c_double * 3)(*hp)
-    slots = [d.data_ptr() for d in datas[1:]] + [None, None]
-    done = _library().meshembed_fused_update(
-        code, rows.data_ptr(), rows.numel(), None if index is None else index.data_ptr(),
-        None if w is None else w.data_ptr(), grads.data_ptr(), grads.shape[0], grads.shape[1],
-        datas[0].data_ptr(), datas[0].shape[0], slots[0], slots[1], params, int(threads))
+    w = None if weights is None else weights.to(datas[0].dtype).contiguous()
+    params = (ctypes.c_double * max(1, len(hp)))(*hp)
+    arrays = (ctypes.c_void_p * len(datas))(*(d.data_ptr() for d in datas))
+    done = getattr(_library(), f"meshembed_fused_update_{row_kernel.dtype}")(
+        row_kernel.address, params, len(datas), arrays, datas[0].shape[0], rows.data_ptr(), rows.numel(),
+        None if index is None else index.data_ptr(), None if w is None else w.data_ptr(), grads.data_ptr(),
+        grads.shape[0], grads.shape[1], int(threads))
     if done == -2:
         raise InputError(f"Invalid `grad_index`: expected every index in [0, {grads.shape[0]}) (a row of "
                          "`grads`). Nothing was updated.")
-    if done < 0:  # the backend checked the ids: an internal error, not a user's
-        raise RuntimeError("meshembed fused update: a row outside the table reached the kernel")
+    if done < 0:  # the backend checked the ids and the kernel: an internal error, not a user's
+        raise RuntimeError(f"meshembed fused update: internal error {done} (a row outside the table or a bad kernel)")
     calls[0] += 1
