@@ -18,7 +18,9 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
+from meshembed.backend.protocol import call_values
 from meshembed.errors import ConfigError, InputError
+from meshembed.math.rule import UpdateRule
 
 
 def _dist_ready() -> bool:
@@ -112,6 +114,41 @@ class TorchDenseMixin:
         if _is_dtensor(value):
             return (value.device_mesh, tuple(value.placements))
         return None
+
+    # -- the dense optimizer's step ------------------------------------------------------------
+    def step_values(self, values: Sequence[float], like: Any) -> tuple:
+        """0-d tensors of ``like``'s dtype: ``torch.compile`` specialises on Python floats
+        (a guard per value), tensors are inputs, so a new learning rate recompiles nothing."""
+        return call_values(self.xp, values, like)
+
+    def in_place_group(self, rule: UpdateRule) -> int:
+        """Every staged tensor in one call where the generated kernel runs (one C call with
+        OpenMP, no compile time); else the default groups of the compiled core function."""
+        from meshembed_torch import dense_cpu
+
+        return 64 if dense_cpu.kernel_for(rule) is not None else super().in_place_group(rule)  # type: ignore[misc]
+
+    def compile_update(self, rule: UpdateRule, count: int) -> Callable[..., Any]:
+        """The generated row kernel of ``rule`` over the ``count`` tensors in one call
+        (:mod:`meshembed_torch.dense_cpu`: CPU tensors of the rule's dtype), written in place;
+        otherwise the core function compiled in place (``Backend.compile_update``), whose
+        values are 0-d tensors so a new learning rate recompiles nothing."""
+        import torch
+
+        from meshembed_torch import dense_cpu
+
+        fallback = super().compile_update(rule, count)  # type: ignore[misc]
+        kernel = dense_cpu.kernel_for(rule)
+        if kernel is None:
+            return fallback
+
+        def run(grads: Sequence[Any], values: Sequence[Any], *targets: Sequence[Any]) -> None:
+            if not dense_cpu.fits(kernel, grads, targets):
+                return fallback(grads, values, *targets)
+            dense_cpu.update(kernel, grads, values, targets, torch.get_num_threads())
+            return None
+
+        return run
 
     def value_and_grad(self, fn: Callable[..., Any], values: Sequence[Any]) -> tuple[Any, list[Any]]:
         """Loss and d loss / d values by torch autograd, on detached copies so the caller's

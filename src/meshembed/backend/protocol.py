@@ -295,7 +295,7 @@ class Backend(abc.ABC):
         value over its target and returns None (mutable arrays) or returns the new arrays by
         position (immutable arrays whose buffers it donated: JAX). The caller runs it only
         after every step of the update was built and validated. Default: the core function,
-        through :meth:`compile`, with the values as 0-d arrays of each variable's dtype."""
+        through :meth:`compile`, with the values as :meth:`step_values` gives them."""
         xp = self.xp
 
         def step_in_place(grads: Sequence[Any], values: Sequence[Any], *targets: Sequence[Any]) -> None:
@@ -307,10 +307,17 @@ class Backend(abc.ABC):
         compiled = self.compile(step_in_place)
 
         def run(grads: Sequence[Any], values: Sequence[Any], *targets: Sequence[Any]) -> None:
-            arrays = [call_values(xp, v, t) for v, t in zip(values, targets[0])]
+            arrays = [self.step_values(v, t) for v, t in zip(values, targets[0])]
             return compiled(grads, arrays, *targets)
 
         return run
+
+    def step_values(self, values: Sequence[float], like: Array) -> tuple:
+        """A rule's call-time ``values`` as a compiled step of ``like`` takes them. Default:
+        the Python floats (the NumPy reference's arithmetic, which the generated kernels
+        match); a backend whose compiler specialises on Python floats returns 0-d arrays
+        (:func:`call_values`), so a new learning rate recompiles nothing."""
+        return tuple(values)
 
     # -- dense mesh (me.Mesh / me.Layout / me.Variable) ----------------------------------
     def make_mesh(self, dim_names: Sequence[str], shape: Sequence[int], devices: Any = None) -> Any:

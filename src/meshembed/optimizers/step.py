@@ -11,7 +11,6 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from meshembed.backend.protocol import call_values
 from meshembed.errors import ConfigError, InputError, StateError
 from meshembed.math import get_math
 from meshembed.math.rule import UpdateRule, apply_rule
@@ -118,8 +117,8 @@ class StepMixin:
 
         A dense step that may run in place (:meth:`_can_update_in_place`) is staged for the
         backend's ``compile_update`` run at commit. Otherwise the pure step is compiled with
-        the learning rate as a 0-d array of the variable's dtype (a Python float for a sharded
-        or traced value), so a schedule does not specialise (and recompile) it per value."""
+        the learning rate as ``backend.step_values`` gives it (a Python float for a sharded or
+        traced value), so a schedule does not specialise (and recompile) it per value."""
         variable = targets[0]
         backend = variable.backend
         values = (self.learning_rate,)
@@ -134,7 +133,7 @@ class StepMixin:
         current = [self._read(t) for t in targets]
         plain = self._traced or backend.sharding_of(current[0]) is not None
         step = self._compiled(backend, rule)
-        new = step(grad, values if plain else call_values(backend.xp, values, current[0]), *current)
+        new = step(grad, values if plain else backend.step_values(values, current[0]), *current)
         for t, value in zip(targets, new):
             self._write(t, value, touched)
 

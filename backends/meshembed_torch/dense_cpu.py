@@ -1,0 +1,99 @@
+"""The dense optimizer's fused CPU step on torch (``dense_cpu.cc``): a generated row kernel.
+
+``me.optimizers.Adadelta`` (and ``me.torch.Adadelta``) hand the backend an ``UpdateRule``;
+where ``meshembed_native.codegen`` generates its row kernel (every element-wise rule, float32
+and float64) one C call updates all the staged tensors in place, each tensor cut into chunks
+spread over OpenMP threads: each element of the gradient, the variable and the slots is read
+once and written once (the W2 memory bound). The formula is the generated one — the core's
+math, recorded — so this module holds no formula; it only checks the tensors and passes
+pointers. ``MESHEMBED_TORCH_FUSED=0`` turns it off (the core function, compiled, runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+from meshembed.backend.env import env_flag
+from meshembed.math.rule import UpdateRule
+
+_SOURCE = Path(__file__).with_name("dense_cpu.cc")
+#: Elements per chunk (256 KiB of float32): enough to amortise a call, small enough to
+#: spread one tensor over the threads.
+CHUNK = 1 << 16
+_state: dict[str, Any] = {}
+calls = [0]  # fused dense updates run in this process (tests check the path was taken)
+
+
+def enabled() -> bool:
+    return env_flag("MESHEMBED_TORCH_FUSED", True)
+
+
+def _library() -> Any:
+    """The loaded driver, or None (one warning) where it cannot be built."""
+    if "lib" not in _state:
+        from meshembed_native import build as native
+
+        try:
+            lib = ctypes.CDLL(str(native.build_library(_SOURCE, "torch_dense_cpu", flags=(*native.FLAGS, "-fopenmp"))))
+            fn = lib.meshembed_dense_update
+            fn.restype = ctypes.c_int64
+            fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                           ctypes.c_int]
+            _state["lib"] = lib
+        except Exception as exc:  # no compiler, ...
+            _state["lib"] = None
+            warnings.warn(f"meshembed: the torch backend's fused dense update is unavailable ({type(exc).__name__}: "
+                          f"{str(exc)[:300]}); the core function runs instead (same numbers).", RuntimeWarning,
+                          stacklevel=3)
+    return _state["lib"]
+
+
+def kernel_for(rule: UpdateRule) -> Any:
+    """The generated row kernel of ``rule`` (the variable and its slots), or None: switched
+    off, not element-wise, no generator or no compiler."""
+    if not enabled() or not isinstance(rule, UpdateRule) or not rule.elementwise:
+        return None
+    try:
+        from meshembed_native import codegen
+    except ImportError:  # an older meshembed_native without the generator
+        return None
+    kernel = codegen.row_kernel(rule, 1 + len(rule.slot_names))
+    return kernel if kernel is not None and _library() is not None else None
+
+
+def fits(kernel: Any, grads: Sequence[Any], targets: Sequence[Sequence[Any]]) -> bool:
+    """Whether the kernel may run on these tensors: CPU, the kernel's dtype, contiguous,
+    each target shaped like its gradient (else the compiled core function runs and reports
+    any error)."""
+    import torch
+
+    dtype = getattr(torch, kernel.dtype)
+    if len(targets) != kernel.n_arrays:
+        return False
+    for n, g in enumerate(grads):
+        own = [t[n] for t in targets]
+        if any(not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dtype != dtype
+               or not x.is_contiguous() for x in (g, *own)):
+            return False
+        if any(x.shape != g.shape for x in own):
+            return False
+    return True
+
+
+def update(kernel: Any, grads: Sequence[Any], values: Sequence[Sequence[float]],
+           targets: Sequence[Sequence[Any]], threads: int) -> None:
+    """Run ``kernel`` over every tensor in one call, in place (see :func:`fits`)."""
+    count, k = len(grads), len(targets)
+    numels = (ctypes.c_int64 * count)(*(g.numel() for g in grads))
+    gptrs = (ctypes.c_void_p * count)(*(g.data_ptr() for g in grads))
+    tptrs = (ctypes.c_void_p * (k * count))(*(t[n].data_ptr() for t in targets for n in range(count)))
+    block = [p for v in values for p in kernel.params(v)]
+    hp = (ctypes.c_double * max(1, len(block)))(*block)
+    elem = grads[0].element_size() if count else 4
+    _library().meshembed_dense_update(kernel.address, count, k, elem, numels, gptrs, tptrs, hp, kernel.n_params,
+                                      CHUNK, int(threads))
+    calls[0] += 1
