@@ -15,7 +15,6 @@ without torch and :meth:`TorchBackend.unavailable_reason` says what is missing.
 from __future__ import annotations
 
 import inspect
-import itertools
 import os
 from typing import Any, Callable, Sequence
 
@@ -290,7 +289,10 @@ class TorchBackend(TorchDenseMixin, Backend):
             self._refuse(table, "gather", exc)
             raise
         if table.group is None:
-            return table.data.index_select(0, table.rowmap.local_index(ids))
+            # a per-id lookup's rows are >= 32 MiB at W1 sizes: glibc maps them fresh every
+            # step, and 2 MiB pages cut its 8,192 first-touch faults to 16 (docs/benchmarks.md)
+            out = self._k.empty_rows((ids.shape[0], table.data.shape[1]), table.data.dtype, table.data.device)
+            return self._torch.index_select(table.data, 0, table.rowmap.local_index(ids), out=out)
         seg = self._k.segments(ids)  # send each distinct id once
         route = self._dist.Route(table.group, self._owner_rank(table, seg.unique), "gather")
         asked = route.send("ids", seg.unique)
@@ -424,10 +426,10 @@ class TorchBackend(TorchDenseMixin, Backend):
                 layout = tuple((d.shape[1], d.dtype) for d in datas) + (
                     flat.dtype, psw is not None, rows_of is not None, small)
                 fused = self._fused_update(fn, index.shape[0] * first.data.shape[1], first.data.device,
-                                           layout, _bag_update_scatter)
+                                           layout, self._k.bag_update_scatter)
                 if fused is not None:
                     update = self._update_fn(fn)
-                    self._run_compiled(fused, _bag_update_scatter, update, self._hyper(values, first.data.device),
+                    self._run_compiled(fused, self._k.bag_update_scatter, update, self._hyper(values, first.data.device),
                                        flat, seg.perm, seg.starts, rows_of, psw, small, index, *datas)
                     return list(tables)
         g = self._k.sum_segments(seg, g_src, weights=w, rows=rows_of)
@@ -492,9 +494,9 @@ class TorchBackend(TorchDenseMixin, Backend):
                                    tuple((d.shape[1], d.dtype) for d in datas) + ((g.dtype,) if g.dim() > 1 else ()))
         update = self._update_fn(fn)
         if fused is None:  # eager: the values as Python floats, exactly the NumPy reference's
-            _gather_update_scatter(update, tuple(values), g, index, *datas)
+            self._k.gather_update_scatter(update, tuple(values), g, index, *datas)
         else:
-            self._run_compiled(fused, _gather_update_scatter, update, self._hyper(values, first.data.device),
+            self._run_compiled(fused, self._k.gather_update_scatter, update, self._hyper(values, first.data.device),
                                g, index, *datas)
 
     def _update_fn(self, fn: UpdateRule) -> Callable:
@@ -561,14 +563,14 @@ class TorchBackend(TorchDenseMixin, Backend):
         dynamic: a static row width lets inductor unroll and vectorise the row loop without a
         tail (measured at W1: Adagrad's update 3.2 → 2.6 ms, SGD 1.2–1.7 → 1.16 ms), and one
         entry per width keeps each entry's dynamo cache small. ``func`` is what gets compiled
-        (default :func:`_gather_update_scatter`; :func:`_bag_update_scatter` also sums)."""
+        (default :func:`.kernels.gather_update_scatter`; :func:`.kernels.bag_update_scatter` also sums)."""
         if not self._wants_compile(elements, device):
             return None
-        func = func or _gather_update_scatter
+        func = func or self._k.gather_update_scatter
         key = (fn, layout, func.__name__)
         entry = self._fused.get(key)
         if entry is None:
-            entry = _Compiled(self._torch, _distinct_code(func, len(self._fused)), rows_dynamic=True)
+            entry = self._k.Compiled(self._torch, self._k.distinct_code(func, len(self._fused)), rows_dynamic=True)
             self._fused[key] = entry
         return entry
 
@@ -596,7 +598,7 @@ class TorchBackend(TorchDenseMixin, Backend):
             forced = torch.compile(fn, dynamic=options.pop("dynamic", True), **options)
 
             def run_forced(*args: Any, **kwargs: Any) -> Any:
-                with _SpecializeFloats(torch):  # see _Compiled
+                with self._k.SpecializeFloats(torch):  # see kernels.Compiled
                     return forced(*args, **kwargs)
 
             run_forced.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -607,7 +609,7 @@ class TorchBackend(TorchDenseMixin, Backend):
         compiled: list[Callable] = []
         # Its own code object, so each compile() call has its own dynamo cache and recompile
         # budget (dynamo keys both on code, so two compile() of one function would share).
-        traced = _distinct_code(fn, next(_COMPILE_IDS)) if inspect.isfunction(fn) else fn
+        traced = self._k.distinct_code(fn, next(self._k.COMPILE_IDS)) if inspect.isfunction(fn) else fn
 
         def dispatch(*args: Any, **kwargs: Any) -> Any:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -616,9 +618,9 @@ class TorchBackend(TorchDenseMixin, Backend):
             device = tensors[0].device if tensors else torch.device("cpu")
             if backend._wants_compile(elements, device):
                 if not compiled:
-                    compiled.append(_Compiled(torch, traced))
+                    compiled.append(self._k.Compiled(torch, traced))
                 floats: list = []
-                _floats([args, kwargs], floats)
+                self._k.python_floats([args, kwargs], floats)
                 runner = compiled[0].for_values(tuple(floats))  # fn's own constants are fixed
                 if runner is not None:
                     return backend._run_compiled(lambda *a: runner(*a, **kwargs), lambda *a: fn(*a, **kwargs), *args)
@@ -626,123 +628,3 @@ class TorchBackend(TorchDenseMixin, Backend):
 
         dispatch.__wrapped__ = fn  # type: ignore[attr-defined]
         return dispatch
-
-
-def _gather_update_scatter(fn: Callable, values: Any, g: Any, index: Any, *datas: Any) -> None:
-    """Rows at ``index`` of every table → ``fn(values, g, *rows)`` → written back in place.
-
-    Compiled by inductor this is one fused pass (gather, the optimizer's element-wise math and
-    the scatter) with no full-table copy; eager it is the plain three-step version."""
-    import torch
-
-    rows = [d.index_select(0, index) for d in datas]
-    new_rows = fn(values, g, *rows)
-    for d, r in zip(datas, new_rows):
-        r = torch.as_tensor(r).to(dtype=d.dtype)
-        if tuple(r.shape) != (index.shape[0], d.shape[1]):  # a broadcast result
-            r = r.expand(index.shape[0], d.shape[1])
-        d.index_copy_(0, index, r)
-
-
-def _bag_update_scatter(fn: Callable, values: Any, source: Any, perm: Any, starts: Any, rows_of: Any,
-                        weights: Any, small: bool, rows: Any, *datas: Any) -> None:
-    """Per-row gradient sums, then :func:`_gather_update_scatter` at storage ``rows``.
-
-    The sums are one ``embedding_bag`` over ``source`` with the sort permutation ``perm``
-    (through ``rows_of`` when the gradients are per sample) as indices, the group ``starts``
-    as offsets and ``weights[perm]`` as per-sample weights (``small``: int32 indices), the
-    arguments of :func:`meshembed_torch.kernels.bag_inputs`. Compiled as one function,
-    inductor builds those indices in one fused gather + cast and computes the new rows in
-    place of the sums' buffer (no second ``[U, D]`` temporary)."""
-    import torch
-
-    index = perm if rows_of is None else rows_of.index_select(0, perm)
-    psw = None if weights is None else weights.index_select(0, perm).to(source.dtype)
-    if small:
-        index, starts = index.to(torch.int32), starts.to(torch.int32)
-    g = torch.nn.functional.embedding_bag(index, source, starts, mode="sum", per_sample_weights=psw)
-    _gather_update_scatter(fn, values, g, rows, *datas)
-
-
-_COMPILE_IDS = itertools.count()
-
-#: Distinct hyper-parameter values one compiled update may be specialised for before that
-#: update runs eager for good (a learning-rate schedule would otherwise recompile each step).
-MAX_FLOAT_VARIANTS = 3
-
-
-class _Compiled:
-    """A ``torch.compile``d function that is specialised on Python floats.
-
-    dynamo's default traces Python floats as symbolic inputs (no recompilation when a
-    learning rate changes), but with the core's FTRL that gave *silently wrong* numbers once
-    the learning rate changed (measured: 7e-3 error after one step; Adadelta, Adagrad and SGD
-    were exact). So floats are specialised (``specialize_float=True``: a guard per value,
-    exact results), and after ``MAX_FLOAT_VARIANTS`` distinct value sets — a schedule, not a
-    constant — the function is left eager instead of recompiling every step."""
-
-    def __init__(self, torch: Any, func: Callable, rows_dynamic: bool = False):
-        """``rows_dynamic``: only the first dimension of tensor arguments is dynamic (marked
-        on every call), the others are specialised; otherwise every dimension is dynamic."""
-        self._torch = torch
-        self._compiled = torch.compile(func, dynamic=False if rows_dynamic else True)
-        self._rows_dynamic = rows_dynamic
-        self._seen: set = set()
-        self.eager = func
-
-    def for_values(self, floats: tuple) -> Callable | None:
-        if floats not in self._seen:
-            if len(self._seen) >= MAX_FLOAT_VARIANTS:
-                return None
-            self._seen.add(floats)
-        return self
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._rows_dynamic:
-            mark = self._torch._dynamo.maybe_mark_dynamic
-            for a in args:
-                if isinstance(a, self._torch.Tensor) and a.dim():
-                    mark(a, 0)
-        with _SpecializeFloats(self._torch):
-            return self._compiled(*args, **kwargs)
-
-
-class _SpecializeFloats:
-    """``torch._dynamo.config.patch(specialize_float=True)`` for one call, without building a
-    patch object per call (measured ~12 µs each: a noticeable part of a small compiled call)."""
-
-    __slots__ = ("_config", "_old")
-
-    def __init__(self, torch: Any):
-        self._config = torch._dynamo.config
-
-    def __enter__(self) -> None:
-        self._old = self._config.specialize_float
-        self._config.specialize_float = True
-
-    def __exit__(self, *exc: Any) -> None:
-        self._config.specialize_float = self._old
-
-
-def _floats(value: Any, out: list, depth: int = 0) -> None:
-    if isinstance(value, bool) or depth > 3:
-        return
-    if isinstance(value, float):
-        out.append(value)
-    elif isinstance(value, dict):
-        for k in sorted(value, key=str):
-            _floats(value[k], out, depth + 1)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            _floats(v, out, depth + 1)
-
-
-def _distinct_code(func: Callable, n: int) -> Callable:
-    """A copy of ``func`` with its own code object, so dynamo keeps a separate cache for it
-    (dynamo's caches and recompilation limits are per code object)."""
-    import types
-
-    code = func.__code__.replace(co_name=f"{func.__name__}_{n}")
-    copy = types.FunctionType(code, func.__globals__, code.co_name, func.__defaults__, func.__closure__)
-    copy.__kwdefaults__ = func.__kwdefaults__
-    return copy
