@@ -53,8 +53,7 @@ class ArrayAPIBackend(Backend):
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(devices=1, float64=self._has_float64(), in_place=False, deterministic_scatter=True,
-                            update_rules=True)
+        return Capabilities(devices=1, float64=self._has_float64(), in_place=False, deterministic_scatter=True)
 
     def _has_float64(self) -> bool:
         """From the standard's inspection API (JAX without x64 has no float64)."""

@@ -12,23 +12,10 @@ from typing import Any, Callable, Sequence
 import array_api_compat.numpy as xp_numpy
 import numpy as np
 
-from meshembed.backend.protocol import Backend, Capabilities, ShardedTable, walk_blocks
+from meshembed.backend.protocol import Backend, Capabilities, walk_blocks
 from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.sharding.placement import Placement, shard, unshard
-
-
-class NumpyShardedTable(ShardedTable):
-    def __init__(self, shards: list[np.ndarray], placement: Placement):
-        self.shards = shards
-        self.placement = placement
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.placement.vocabulary_size, self.shards[0].shape[1])
-
-    @property
-    def dtype(self) -> Any:
-        return self.shards[0].dtype
+from meshembed_numpy.table import NumpyShardedTable
 
 
 #: Elements per piece of an elementwise dense step (256 KiB of float32; see compile_update).
@@ -40,7 +27,7 @@ class NumpyBackend(Backend):
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(devices=1, float64=True, in_place=True, deterministic_scatter=True, update_rules=True)
+        return Capabilities(devices=1, float64=True, in_place=True, deterministic_scatter=True)
 
     @property
     def xp(self) -> Any:

@@ -108,7 +108,6 @@ class TorchBackend(TorchDenseMixin, Backend):
             autodiff=True,
             compiles=True,
             distributed=True,
-            update_rules=True,
         )
 
     @property
