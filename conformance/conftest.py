@@ -18,10 +18,14 @@ import tomllib
 
 import pytest
 
-import meshembed as me
-from conformance import distributed as _ranks
-from conformance import functional_jax as _functional
-from meshembed.errors import BackendUnavailableError
+from conformance import jax_compile_cache
+
+jax_compile_cache.share()  # before jax is imported: identical XLA programs compile once per run
+
+import meshembed as me  # noqa: E402
+from conformance import distributed as _ranks  # noqa: E402
+from conformance import functional_jax as _functional  # noqa: E402
+from meshembed.errors import BackendUnavailableError  # noqa: E402
 
 #: This process's rank context when it runs as one rank of a group, else None.
 RANKS = _ranks.from_env()

@@ -29,6 +29,7 @@ if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available in this torch build", allow_module_level=True)
 
 from tests.test_torch_distributed import PG_TIMEOUT_S, _launch  # noqa: E402
+from tests.test_torch_distributed import _engine_config as _config  # noqa: E402  (two features on t, one on u)
 
 VOCAB, DIM, SAMPLES = 37, 4, 4  # SAMPLES per rank; the global batch is SAMPLES * world
 HERE = "tests.test_torch_ranks_agree"
@@ -47,20 +48,6 @@ def _optimizers() -> dict:
                                                 use_gradient_accumulation=False),
         "adam_nonlazy": me.embedding.Adam(learning_rate=0.1, lazy_adam=False),
     }
-
-
-def _config(batch: int, optimizer):
-    """Two features on one table (their ids are joined per table) and one on another."""
-    import meshembed as me
-
-    return me.EmbeddingConfig(
-        tables=[me.TableConfig(name="t", vocabulary_size=VOCAB, dimension=DIM, optimizer=optimizer, combiner="sum"),
-                me.TableConfig(name="u", vocabulary_size=11, dimension=3, optimizer=optimizer, combiner="mean")],
-        features=[me.FeatureConfig(table="t", input_shape=(batch,), name="a"),
-                  me.FeatureConfig(table="t", input_shape=(batch,), name="b"),
-                  me.FeatureConfig(table="u", input_shape=(batch,), name="c")],
-        sharding_strategy="mod",
-    )
 
 
 def _case_ids(case: str, world: int) -> list[list[list[list[int]]]]:
