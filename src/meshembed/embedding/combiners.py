@@ -52,14 +52,27 @@ def is_unit(scale: np.ndarray) -> bool:
     return bool(scale.size == 0 or (scale.min() == 1 and scale.max() == 1))
 
 
+def is_identity(slots: np.ndarray, num_slots: int) -> bool:
+    """Whether id ``k`` is alone in slot ``k`` (``slots == arange(num_slots)``): a sequence
+    feature with every position filled, e.g. dense ids of shape ``[B, M]``. Its forward pass
+    is a plain gather and its backward the activation gradient itself, so the engine skips
+    the segment-sum and the ``[n]`` slot index on every backend. ``slots`` are validated to
+    lie in ``[0, num_slots)``, so ``n == num_slots`` and strictly increasing means identity."""
+    n = slots.shape[0]
+    if n != num_slots:
+        return False
+    return n < 2 or bool(np.all(slots[1:] > slots[:-1]))
+
+
 def forward(backend: Any, rows: Any, scale: Any, slots: Any, num_slots: int) -> Any:
     """``act[s] = Σ_{k: slot_k = s} scale_k · rows_k`` as a ``[num_slots, D]`` backend array."""
     return backend.segment_sum_to(rows * scale, slots, num_slots)
 
 
-def backward(backend: Any, grad: Any, scale: Any, slots: Any, unit: bool = False) -> Any:
+def backward(backend: Any, grad: Any, scale: Any, slots: Any, unit: bool = False, identity: bool = False) -> Any:
     """Per-id row gradients ``scale_k · grad[slot_k]`` (``grad`` is ``[num_slots, D]``);
-    ``unit``: every ``scale_k`` is 1, so the product is the taken rows themselves."""
+    ``unit``: every ``scale_k`` is 1, so the product is the taken rows themselves;
+    ``identity``: ``slots`` is ``arange(num_slots)`` (:func:`is_identity`), so no take."""
     xp = backend.xp
-    rows = xp.take(grad, slots, axis=0)
+    rows = grad if identity else xp.take(grad, slots, axis=0)
     return rows if unit else rows * scale

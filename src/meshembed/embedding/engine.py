@@ -24,8 +24,7 @@ from meshembed.embedding import combiners, inputs
 from meshembed.embedding.agreement import agreed, validated
 from meshembed.embedding.initializers import Constant, default_initializer, initial_blocks, table_rng
 from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec, build_layout
-from meshembed.embedding.updates import (apply_table, is_non_lazy, make_rule, make_update_fn, rule_values,
-                                         uses_accumulation)
+from meshembed.embedding.updates import apply_table, is_non_lazy, make_rule, rule_values, uses_accumulation
 from meshembed.errors import CapacityError, ConfigError, InputError, StateError
 from meshembed.sharding.placement import Placement
 
@@ -43,6 +42,9 @@ class _DeviceFeature:
     # Every factor is exactly 1 (sum combiner, unit weights): the weighting is skipped, which
     # changes no bit (x * 1 == x) and saves a pass over the ids on every backend.
     unit_scale: bool = False
+    # Id k alone in slot k (a sequence feature with every position filled): the lookup is a
+    # plain gather and the activation gradient is already one row per id (no slot index).
+    identity: bool = False
     _arrays: dict = field(default_factory=dict)
 
     def _array(self, name: str, host: np.ndarray, dtype: str) -> Any:
@@ -397,6 +399,7 @@ class TPUEmbedding:
                     host_scale=scale.reshape(-1),
                     num_slots=b.num_slots,
                     unit_scale=unit,
+                    identity=combiners.is_identity(b.slots, b.num_slots),
                 )
             )
         validated(self.backend)  # every process's batch is valid: only then is it stored
@@ -444,6 +447,9 @@ class TPUEmbedding:
                 hi = np.inf if quant.upper is None else quant.upper
                 rows = quantize(xp, self.backend.gather(table, d.ids), lo, hi, quant.num_buckets)
                 act = combiners.forward(self.backend, rows, xp.reshape(d.scale, (-1, 1)), d.slots, d.num_slots)
+            elif d.identity:  # one id per slot: the rows themselves, no segment sum
+                act = self.backend.gather(table, d.ids)
+                act = act if d.unit_scale else act * xp.reshape(d.scale, (-1, 1))
             else:  # fused gather + combine where the backend has one
                 weights = None if d.unit_scale else d.scale
                 act = self.backend.gather_combine(table, d.ids, d.slots, d.num_slots, weights)
@@ -623,14 +629,11 @@ class TPUEmbedding:
         xp = self.backend.xp
         # Build every table's update first: an unusable optimizer or learning rate raises
         # before any table is touched (update_rows may donate buffers).
-        # An UpdateRule per table (built once) and this step's values; legacy backends get a closure.
-        if self.backend.capabilities.update_rules:
-            if self._rules is None:
-                self._rules = {t.index: make_rule(t, self.backend.name) for t in self.layout.tables}
-            fns: dict[int, Any] = self._rules
-            values = {t.index: rule_values(t, fns[t.index], lrs) for t in self.layout.tables}
-        else:
-            fns, values = {t.index: make_update_fn(xp, t, lrs, self.backend.name) for t in self.layout.tables}, {}
+        # An UpdateRule per table (built once) and this step's values.
+        if self._rules is None:
+            self._rules = {t.index: make_rule(t, self.backend) for t in self.layout.tables}
+        fns: dict[int, Any] = self._rules
+        values = {t.index: rule_values(t, fns[t.index], lrs) for t in self.layout.tables}
         per_table: dict[int, list[tuple[_DeviceFeature, Any]]] = {t.index: [] for t in self.layout.tables}
         for f, d, g in zip(self.layout.features, p.features, grads):
             per_table[f.table].append((d, g))
@@ -648,6 +651,17 @@ class TPUEmbedding:
         for t in self.layout.tables:
             parts = per_table[t.index]
             n_ids = sum(int(d.host_ids.shape[0]) for d, _ in parts)
+            if n_ids and all(d.identity for d, _ in parts) and uses_accumulation(t) and not is_non_lazy(t):
+                # Every feature has one id per slot: the (weighted) activation gradients are
+                # the per-id gradients, in id order, so no slot index travels (see identity).
+                rows = [g if d.unit_scale else g * xp.reshape(d.scale, (-1, 1)) for d, g in parts]
+                ids = parts[0][0].ids if len(parts) == 1 else self.backend.asarray(
+                    np.concatenate([d.host_ids for d, _ in parts]), dtype="int64")
+                source = rows[0] if len(rows) == 1 else xp.concat(rows, axis=0)
+                new_state[t.index] = list(self.backend.update_rows(
+                    self._state[t.index], ids, source, fns[t.index],
+                    **guarded, **({"values": values[t.index]} if values else {})))
+                continue
             if n_ids and self._fused_backward and uses_accumulation(t) and not is_non_lazy(t):
                 # Combiner backward fused into the update: the backend sums
                 # scale_k * grad[slot_k] per row without one gradient row per id.
@@ -671,8 +685,8 @@ class TPUEmbedding:
                     **guarded, **({"values": values[t.index]} if values else {})))
                 continue
             host_ids = np.concatenate([d.host_ids for d, _ in parts]) if parts else np.zeros(0, np.int64)
-            rows = [combiners.backward(self.backend, g, xp.reshape(d.scale, (-1, 1)), d.slots, d.unit_scale)
-                    for d, g in parts]
+            rows = [combiners.backward(self.backend, g, xp.reshape(d.scale, (-1, 1)), d.slots, d.unit_scale,
+                                       d.identity) for d, g in parts]
             row_grads = xp.concat(rows, axis=0) if len(rows) > 1 else rows[0] if rows else None
             if row_grads is None:
                 row_grads = self.backend.asarray(np.zeros((0, t.dimension), np.float32))
