@@ -30,6 +30,7 @@ class Capabilities:
     autodiff: bool = False
     compiles: bool = False
     distributed: bool = False
+    #: ``hlo_program`` supplies UserDefinedProgram's HLO runner (the core has none).
     runs_hlo: bool = False
     #: ``update_rows`` takes ``guard`` (from ``finite_guard``) and writes nothing where it
     #: is false, without waiting for it: the engine's NaN/Inf check then costs no sync.
@@ -165,6 +166,12 @@ class Backend(abc.ABC):
         if weights is not None:
             rows = rows * self.xp.reshape(weights, (-1, 1))
         return self.segment_sum_to(rows, segment_ids, num_segments)
+
+    def hlo_program(self, table_name: str, program: bytes, num_slots: int) -> dict[str, Any]:
+        """The static hyper-parameters (``hlo_runner``, ``takes_learning_rate``) with which
+        UserDefinedProgram's math runs the serialized HLO ``program`` on this backend; only
+        where ``capabilities.runs_hlo``. Raises ConfigError for a program that is not one."""
+        raise NotImplementedError(f"the {self.name!r} backend cannot run HLO programs (capabilities.runs_hlo)")
 
     def check_update(self, tables: Sequence[ShardedTable], ids: np.ndarray) -> None:
         """Raise, before any table of a step is written, the error ``update_rows`` would raise

@@ -65,44 +65,22 @@ def table_hyperparameters(table: TableSpec, learning_rates: Sequence[float]) -> 
     return float(lr), hp
 
 
-def _jax_program_runner(table: TableSpec) -> dict[str, Any]:
-    """``hlo_runner``/``takes_learning_rate`` for a UserDefinedProgram on the JAX backend.
+def _runs_hlo(backend: Any) -> Any:
+    """The backend (an instance or a registered name, "" = the current one) when it runs HLO
+    programs (``Capabilities.runs_hlo``), else None."""
+    from meshembed.backend.registry import get_backend
 
-    The program runs on JAX's CPU XLA client (``jax_hlo_runner``), wrapped in
-    ``jax.pure_callback`` so it also works inside the backend's jitted update step. Whether
-    the HLO takes the scalar lr is read from its parameter count (spec §2.6: inputs =
-    outputs + 1 or + 2, with outputs = 1 + slots).
-    """
-    import jax
-    from jax._src.lib import xla_client
-
-    from meshembed.math.user_defined import jax_hlo_runner
-
-    opt = table.optimizer
-    program = bytes(opt.program)
-    num_slots = len(opt.slot_initial_values())
     try:
-        n_params = len(xla_client.XlaComputation(program).program_shape().parameter_shapes())
-    except Exception as exc:
-        raise ConfigError(
-            f"Table {table.name!r}: UserDefinedProgram.program is not a serialized "
-            f"xla.HloModuleProto ({type(exc).__name__}: {exc})."
-        ) from None
-    if n_params not in (2 + num_slots, 3 + num_slots):
-        raise ConfigError(
-            f"Table {table.name!r}: the HLO program takes {n_params} parameters, but with "
-            f"num_slots={num_slots} it must take gradients, weights and the slots "
-            f"({2 + num_slots}), optionally plus the learning rate ({3 + num_slots})."
-        )
+        found = get_backend(backend or None)
+    except Exception:  # an unknown or unusable name cannot run anything
+        return None
+    return found if found.capabilities.runs_hlo else None
 
-    def runner(prog: bytes, *args: Any) -> tuple:
-        def host(*arrays: Any) -> tuple:
-            return tuple(np.asarray(a, np.float32) for a in jax_hlo_runner(prog, *arrays))
 
-        shape = jax.ShapeDtypeStruct(tuple(args[0].shape), np.float32)
-        return jax.pure_callback(host, (shape,) * (1 + num_slots), *args)
-
-    return {"hlo_runner": runner, "takes_learning_rate": n_params == 3 + num_slots}
+def _program_runner(table: TableSpec, backend: Any) -> dict[str, Any]:
+    """UserDefinedProgram's ``hlo_runner``/``takes_learning_rate``, from a backend that runs HLO."""
+    opt = table.optimizer
+    return _runs_hlo(backend).hlo_program(table.name, bytes(opt.program), len(opt.slot_initial_values()))
 
 
 class UpdateSpec(NamedTuple):
@@ -128,7 +106,7 @@ def fused_kernel(fn: Any, n_tables: int) -> tuple[int, tuple[float, float, float
     return code, (float(spec.lr), float(hp.get("rho", 0.0)), float(hp.get("epsilon", 0.0)))
 
 
-def _check_trainable(table: TableSpec, backend_name: str) -> None:
+def _check_trainable(table: TableSpec, backend_name: Any) -> None:
     from meshembed import math as me_math
 
     opt = table.optimizer
@@ -138,12 +116,13 @@ def _check_trainable(table: TableSpec, backend_name: str) -> None:
             "kernel is closed source), so meshembed cannot train it. Its configs load, save and "
             "round-trip; to train, choose another optimizer or a CustomOptimizer."
         )
-    if opt.algorithm == "user_defined_program" and backend_name != "jax":
+    if opt.algorithm == "user_defined_program" and _runs_hlo(backend_name) is None:
+        name = backend_name if isinstance(backend_name, str) else getattr(backend_name, "name", "")
         raise NotImplementedError(
             f"Table {table.name!r}: UserDefinedProgram runs an XLA HLO program, which the "
-            f"{backend_name or 'current'!r} backend cannot compile; only the 'jax' backend "
-            "runs it (through XLA's CPU client). Fix: use backend='jax', or a CustomOptimizer "
-            "with a Python update function."
+            f"{name or 'current'!r} backend cannot compile; only a backend with "
+            "capabilities.runs_hlo (the 'jax' backend, through XLA's CPU client) runs it. Fix: use "
+            "backend='jax', or a CustomOptimizer with a Python update function."
         )
 
 
@@ -151,7 +130,7 @@ def _changes_per_step(value: Any) -> bool:
     return value is not None and (_is_dynamic(value) or callable(value))
 
 
-def make_rule(table: TableSpec, backend_name: str = "", dtype: str = "float32") -> UpdateRule:
+def make_rule(table: TableSpec, backend_name: Any = "", dtype: str = "float32") -> UpdateRule:
     """The table's :class:`UpdateRule` (build once per table): a learning rate, and every
     hyper-parameter given as a DynamicLearningRate or a callable, are its dynamic values
     (:func:`rule_values`); the others are static."""
@@ -165,8 +144,8 @@ def make_rule(table: TableSpec, backend_name: str = "", dtype: str = "float32") 
         given[name] = getattr(opt, name, None)
     static = tuple(sorted((k, v) for k, v in given.items() if not _changes_per_step(v)))
     dynamic = ("lr", *sorted(k for k, v in given.items() if _changes_per_step(v)))
-    if opt.algorithm == "user_defined_program":  # the JAX backend's HLO runner (static)
-        static = tuple(sorted(static + tuple(_jax_program_runner(table).items())))
+    if opt.algorithm == "user_defined_program":  # the backend's HLO runner (static)
+        static = tuple(sorted(static + tuple(_program_runner(table, backend_name).items())))
     return UpdateRule(
         math=math_, slot_names=tuple(opt.slot_names) if hasattr(opt, "slot_names") else math_.slot_names,
         static=static, dynamic=dynamic,
@@ -195,7 +174,7 @@ def make_update_fn(
     _check_trainable(table, backend_name)
     lr, hp = table_hyperparameters(table, learning_rates)
     if algorithm == "user_defined_program":
-        hp.update(_jax_program_runner(table))
+        hp.update(_program_runner(table, backend_name))
     decay = float(getattr(opt, "weight_decay_factor", 0.0) or 0.0)
     by_lr = bool(getattr(opt, "multiply_weight_decay_factor_by_learning_rate", False))
     gradient_clip = opt.gradient_clipping_limits()
@@ -245,7 +224,7 @@ def apply_table(
     orders an id's contributions by feature, then rank)."""
     xp = backend.xp
     if rule is None:
-        rule = make_rule(table, getattr(backend, "name", ""))
+        rule = make_rule(table, backend)
         values = rule_values(table, rule, learning_rates)
     extra: dict[str, Any] = {"values": tuple(values)}
     if guard is not None:
