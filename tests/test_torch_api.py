@@ -705,3 +705,45 @@ def test_to_device_moves_tables_and_refuses_what_cannot_be_done():
         loss_of(ec(*module_inputs(*b)).values()).backward()
         loss_of(twin(*module_inputs(*b)).values()).backward()
     assert_same_tables(twin, ec.engine)
+
+
+def test_sparse_coo_compiles_as_sparse_ids_of_its_tensors():
+    """A COO tensor cannot enter a compiled region (dynamo refuses to wrap it), but its
+    indices and values, taken outside, compile with no graph break as me.SparseIds and train
+    exactly as the eager COO input does."""
+    torch._dynamo.reset()
+    rng = np.random.default_rng(24)
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig("t", VOCAB, DIM, optimizer=me.embedding.Adagrad(learning_rate=0.1), combiner="sqrtn")],
+        features=[me.FeatureConfig("t", (BATCH,), name="bag")])
+    eager, compiled = me.torch.EmbeddingCollection(cfg), me.torch.EmbeddingCollection(cfg)
+
+    def coo_batch():
+        values, offsets, weights, _ = batch(rng)
+        rows = np.repeat(np.arange(BATCH), np.diff(offsets))
+        idx = torch.from_numpy(np.stack([rows, np.arange(values.shape[0]) - offsets[rows]]))
+        size = (BATCH, max(int(np.diff(offsets).max()), 1))
+        return torch.sparse_coo_tensor(idx, torch.from_numpy(values), size), torch.from_numpy(weights)
+
+    def step(indices, values, weights):
+        out = compiled({"bag": me.SparseIds(indices, values, (BATCH, 5))},
+                       {"bag": me.SparseIds(indices, weights, (BATCH, 5))})
+        return ((out["bag"] - 0.3) ** 2).sum(), out["bag"]
+
+    x, w = coo_batch()
+    explained = torch._dynamo.explain(step)(x._indices().t(), x._values(), w)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    fn = torch.compile(step, fullgraph=True)
+    for _ in range(3):
+        x, w = coo_batch()
+        x = torch.sparse_coo_tensor(x._indices(), x._values(), (BATCH, 5))
+        act = eager({"bag": x}, {"bag": torch.sparse_coo_tensor(x._indices(), w, (BATCH, 5))})["bag"]
+        le = ((act - 0.3) ** 2).sum()
+        lc, got = fn(x._indices().t(), x._values(), w)
+        torch.testing.assert_close(got, act, rtol=0, atol=0)  # the loss: inductor sums in its own order
+        torch.testing.assert_close(lc, le)
+        le.backward()
+        lc.backward()
+        assert_same_tables(compiled, eager.engine)
+    with pytest.raises(Exception, match="sparse"):  # torch's own limit, documented in the class
+        torch.compile(lambda coo: eager({"bag": coo})["bag"].sum(), fullgraph=True)(x)

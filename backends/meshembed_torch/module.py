@@ -115,7 +115,7 @@ def _weights_values(w: Any) -> torch.Tensor:
     if isinstance(w, (tuple, list)):
         return torch.as_tensor(w[0])
     if isinstance(w, (RaggedIds, SparseIds)):
-        return torch.as_tensor(np.asarray(w.values))
+        return _tensor(w.values)
     if isinstance(w, torch.Tensor):
         if w.is_nested:
             return w.values()
@@ -128,10 +128,10 @@ def _weights_values(w: Any) -> torch.Tensor:
 def _flatten(name: str, batch: int, x: Any, w: Any) -> tuple[str, list[torch.Tensor]]:
     """One feature's input as (spec entry, tensors); see the ops' spec comment."""
     if isinstance(x, RaggedIds):
-        x = (torch.as_tensor(np.asarray(x.values)), torch.as_tensor(np.asarray(x.row_splits)))
-    elif isinstance(x, SparseIds):
-        shape = "x".join(str(int(s)) for s in np.asarray(x.dense_shape).reshape(-1))
-        kind, ts = f"s:{shape}", [torch.as_tensor(np.asarray(x.indices)), torch.as_tensor(np.asarray(x.values))]
+        x = (_tensor(x.values), _tensor(x.row_splits))
+    elif isinstance(x, SparseIds):  # tensors stay tensors: under torch.compile they are graph inputs
+        dims = x.dense_shape if isinstance(x.dense_shape, (tuple, list, torch.Size)) else np.asarray(x.dense_shape).reshape(-1)
+        kind, ts = "s:" + "x".join(str(int(s)) for s in dims), [_tensor(x.indices), _tensor(x.values)]
         x = None
     if x is None:
         pass
@@ -167,6 +167,10 @@ def _flatten(name: str, batch: int, x: Any, w: Any) -> tuple[str, list[torch.Ten
         kind += "w"
         ts.append(_as_tensor(name, "weights", _weights_values(w)))
     return kind, ts
+
+
+def _tensor(x: Any) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
 
 
 def _as_tensor(name: str, what: str, x: Any) -> torch.Tensor:
@@ -226,8 +230,11 @@ class EmbeddingCollection(torch.nn.Module):
     TF's mid-level API does. ``process_group``: any ``dist.new_group`` this rank is in (tables
     sharded over its ranks only); None = the default group.
 
-    Under ``torch.compile`` pass tensors, ``(values, offsets|lengths)`` pairs or jagged
-    tensors: dynamo refuses sparse COO tensors (they work eagerly).
+    Under ``torch.compile`` pass tensors, ``(values, offsets|lengths)`` pairs, jagged tensors
+    or ``me.SparseIds(indices, values, shape)`` of tensors. A sparse COO tensor works eagerly
+    only: dynamo refuses to take one as a graph input ("Attempted to wrap sparse Tensor") and
+    cannot trace ``torch.sparse_coo_tensor``; pass ``me.SparseIds(coo._indices().t(),
+    coo._values(), coo.shape)`` built from tensors taken outside the compiled function.
     """
 
     def __init__(self, config: Any, *, num_shards: int | None = None, process_group: Any = None,
