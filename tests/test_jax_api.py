@@ -120,7 +120,7 @@ def test_jitted_steps_are_bit_identical_to_the_engine(sharding, use_mesh):
     rng = np.random.default_rng(1)
     for i in range(5):
         feats = _features(cfg, rng, sparse=i % 2 == 1)
-        lrs = [0.1 / (i + 1), 0.05 * (i + 1)]
+        lrs = [np.float32(0.1 / (i + 1)), np.float32(0.05 * (i + 1))]  # what a jitted step gets without x64
         batch = me.jax.prepare(cfg, feats, capacity=64, unique_capacity={"adam": 50, "ftrl": 40, "clipped": 26})
         state, acts, grads, _ = step(state, batch, lrs)
         emb.enqueue(feats)
@@ -389,3 +389,58 @@ def test_tables_on_different_device_sets_are_refused():
                   me.FeatureConfig(table="tiny", input_shape=(4,), name="b")])
     with pytest.raises(me.ConfigError, match=r"Table 'tiny' is sharded over 3 device\(s\).*same devices"):
         me.jax.init(cfg)
+
+
+def test_accumulation_off_applies_each_occurrence_like_the_engine():
+    """use_gradient_accumulation=False inside one jitted step: each id's contributions one
+    after another (rounds of the r-th occurrences, as update_rows_in_order), bit for bit with
+    TPUEmbedding(jax), on the fused CPU kernel (Adagrad) and the XLA step (Adam, FTRL); the
+    number of rounds changes with the batch (up to 12 here) and compiles nothing new."""
+    off = {"use_gradient_accumulation": False}
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig(name="ada", vocabulary_size=20, dimension=4, combiner="mean",
+                               optimizer=E.Adagrad(learning_rate=E.DynamicLearningRate(0), **off)),
+                me.TableConfig(name="adam", vocabulary_size=16, dimension=4, combiner="sqrtn",
+                               optimizer=E.Adam(learning_rate=0.01, **off)),
+                me.TableConfig(name="ftrl", vocabulary_size=24, dimension=4, combiner="sum",
+                               optimizer=E.FTRL(learning_rate=0.2, **off))],
+        features=[me.FeatureConfig(table="ada", input_shape=(8,), name="a1"),
+                  me.FeatureConfig(table="ada", input_shape=(8, 2), name="a2"),
+                  me.FeatureConfig(table="adam", input_shape=(8,), name="adam"),
+                  me.FeatureConfig(table="ftrl", input_shape=(8,), name="ftrl")])
+    emb = me.TPUEmbedding(cfg, backend="jax", seed=5)
+    state = me.jax.init(cfg, seed=5)
+    step = jax.jit(_step, donate_argnums=0)
+    rng = np.random.default_rng(4)
+    counter = CompileCounter()
+    for i in range(4):
+        lengths = rng.integers(0, 4, 8)
+        hot = 1 + i  # ids drawn from few rows: up to 12 occurrences of one id
+        feats = {"a1": me.RaggedIds(np.concatenate([[0], np.cumsum(lengths)]), rng.integers(0, hot, lengths.sum())),
+                 "a2": rng.integers(0, hot, (8, 2)), "adam": rng.integers(0, hot, 8), "ftrl": rng.integers(0, 24, 8)}
+        lrs = [np.float32(0.1 / (i + 1))]
+        batch = me.jax.prepare(cfg, feats, capacity=32)
+        with counter:
+            state, acts, grads, _ = step(state, batch, lrs)
+            jax.block_until_ready(state)
+        assert i == 0 or counter.count == 0, f"step {i} compiled"
+        emb.enqueue(feats)
+        expected = emb.dequeue()
+        for k, f in enumerate(cfg.features):
+            _same(acts[f.name], expected[k], f.name)
+        emb.apply_gradients([grads[f.name] for f in cfg.features], learning_rates=lrs)
+        for t in cfg.tables:
+            got, want = state.parameters(t.name), emb.retrieve_parameters(t.name)
+            for k in want:
+                np.testing.assert_array_equal(got[k], want[k], err_msg=f"step {i}: {t.name}/{k}")
+    on = me.jax.init(me.EmbeddingConfig(tables=[me.TableConfig(name="ada", vocabulary_size=20, dimension=4,
+                                                               optimizer=E.Adagrad(learning_rate=0.1))],
+                                        features=[me.FeatureConfig(table="ada", input_shape=(2,), name="a")]))
+    ones = {"a": jnp.ones((2, 4))}
+    summed = me.jax.apply_gradients(on, me.jax.prepare(on, {"a": np.array([3, 3])}), ones).parameters("ada")
+    cfg_off = me.EmbeddingConfig(tables=[me.TableConfig(name="ada", vocabulary_size=20, dimension=4,
+                                                        optimizer=E.Adagrad(learning_rate=0.1, **off))],
+                                 features=[me.FeatureConfig(table="ada", input_shape=(2,), name="a")])
+    one_by_one = me.jax.init(cfg_off)
+    one_by_one = me.jax.apply_gradients(one_by_one, me.jax.prepare(cfg_off, {"a": np.array([3, 3])}), ones)
+    assert not np.array_equal(summed["parameters"][3], one_by_one.parameters("ada")["parameters"][3])

@@ -24,7 +24,8 @@ from meshembed.math.rule import UpdateRule
 from meshembed.errors import CapacityError, ConfigError, InputError
 from meshembed_jax import cpu_kernels, kernels
 from meshembed_jax.backend import JaxBackend, bucket
-from meshembed_jax.layout import JaxShardedTable, ShardLayout
+from meshembed_jax.layout import ShardLayout
+from meshembed_jax.table import JaxShardedTable
 
 __all__ = ["EmbeddingState", "Batch", "init", "prepare", "lookup", "apply_gradients", "from_engine",
            "to_engine", "save", "restore", "adadelta", "AdadeltaState"]
@@ -122,16 +123,6 @@ def _backend_for(mesh: Any) -> JaxBackend:
     return _BACKENDS[key]
 
 
-def _not_accumulating(layout: Layout) -> None:
-    for t in layout.tables:
-        if not uses_accumulation(t):
-            raise ConfigError(
-                f"Table {t.name!r}: use_gradient_accumulation=False applies each id's gradients in "
-                "rounds whose number depends on the batch, which a fixed-shape jitted step cannot "
-                "do. Fix: enable gradient accumulation, or train this table with me.TPUEmbedding."
-            )
-
-
 def _int() -> Any:
     """Counters: int64 with the user's x64, else int32 (meshembed never turns x64 on)."""
     return jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
@@ -157,7 +148,6 @@ def from_engine(emb: TPUEmbedding) -> EmbeddingState:
     must not step afterwards if the state is donated)."""
     if not isinstance(emb.backend, JaxBackend):
         raise ConfigError(f"Invalid engine: me.jax needs backend='jax'. Received: backend={emb.backend.name!r}")
-    _not_accumulating(emb.layout)
     tables, layouts = {}, {}
     for t in emb.layout.tables:
         state = emb._state[t.index]
@@ -365,43 +355,127 @@ def _learning_rates(layout: Layout, learning_rates: Any) -> list[Any]:
     return out
 
 
-def _update_fn(be: JaxBackend, t: Any, lrs: list[Any]) -> tuple[UpdateRule, Any, tuple]:
-    """(the table's UpdateRule, the backend's FnSpec for it, this step's values with the traced
-    learning rates): the same rule, key and compiled program as ``TPUEmbedding(backend="jax")``,
-    whose static hyper-parameters stay Python constants (as in the NumPy reference)."""
+def _update_fn(t: Any, lrs: list[Any]) -> tuple[UpdateRule, tuple]:
+    """(the table's UpdateRule, this step's values with the traced learning rates): the same
+    rule, key and compiled program as ``TPUEmbedding(backend="jax")``, whose static
+    hyper-parameters stay Python constants (as in the NumPy reference)."""
     rule = make_rule(t, "jax")
     opt = t.optimizer
     given = {"lr": opt.learning_rate, **dict(opt.hyperparameters())}
     for name in rule.dynamic[1:]:
         given.setdefault(name, getattr(opt, name, None))
     values = tuple(resolve(given[name], lrs) for name in rule.dynamic)
-    if values[0] is None:  # Assign: no learning rate
+    if values[:1] == (None,):  # Assign: no learning rate
         values = (0.0, *values[1:])
-    if ("rule", rule) in be._static_only:
-        raise ConfigError(f"Table {t.name!r}: its update cannot take a traced learning rate (a Python branch on "
-                          "it). Fix: a constant learning rate for this table, or train it with me.TPUEmbedding.")
-    return rule, be._spec(rule, [0.0] * len(values)), values
+    return rule, values
 
 
-def _fused_code(be: JaxBackend, sl: ShardLayout, rule: UpdateRule, n_tables: int, dtypes: list) -> int | None:
-    """The registered fused kernel the engine would run for ``rule`` (see ``_fused_update``)."""
-    if be.capacity is not None or not cpu_kernels.fused_enabled() or any(d != np.float32 for d in dtypes):
-        return None
-    code = rule.fused_code(n_tables)
-    return None if code is None or not kernels.use_cpu_kernels(sl, np.float32) else code
-
-
-def _hp(rule: UpdateRule, lr: Any) -> Any:
-    hp = dict(rule.static)
-    rho, eps = float(hp.get("rho", 0.0)), float(hp.get("epsilon", 0.0))
-    consts = jnp.asarray([rho, eps, 1.0 - rho], np.float32)  # 1 - rho rounded once from double
-    return jnp.concatenate([jnp.asarray(lr).astype(jnp.float32).reshape(1), consts])
+def _runtime(values: tuple) -> tuple:
+    """The values as the engine's compiled step receives them: runtime (weakly-typed) scalars,
+    never constants XLA could fold into the math (a constant ``lr`` lets it rewrite
+    ``x / lr`` as ``x * (1 / lr)``: 1 ulp off on FTRL)."""
+    return jax.lax.optimization_barrier(tuple(_weak(v) for v in values))
 
 
 def _unique_cap(batch: Batch, table: int, n_ids: int) -> int:
     """The update's static unique-row capacity: ``prepare``'s checked bound, else every id."""
     cap = batch.unique[table] if table < len(batch.unique) else None
     return n_ids if cap is None else max(1, min(int(cap), n_ids))
+
+
+def _double_block(kernel: Any, values: tuple) -> Any:
+    """The generated kernel's parameter block as the engine passes it: every value a double
+    (the NumPy reference's Python floats). A constant (a config's learning rate) is exact;
+    a traced value is its own dtype widened (float32 without x64, as it entered the jit).
+    Without x64 the doubles travel as uint32 pairs (``cpu_kernels.hp_block``)."""
+    if not any(isinstance(v, jax.Array) for v in values):  # all known now: the engine's exact block
+        return jnp.asarray(cpu_kernels.hp_block(kernel.params(values)))
+    if jax.config.jax_enable_x64:
+        return jnp.stack([jnp.asarray(v, jnp.float64).reshape(()) for v in values])
+    pairs = [jnp.asarray(cpu_kernels.hp_block([v])) if not isinstance(v, jax.Array) else _f64_bits(v)
+             for v in values]
+    return jnp.concatenate(pairs)
+
+
+def _f64_bits(x: Any) -> Any:
+    """A float32 scalar's value as the float64 bit pattern, ``[low, high]`` uint32 words
+    (little-endian), computed with integer ops so it works without x64: exact for normal,
+    subnormal, zero, infinite and NaN values."""
+    u = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32).reshape(()), jnp.uint32)
+    sign, exp, man = u >> 31, (u >> 23) & 0xFF, u & 0x7FFFFF
+    lz = jax.lax.clz(man)  # subnormal: normalise the mantissa (leading one at bit 31 - lz)
+    shift = jnp.where(man > 0, lz - 8, 0).astype(jnp.uint32)
+    sub_man = (man << shift) & 0x7FFFFF
+    d_exp = jnp.where(exp == 0xFF, jnp.uint32(0x7FF),
+                      jnp.where(exp > 0, exp + 896, jnp.where(man > 0, 905 - lz.astype(jnp.uint32), 0)))
+    d_man = jnp.where((exp == 0) & (man > 0), sub_man, man)
+    high = (sign << 31) | (d_exp.astype(jnp.uint32) << 20) | (d_man >> 3)
+    return jnp.stack([(d_man & 0x7) << 29, high]).astype(jnp.uint32)
+
+
+def _row_grads(batch: Batch, rows: list, parts: list) -> list:
+    """Each id's own gradient ``scale · grad[slot]`` (the engine's ``combiners.backward``;
+    padding: slot out of range -> 0)."""
+    out = []
+    for k, _ in parts:
+        g = jnp.take(rows[k], jnp.asarray(batch.slots[k]), axis=0, mode="fill", fill_value=0)
+        out.append(g * jnp.asarray(batch.scale[k])[:, None] if batch.features[k].weighted else g)
+    return out
+
+
+def _step(be: JaxBackend, sl: ShardLayout, dim: int, rule: UpdateRule, datas: tuple, values: tuple, guard: Any,
+          cap: int, ids: Any, grads: Any, combined: tuple | None = None) -> tuple:
+    """One update of ``datas`` with the programs ``TPUEmbedding(jax)`` runs: the rule's fused
+    CPU kernel where the engine takes it (chosen when lowering, so the step also lowers for
+    TPU/GPU), else the XLA step. ``combined``: ``(segs, w, weighted)``, the combiner's backward
+    fused in (row ``i``'s gradient ``w[i] * grads[segs[i]]``)."""
+    segs, w, weighted = combined or (None, None, False)
+    dyn = _runtime(values)
+    dedup = be._dedup_for(sl, int(ids.shape[0]))
+    xla = be.update_program(sl, dim, len(datas), cap, dedup, rule, combined is not None, weighted)
+    extra = (segs, w) if combined else ()
+
+    def run_xla() -> tuple:
+        try:
+            return tuple(xla(datas, ids, grads, *extra, guard, dyn)[0])
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError) as exc:
+            raise ConfigError(
+                f"Invalid update rule {rule.algorithm!r}: its math branches in Python on one of its dynamic values "
+                f"{rule.dynamic}, which me.jax passes as traced inputs. Fix: give that hyper-parameter a constant "
+                "value, or train this table with me.TPUEmbedding."
+            ) from exc
+
+    found = be.fused_program(sl, dim, rule, [d.dtype for d in datas], combined is not None, weighted)
+    if found is None:
+        return run_xla()
+    fused, kernel = found
+    if not combined:
+        segs, w = jnp.zeros(1, jnp.int32), jnp.zeros(1, datas[0].dtype)
+    hp = _double_block(kernel, values)
+    return jax.lax.platform_dependent(cpu=lambda: tuple(fused(datas, ids, grads, segs, w, guard, hp)),
+                                      default=run_xla)
+
+
+def _in_rounds(be: JaxBackend, sl: ShardLayout, dim: int, rule: UpdateRule, datas: tuple, values: tuple,
+               guard: Any, ids: Any, grads: Any) -> tuple:
+    """Gradient accumulation off: each id's contributions applied one after another, in
+    rounds where every id occurs at most once (round r: the r-th occurrence of each id, in
+    batch order), as ``Backend.update_rows_in_order``; the number of rounds is a runtime
+    value (a ``while`` loop), so a batch with more duplicates compiles nothing new."""
+    n = int(ids.shape[0])
+    big = jnp.iinfo(ids.dtype).max
+    key = jnp.where(ids >= 0, ids, big)  # padding last, in no round
+    srt, order = jax.lax.sort_key_val(key, jnp.arange(n, dtype=jnp.int32))  # stable: batch order per id
+    pos = jnp.arange(n, dtype=jnp.int32)
+    first = jnp.concatenate([jnp.ones(1, bool), srt[1:] != srt[:-1]])
+    start = jax.lax.cummax(jnp.where(first, pos, 0))
+    rounds = jnp.zeros(n, jnp.int32).at[order].set(jnp.where(srt != big, pos - start, -1))
+    count = jnp.max(rounds, initial=-1) + 1
+
+    def one(r: Any, tabs: tuple) -> tuple:
+        return _step(be, sl, dim, rule, tabs, values, guard, n, jnp.where(rounds == r, ids, -1), grads)
+
+    return jax.lax.fori_loop(0, count, one, datas)
 
 
 def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learning_rates: Sequence[Any] = ()) -> EmbeddingState:
@@ -415,7 +489,6 @@ def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learnin
     st = state._static
     layout, be = st.layout, st.backend
     _check_batch(layout, batch)
-    _not_accumulating(layout)
     grads = TPUEmbedding._by_feature(_shim(st.config, layout), gradients, "gradients")
     rows = []
     for f, g in zip(layout.features, grads):
@@ -443,43 +516,25 @@ def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learnin
         sl, dim = st.shard_layouts[t.index], t.dimension
         names = st.names[t.index]  # a dict comes back from jit with sorted keys: the order is ours
         datas = tuple(tables_in[t.name][n] for n in names)
-        rule, spec, dyn = _update_fn(be, t, lrs)
+        rule, values = _update_fn(t, lrs)
         ids = jnp.concatenate([jnp.asarray(batch.ids[k]) for k, _ in parts])
-        nb = int(ids.shape[0])
-        dedup = be._dedup_for(sl, nb)
-        if not is_non_lazy(t):  # the combiner's backward fused into the update, as the engine
+        if is_non_lazy(t):  # non-lazy Adam/Lion: every row, g = 0 where not looked up (as apply_table)
+            every = jnp.arange(t.vocabulary_size, dtype=ids.dtype)
+            ids = jnp.concatenate([ids, every])
+            g = jnp.concatenate([*_row_grads(batch, rows, parts), jnp.zeros((t.vocabulary_size, dim), jnp.float32)])
+            cap = min(int(ids.shape[0]), t.vocabulary_size)  # every row is updated
+            new = _step(be, sl, dim, rule, datas, values, guard, cap, ids, g)
+        elif not uses_accumulation(t):
+            new = _in_rounds(be, sl, dim, rule, datas, values, guard, ids, jnp.concatenate(_row_grads(batch, rows, parts)))
+        else:  # the combiner's backward fused into the update, as the engine
             offsets = np.cumsum([0] + [batch.features[k].num_slots for k, _ in parts[:-1]])
             segs = jnp.concatenate([jnp.asarray(batch.slots[k]) + int(o) for (k, _), o in zip(parts, offsets)])
             weighted = any(batch.features[k].weighted for k, _ in parts)
             w = (jnp.concatenate([jnp.asarray(batch.scale[k]) for k, _ in parts]).astype(datas[0].dtype) if weighted
                  else jnp.zeros(1, datas[0].dtype))
             source = jnp.concatenate([rows[k] for k, _ in parts]) if len(parts) > 1 else rows[parts[0][0]]
-            cap = _unique_cap(batch, t.index, nb)
-            key = ("update_combined", sl, dim, len(datas), cap, dedup, weighted, spec.key)
-            core = be._kernel(key, lambda: kernels.make_update_combined(sl, dim, len(datas), cap, dedup, spec.call,
-                                                                        weighted))
-            code = _fused_code(be, sl, rule, len(datas), [d.dtype for d in datas])
-            run_core = lambda: tuple(core(datas, ids, source, segs, w, guard, dyn)[0])  # noqa: E731 - a bound prepare checked
-            if code is not None:  # the engine's registered fused kernel: on CPU only (chosen when lowering)
-                fused = be._kernel(("fused_update", sl, dim, len(datas), code, True, weighted),
-                                   lambda: kernels.make_fused_update(sl, dim, len(datas), code, True, weighted))
-                hp = _hp(rule, dyn[0])
-                new = jax.lax.platform_dependent(cpu=lambda: tuple(fused(datas, ids, source, segs, w, guard, hp)),
-                                                 default=run_core)
-            else:
-                new = run_core()
-        else:  # non-lazy Adam/Lion: every row, g = 0 where not looked up (as apply_table)
-            per = [jnp.take(rows[k], jnp.asarray(batch.slots[k]), axis=0, mode="fill", fill_value=0)
-                   * jnp.asarray(batch.scale[k])[:, None] for k, _ in parts]
-            every = jnp.arange(t.vocabulary_size, dtype=ids.dtype)
-            ids = jnp.concatenate([ids, every])
-            g = jnp.concatenate([*per, jnp.zeros((t.vocabulary_size, dim), jnp.float32)])
-            nb = int(ids.shape[0])
-            dedup = be._dedup_for(sl, nb)
-            cap = min(nb, t.vocabulary_size)  # every row is updated
-            key = ("update", sl, dim, len(datas), cap, dedup, spec.key)
-            step = be._kernel(key, lambda: kernels.make_update(sl, dim, len(datas), cap, dedup, spec.call))
-            new, _ = step(datas, ids, g, guard, dyn)
+            cap = _unique_cap(batch, t.index, int(ids.shape[0]))  # a bound prepare checked
+            new = _step(be, sl, dim, rule, datas, values, guard, cap, ids, source, (segs, w, weighted))
         tables[t.name] = dict(zip(names, new))
     return EmbeddingState(tables, state.step + 1, st)
 
