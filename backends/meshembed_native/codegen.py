@@ -438,8 +438,9 @@ PREAMBLE = """\
 #include <cmath>
 #include <cstdint>
 namespace {
-template <class T> inline T me_max(T a, T b) { return ((a > b) | (a != a)) ? a : b; }
-template <class T> inline T me_min(T a, T b) { return ((a < b) | (a != a)) ? a : b; }
+// (written as nested selects: GCC vectorizes a clamp of these, not of the `(a > b) | (a != a)` form)
+template <class T> inline T me_max(T a, T b) { return (a != a) ? a : ((a > b) ? a : b); }
+template <class T> inline T me_min(T a, T b) { return (a != a) ? a : ((a < b) ? a : b); }
 template <class T> inline T me_sign(T x) { return x > T(0) ? T(1) : (x < T(0) ? T(-1) : (x == T(0) ? T(0) : x)); }
 // A C library call's operand known at compile time stays opaque: GCC would otherwise turn
 // powf(x, 0.5f) into sqrtf(x) or fold exp(c) itself, not the library's (NumPy-like) result.
