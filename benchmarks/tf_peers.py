@@ -21,38 +21,69 @@ def _tf():
     return tf
 
 
-def w1(sizes: dict, repeats: int = 7) -> list[Row]:
+#: Slots of each TF W1 case (the meshembed optimizer it stands beside).
+W1_SLOTS = {"sgd": 0, "adagrad": 1, "adadelta": 2, "adam": 2, "ftrl": 2}
+_ALIASES = {"stochastic_gradient_descent": "sgd"}
+
+
+def w1_step(sizes: dict, case: str, lr: float = 0.01):
+    """One TF W1 step of ``case`` (a ``tf.function``; returns the activations): gather +
+    segment sum, the loss gradient, ``tf.unique`` + ``unsorted_segment_sum``, then the sparse
+    apply — ``ResourceScatterSub`` (SGD), ``ResourceSparseApplyAdagradV2``,
+    ``ResourceSparseApplyAdadelta``, ``ResourceSparseApplyFtrl``, or for Adam the lazy
+    scatter form of TF's sparse Adam (gather m, v; update; ``ResourceScatterUpdate`` ×2 and
+    ``ResourceScatterSub``: TF has no fused sparse Adam kernel)."""
     tf = _tf()
+    case = _ALIASES.get(case, case)
+    if case not in W1_SLOTS:
+        raise ValueError(f"Invalid `case`. Expected one of {sorted(W1_SLOTS)}. Received: case={case!r}")
     v, d, b, k = sizes["vocab"], sizes["dim"], sizes["batch"], sizes["ids_per_sample"]
-    ids_np = zipf_ids(b * k, v, sizes["zipf"])
-    ids = tf.constant(ids_np)
+    ids = tf.constant(zipf_ids(b * k, v, sizes["zipf"]))
     segments = tf.constant(np.repeat(np.arange(b), k))
     rng = np.random.default_rng(0)
     table = tf.Variable(rng.standard_normal((v, d), dtype=np.float32) * 0.01)
-    acc = tf.Variable(np.full((v, d), 0.1, np.float32))
-    upd = tf.Variable(np.zeros((v, d), np.float32))
+    init = {"adagrad": (0.1,), "adadelta": (0.0, 0.0), "adam": (0.0, 0.0), "ftrl": (0.1, 0.0)}.get(case, ())
+    slots = [tf.Variable(np.full((v, d), x, np.float32)) for x in init]
     target = tf.constant(rng.standard_normal((b, d), dtype=np.float32))
+    b1, b2, eps = 0.9, 0.999, 1e-7
+
+    @tf.function
+    def step():
+        acts = tf.math.segment_sum(tf.gather(table, ids), segments)
+        grad_acts = acts - target
+        uids, inverse = tf.unique(ids)
+        grads = tf.math.unsorted_segment_sum(tf.gather(grad_acts, segments), inverse, tf.shape(uids)[0])
+        if case == "sgd":
+            tf.raw_ops.ResourceScatterSub(resource=table.handle, indices=uids, updates=lr * grads)
+        elif case == "adagrad":
+            tf.raw_ops.ResourceSparseApplyAdagradV2(var=table.handle, accum=slots[0].handle, lr=lr, epsilon=0.0,
+                                                    grad=grads, indices=uids, update_slots=True)
+        elif case == "adadelta":
+            tf.raw_ops.ResourceSparseApplyAdadelta(var=table.handle, accum=slots[0].handle,
+                                                   accum_update=slots[1].handle, lr=1.0, rho=0.95, epsilon=1e-6,
+                                                   grad=grads, indices=uids)
+        elif case == "ftrl":
+            tf.raw_ops.ResourceSparseApplyFtrl(var=table.handle, accum=slots[0].handle, linear=slots[1].handle,
+                                               grad=grads, indices=uids, lr=lr, l1=0.01, l2=0.01, lr_power=-0.5)
+        else:  # adam, lazy: only the looked-up rows of m and v move
+            m = b1 * tf.gather(slots[0], uids) + (1 - b1) * grads
+            vv = b2 * tf.gather(slots[1], uids) + (1 - b2) * tf.square(grads)
+            tf.raw_ops.ResourceScatterUpdate(resource=slots[0].handle, indices=uids, updates=m)
+            tf.raw_ops.ResourceScatterUpdate(resource=slots[1].handle, indices=uids, updates=vv)
+            tf.raw_ops.ResourceScatterSub(resource=table.handle, indices=uids, updates=lr * m / (tf.sqrt(vv) + eps))
+        return acts
+
+    return step
+
+
+def w1(sizes: dict, repeats: int = 7, cases: tuple[str, ...] = ("sgd", "adagrad", "adadelta")) -> list[Row]:
+    v, d, b, k = sizes["vocab"], sizes["dim"], sizes["batch"], sizes["ids_per_sample"]
+    uniq = len(np.unique(zipf_ids(b * k, v, sizes["zipf"])))
     rows = []
-    for case, n_slots in (("sgd", 0), ("adagrad", 1), ("adadelta", 2)):
-
-        @tf.function
-        def step(case=case):
-            acts = tf.math.segment_sum(tf.gather(table, ids), segments)
-            grad_acts = acts - target
-            uids, inverse = tf.unique(ids)
-            grads = tf.math.unsorted_segment_sum(tf.gather(grad_acts, segments), inverse, tf.shape(uids)[0])
-            if case == "sgd":
-                tf.raw_ops.ResourceScatterSub(resource=table.handle, indices=uids, updates=0.01 * grads)
-            elif case == "adagrad":
-                tf.raw_ops.ResourceSparseApplyAdagradV2(var=table.handle, accum=acc.handle, lr=0.01, epsilon=0.0,
-                                                        grad=grads, indices=uids, update_slots=True)
-            else:
-                tf.raw_ops.ResourceSparseApplyAdadelta(var=table.handle, accum=acc.handle, accum_update=upd.handle,
-                                                       lr=1.0, rho=0.95, epsilon=1e-6, grad=grads, indices=uids)
-            return acts
-
+    for case in cases:
+        step = w1_step(sizes, case)
         med, lo, hi = timeit(lambda: step().numpy(), repeats=repeats)
-        uniq = len(np.unique(ids_np))
+        n_slots = W1_SLOTS[case]
         rows.append(Row("W1", "TensorFlow (unique + ResourceSparseApply*)", case, med, lo, hi,
                         w1_bytes(uniq, b * k, d, n_slots), v * d * 4 * (1 + n_slots)))
     return rows

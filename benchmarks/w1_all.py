@@ -1,0 +1,374 @@
+"""W1 for every trainable optimizer on one backend, side by side with its peers (issue #18).
+
+W1: table 1,000,000 × 64 float32, 16,384 samples × 8 Zipf(1.1) ids, sum combiner; a step is
+enqueue → dequeue → apply_gradients of ``me.TPUEmbedding`` with a fixed upstream gradient.
+For each optimizer one engine (its learning rate a dynamic tag) is timed, in interleaved
+rounds with its peers (``benchmarks.torch_w1._timed_rounds``: a noisy neighbour slows all
+alike), with a constant learning rate and with one that changes every step. Medians over
+every timed step; the ratios the issue asks for, each next to its target:
+
+* each optimizer ÷ SGD on the same backend (≤ 1.5×);
+* learning rate changing every step ÷ constant (≤ 1.05×);
+* fbgemm's CPU TBE ÷ engine for SGD and Adagrad (≥ 1.25×; fbgemm_gpu is only in the
+  interop venv: ``.venv/interop/bin/python -m benchmarks.w1_all``, skipped with the reason
+  elsewhere);
+* TensorFlow (``ResourceSparseApplyFtrl``, LazyAdam-style scatter Adam, ``tf_peers``) and
+  ``nn.EmbeddingBag(sparse=True) + torch.optim.SparseAdam`` ÷ engine for Adam and FTRL
+  (≥ 3×; torch has no FTRL, so SparseAdam is FTRL's torch peer as well);
+* the per-id step (a sequence feature of 131,072 × 1 ids, activations and gradients
+  ``[131072, 1, 64]``) ÷ the pooled step, same optimizer (≤ 1.5×).
+
+Run: ``python -m benchmarks.w1_all --backend torch|jax [--optimizers all|sgd,adam,...]
+[--repeats 7] [--rounds 3] [--per-id sgd,...] [--peers fbgemm,tf,sparseadam|none] [--quick]``.
+Prints a markdown table ready for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from benchmarks.common import TINY_W1, W1, WARMUP, bandwidth_gbs, zipf_ids
+
+LR = 0.01
+#: The issue's targets.
+TARGET_VS_SGD, TARGET_LR, TARGET_PER_ID = 1.5, 1.05, 1.5
+TARGET_PEER = {"fbgemm": 1.25, "tf": 3.0, "sparseadam": 3.0}
+#: Which peer runs for which optimizer.
+PEERS = {"stochastic_gradient_descent": ("fbgemm",), "adagrad": ("fbgemm",),
+         "adam": ("tf", "sparseadam"), "ftrl": ("tf", "sparseadam")}
+PEER_NAME = {"fbgemm": "fbgemm TBE CPU", "tf": "TensorFlow sparse apply",
+             "sparseadam": "nn.EmbeddingBag + SparseAdam"}
+#: Registry names that are not trainable optimizers here: no public formula, an HLO program,
+#: or a plain assignment of the gradient.
+NOT_TRAINABLE = ("mdl_adagrad_light", "user_defined_program", "assign")
+ALIASES = {"sgd": "stochastic_gradient_descent"}
+
+
+def trainable() -> tuple[str, ...]:
+    """Every trainable algorithm of ``meshembed.math.OPTIMIZERS``, in registry order."""
+    from meshembed.math import OPTIMIZERS
+
+    return tuple(n for n, m in OPTIMIZERS.items() if m.supported and n not in NOT_TRAINABLE)
+
+
+def short(algorithm: str) -> str:
+    return {v: k for k, v in ALIASES.items()}.get(algorithm, algorithm)
+
+
+def _spec(algorithm: str) -> Any:
+    """The optimizer with its learning rate as dynamic tag 0 (FrequencyAwareAdagrad's step
+    counter is tag 1), with typical hyper-parameters."""
+    import meshembed as me
+
+    E, lr = me.embedding, me.embedding.DynamicLearningRate(0)
+    return {
+        "adagrad": lambda: E.Adagrad(lr, initial_accumulator_value=0.1),
+        "adagrad_momentum": lambda: E.AdagradMomentum(lr, momentum=0.9, exponent=2.0, beta2=0.999, epsilon=1e-8),
+        "bounded_adagrad": lambda: E.BoundedAdagrad(lr, max_var_update=0.1, max_accumulator=10.0),
+        "frequency_aware_adagrad": lambda: E.FrequencyAwareAdagrad(
+            lr, step_counter=E.DynamicLearningRate(1), l1_regularization_strength=0.01,
+            l2_regularization_strength=0.01, max_lr_multiplier=3.0, probability_exponent=0.5,
+            accumulator_decay=0.99),
+        "stochastic_gradient_descent": lambda: E.SGD(lr),
+        "ftrl": lambda: E.FTRL(lr, l1_regularization_strength=0.01, l2_regularization_strength=0.01),
+        "adam": lambda: E.Adam(lr),
+        "momentum": lambda: E.Momentum(lr, momentum=0.9),
+        "lion": lambda: E.Lion(lr, beta1=0.9, beta2=0.99),
+        "rms_prop": lambda: E.RMSProp(lr, rho=0.9, momentum=0.9, epsilon=1e-7),
+        "centered_rms_prop": lambda: E.CenteredRMSProp(lr, rho=0.9, momentum=0.9, epsilon=1e-7),
+        "adadelta": lambda: E.Adadelta(lr, rho=0.95, epsilon=1e-6),
+        "proximal_adagrad": lambda: E.ProximalAdagrad(lr, l1=0.01, l2=0.01),
+        "online_yogi": lambda: E.OnlineYogi(lr, l1=0.01, l2=0.01, beta2=0.99),
+        "proximal_yogi": lambda: E.ProximalYogi(lr, l1=0.01, l2=0.01, beta1=0.9, beta2=0.99, epsilon=1e-3),
+        "frequency_estimator": lambda: E.FrequencyEstimator(lr, tau=0.25, max_delta=6.0, outlier_threshold=2.0),
+    }[algorithm]()
+
+
+def _learning_rates(algorithm: str, changing: bool) -> Callable[[int], list[float]]:
+    """``learning_rates`` of step k. FrequencyEstimator's "learning rate" is the global step
+    (constant: the same step every time); FrequencyAwareAdagrad's step counter always counts."""
+    if algorithm == "frequency_estimator":
+        return (lambda k: [float(k + 1)]) if changing else (lambda k: [1.0])
+    base = (lambda k: LR / (1 + k)) if changing else (lambda k: LR)
+    if algorithm == "frequency_aware_adagrad":
+        return lambda k: [base(k), float(k + 1)]
+    return lambda k: [base(k)]
+
+
+class _Data:
+    """The workload's host inputs, shared by every row."""
+
+    def __init__(self, sizes: dict, seed: int = 0):
+        self.sizes = sizes
+        v, d, b, k = sizes["vocab"], sizes["dim"], sizes["batch"], sizes["ids_per_sample"]
+        self.ids = zipf_ids(b * k, v, sizes["zipf"], seed)
+        self.splits = np.arange(0, b * k + 1, k, dtype=np.int64)
+        self.grad = np.random.default_rng(seed + 1).standard_normal((b, d)).astype(np.float32) * 0.01
+        self.unique = int(np.unique(self.ids).size)
+
+
+def _engine_steps(backend: str, d: _Data, algorithm: str, per_id: bool = False) -> dict[str, Callable[[], Any]]:
+    """``{"constant": step, "changing": step}`` on one engine; with ``per_id`` one step on a
+    sequence feature ``[B*K, 1]`` instead of the pooled ``[B]`` (constant learning rate)."""
+    import meshembed as me
+
+    s = d.sizes
+    b, k, dim = s["batch"], s["ids_per_sample"], s["dim"]
+    shape = (b * k, 1) if per_id else (b,)
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig(name="t", vocabulary_size=s["vocab"], dimension=dim,
+                               optimizer=_spec(algorithm), combiner="sum")],
+        features=[me.FeatureConfig(table="t", input_shape=shape, name="f")],
+    )
+    emb = me.TPUEmbedding(cfg, backend=backend, num_shards=1)
+    if per_id:
+        feat = d.ids.reshape(b * k, 1)
+        grad = emb.backend.asarray(np.repeat(d.grad, k, axis=0).reshape(b * k, 1, dim))
+    else:
+        feat, grad = me.RaggedIds(d.splits, d.ids), emb.backend.asarray(d.grad)
+    sync = _syncer(backend)
+
+    def make(changing: bool) -> Callable[[], Any]:
+        lrs, count = _learning_rates(algorithm, changing), [0]
+
+        def step() -> Any:
+            emb.enqueue([feat])
+            acts = emb.dequeue()
+            emb.apply_gradients([grad], learning_rates=lrs(count[0]))
+            count[0] += 1
+            sync(acts)  # the update may still run (JAX): the next lookup waits for it
+            return acts
+
+        step.finish = lambda: sync(emb._state[0][0].data)  # type: ignore[attr-defined]
+        return step
+
+    return {"per_id": make(False)} if per_id else {"constant": make(False), "changing": make(True)}
+
+
+def _syncer(backend: str) -> Callable[[Any], None]:
+    if backend == "jax":
+        import jax
+
+        return jax.block_until_ready
+    return lambda x: None
+
+
+def _sparseadam_step(d: _Data) -> Callable[[], Any]:
+    """``nn.EmbeddingBag(sparse=True)`` + ``torch.optim.SparseAdam``: forward, backward of the
+    fixed upstream gradient, the lazy Adam step."""
+    import torch
+
+    s = d.sizes
+    bag = torch.nn.EmbeddingBag(s["vocab"], s["dim"], mode="sum", sparse=True)
+    opt = torch.optim.SparseAdam(bag.parameters(), lr=LR)
+    ids, offsets = torch.from_numpy(d.ids), torch.from_numpy(d.splits[:-1])
+    grad = torch.from_numpy(d.grad)
+
+    def step() -> Any:
+        out = bag(ids, offsets)
+        out.backward(grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out
+
+    return step
+
+
+def _fbgemm_step(d: _Data, algorithm: str) -> Callable[[], Any]:
+    from benchmarks import torch_w1
+
+    return torch_w1._make_step("fbgemm", torch_w1._Data(d.sizes), short(algorithm))
+
+
+def _peer_step(peer: str, d: _Data, algorithm: str) -> Callable[[], Any]:
+    if peer == "fbgemm":
+        return _fbgemm_step(d, algorithm)
+    if peer == "sparseadam":
+        return _sparseadam_step(d)
+    from benchmarks import tf_peers
+
+    step = tf_peers.w1_step(d.sizes, algorithm)
+    return lambda: step().numpy()
+
+
+def _peer_unavailable(peer: str) -> str | None:
+    module = {"fbgemm": "fbgemm_gpu", "tf": "tensorflow", "sparseadam": "torch"}[peer]
+    try:
+        if peer == "tf":
+            from benchmarks import tf_peers
+
+            tf_peers._tf()
+        else:
+            __import__(module)
+    except Exception as exc:  # noqa: BLE001 - report any import failure verbatim
+        return f"{module} does not import here ({type(exc).__name__}: {str(exc)[:120]})"
+    return None
+
+
+@dataclass
+class Result:
+    """One optimizer's medians (ms) and min–max, by row: constant, changing, per_id, peers."""
+
+    algorithm: str
+    n_slots: int
+    times: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def med(self, key: str) -> float:
+        return self.times.get(key, (float("nan"),) * 3)[0]
+
+
+def run(backend: str, sizes: dict, algorithms: tuple[str, ...], *, repeats: int = 7, rounds: int = 3,
+        warmup: int = WARMUP, per_id: tuple[str, ...] = ("stochastic_gradient_descent",),
+        peers: tuple[str, ...] = ("fbgemm", "tf", "sparseadam"), verbose: bool = False) -> list[Result]:
+    """Time every optimizer of ``algorithms`` (engine constant / changing lr, its per-id step
+    when listed in ``per_id``, and its peers), all rows of one optimizer interleaved."""
+    from benchmarks.torch_w1 import _timed_rounds
+    from meshembed.math import OPTIMIZERS
+
+    d = _Data(sizes)
+    results = []
+    for algorithm in algorithms:
+        res = Result(algorithm, len(OPTIMIZERS[algorithm].slot_names))
+        steps: dict[str, Callable[[], Any]] = {}
+        try:
+            steps.update(_engine_steps(backend, d, algorithm))
+            if algorithm in per_id:
+                steps.update(_engine_steps(backend, d, algorithm, per_id=True))
+        except Exception as exc:  # noqa: BLE001 - an optimizer that cannot run is a table row
+            res.notes["engine"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        for peer in PEERS.get(algorithm, ()):
+            if peer not in peers:
+                continue
+            why = _peer_unavailable(peer)
+            if why is None:
+                try:
+                    steps[peer] = _peer_step(peer, d, algorithm)
+                except Exception as exc:  # noqa: BLE001
+                    why = f"{type(exc).__name__}: {str(exc)[:160]}"
+            if why:
+                res.notes[peer] = why
+                if verbose:
+                    print(f"{short(algorithm)}: {PEER_NAME[peer]} skipped: {why}", flush=True)
+        try:
+            res.times = _timed_rounds(steps, repeats, rounds, warmup)
+        except Exception:  # noqa: BLE001 - time them one by one to find the failing one
+            for key, step in steps.items():
+                try:
+                    res.times.update(_timed_rounds({key: step}, repeats, rounds, warmup))
+                except Exception as exc:  # noqa: BLE001
+                    res.notes[key] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        steps.clear()
+        gc.collect()
+        results.append(res)
+        if verbose:
+            cells = "  ".join(f"{k} {m:.2f} ({lo:.2f}-{hi:.2f})" for k, (m, lo, hi) in res.times.items())
+            print(f"{short(algorithm):24s} {cells}", flush=True)
+    return results
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b == b and b > 0 else float("nan")
+
+
+def _verdict(value: float, target: float, at_most: bool) -> str:
+    if value != value:
+        return "—"
+    ok = value <= target if at_most else value >= target
+    return f"{value:.2f}× {'✓' if ok else '✗'}"
+
+
+def table(results: list[Result]) -> str:
+    """The markdown table of one backend's run: one row per optimizer."""
+    sgd = next((r.med("constant") for r in results if r.algorithm == "stochastic_gradient_descent"), float("nan"))
+    head = ("| optimizer | slots | constant lr ms (min–max) | changing lr ms | changing ÷ constant (≤ 1.05) "
+            "| ÷ SGD (≤ 1.5) | peer ÷ engine (target) | per-id ms, ÷ pooled (≤ 1.5) | note |")
+    lines = [head, "|" + "---|" * 9]
+    for r in results:
+        const = r.times.get("constant", (float("nan"),) * 3)
+        peer_cells = []
+        for peer in PEERS.get(r.algorithm, ()):
+            if peer in r.times:
+                ratio = _ratio(r.med(peer), const[0])
+                peer_cells.append(f"{PEER_NAME[peer]} {r.med(peer):.2f} ms: "
+                                  f"{_verdict(ratio, TARGET_PEER[peer], at_most=False)} (≥ {TARGET_PEER[peer]})")
+        per_id = ""
+        if "per_id" in r.times:
+            per_id = f"{r.med('per_id'):.2f}, {_verdict(_ratio(r.med('per_id'), const[0]), TARGET_PER_ID, True)}"
+        note = "; ".join(f"{k}: {v}" for k, v in r.notes.items())
+        lines.append(
+            f"| {short(r.algorithm)} | {r.n_slots} | {const[0]:.2f} ({const[1]:.2f}–{const[2]:.2f}) "
+            f"| {r.med('changing'):.2f} | {_verdict(_ratio(r.med('changing'), const[0]), TARGET_LR, True)} "
+            f"| {_verdict(_ratio(const[0], sgd), TARGET_VS_SGD, True)} | {'; '.join(peer_cells)} | {per_id} | {note} |"
+        )
+    return "\n".join(lines)
+
+
+def misses(results: list[Result]) -> list[str]:
+    """One line per missed target (empty: every measured target met)."""
+    sgd = next((r.med("constant") for r in results if r.algorithm == "stochastic_gradient_descent"), float("nan"))
+    out = []
+    for r in results:
+        c = r.med("constant")
+        checks = [("÷ SGD", _ratio(c, sgd), TARGET_VS_SGD, True),
+                  ("changing ÷ constant lr", _ratio(r.med("changing"), c), TARGET_LR, True),
+                  ("per-id ÷ pooled", _ratio(r.med("per_id"), c), TARGET_PER_ID, True)]
+        checks += [(f"{PEER_NAME[p]} ÷ engine", _ratio(r.med(p), c), TARGET_PEER[p], False)
+                   for p in PEERS.get(r.algorithm, ())]
+        for what, value, target, at_most in checks:
+            if value == value and not (value <= target if at_most else value >= target):
+                out.append(f"{short(r.algorithm)}: {what} = {value:.2f} (target {'≤' if at_most else '≥'} {target})")
+    return out
+
+
+def _names(arg: str, every: tuple[str, ...]) -> tuple[str, ...]:
+    if arg in ("all", ""):
+        return every
+    if arg == "none":
+        return ()
+    names = tuple(ALIASES.get(n.strip(), n.strip()) for n in arg.split(",") if n.strip())
+    bad = [n for n in names if n not in every]
+    if bad:
+        raise SystemExit(f"Invalid optimizer(s) {bad}. Expected 'all' or some of {[short(n) for n in every]}.")
+    return names
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", choices=("torch", "jax"), default="torch")
+    ap.add_argument("--optimizers", default="all", help="'all' or a comma list (sgd, adagrad, adam, ...)")
+    ap.add_argument("--per-id", default="sgd", help="optimizers that also get the per-id step ('all', 'none')")
+    ap.add_argument("--peers", default="fbgemm,tf,sparseadam", help="comma list of fbgemm, tf, sparseadam, or none")
+    ap.add_argument("--repeats", type=int, default=7, help="timed steps per row per round")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    ap.add_argument("--quick", action="store_true", help="CI sizes, 1 warm-up, 1 round (a smoke test)")
+    args = ap.parse_args(argv)
+    every = trainable()
+    algorithms = _names(args.optimizers, every)
+    per_id = _names(args.per_id, every)
+    peers = () if args.peers == "none" else tuple(p.strip() for p in args.peers.split(",") if p.strip())
+    if args.quick:
+        sizes, warmup, rounds = TINY_W1, 1, 1
+    else:
+        sizes, warmup, rounds = W1, WARMUP, args.rounds
+    results = run(args.backend, sizes, algorithms, repeats=args.repeats, rounds=rounds, warmup=warmup,
+                  per_id=per_id, peers=peers, verbose=True)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    gbs = bandwidth_gbs(1 << 24 if args.quick else 1 << 28)
+    print(f"\nW1 on {args.backend}: {sizes}; {_Data(sizes).unique} unique rows/step; {args.repeats} steps × "
+          f"{rounds} rounds per row; load average {load:.1f} on {os.cpu_count()} cores; "
+          f"copy bandwidth {gbs:.1f} GB/s\n")
+    print(table(results))
+    missed = misses(results)
+    print("\nevery measured target met" if not missed else "\ntargets missed:\n" + "\n".join(missed))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
