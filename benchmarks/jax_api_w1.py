@@ -6,10 +6,14 @@ depends on the lookup, as a loss's gradient does, and on both paths). Every row 
 full step with its host work: the engine's enqueue + dequeue + apply_gradients, against
 ``me.jax.prepare`` (a unique capacity 1.25x the distinct rows) + one ``jax.jit`` (donated state) of ``lookup`` + ``apply_gradients``, with
 a constant learning rate and with a learning rate (dynamic tag) changing every step.
-fbgemm's CPU TBE row appears when ``fbgemm_gpu`` is installed (``benchmarks.jax_w1``).
+fbgemm's CPU TBE row (SGD, Adagrad) appears when ``fbgemm_gpu`` imports: run it with
+``.venv/interop/bin/python`` (``make test-interop`` installs it there, layered on ``.venv``).
+The meshembed rows of one optimizer are timed interleaved, one step each in turn; fbgemm's
+after them.
 
 Run: ``python -m benchmarks.jax_api_w1 [--tiny] [--repeats N] [--optimizers sgd,adam]``.
-Prints medians and the ratios me.jax / engine and changing / constant lr. ``--profile``
+Prints medians, the ratios me.jax / engine, changing / constant lr and fbgemm / me.jax, and
+the load average. ``--profile``
 interleaves the two steps and splits each into its host part and the whole (waited) step.
 """
 
@@ -22,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import TINY_W1, W1, timeit, zipf_ids
+from benchmarks.common import TINY_W1, W1, zipf_ids
 
 OPTIMIZERS = ("sgd", "adagrad", "adam", "adadelta")
 LR = 0.05
@@ -99,32 +103,71 @@ def api_step(sizes: dict, optimizer: str, dynamic: bool) -> Callable[[], Any]:
     return step
 
 
-def run(sizes: dict, repeats: int, optimizers: tuple[str, ...], verbose: bool = False) -> dict:
-    """{optimizer: {row: (median, min, max) ms}} plus the ratios. Every step is waited for
+def fbgemm_step(sizes: dict, optimizer: str) -> Callable[[], Any] | None:
+    """fbgemm's CPU TBE on the same sizes (``benchmarks.torch_w1``), or None when fbgemm_gpu
+    does not import or has no such optimizer (it lives in ``.venv/interop``: make test-interop)."""
+    from benchmarks import torch_w1
+
+    if optimizer not in ("sgd", "adagrad") or torch_w1._unsupported("fbgemm", optimizer):
+        return None
+    return torch_w1._make_step("fbgemm", torch_w1._Data(sizes), optimizer)
+
+
+def run(sizes: dict, repeats: int, optimizers: tuple[str, ...], verbose: bool = False, warmup: int = 3) -> dict:
+    """{optimizer: {row: (median, min, max) ms}} plus the ratios. The meshembed rows of one
+    optimizer are built together and timed interleaved (engine step, me.jax step, ...,
+    ``repeats`` rounds), so a change of load hits them alike; every step is waited for
     (activations and the updated table), so no row hides work in the next step."""
+    import os
+    import statistics
+    import time
+
     import jax
 
     out: dict = {}
     for optimizer in optimizers:
-        rows = {}
-        for name, make in (("TPUEmbedding[jax]", lambda: engine_step(sizes, optimizer)),
-                           ("me.jax jit, constant lr", lambda: api_step(sizes, optimizer, False)),
-                           ("me.jax jit, lr every step", lambda: api_step(sizes, optimizer, True))):
-            step = make()
-            rows[name] = timeit(step, repeats=repeats, sync=jax.block_until_ready)  # each step finished
+        steps = {"TPUEmbedding[jax]": engine_step(sizes, optimizer),
+                 "me.jax jit, constant lr": api_step(sizes, optimizer, False),
+                 "me.jax jit, lr every step": api_step(sizes, optimizer, True)}
+        for step in steps.values():
+            for _ in range(warmup):
+                jax.block_until_ready(step())
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        for _ in range(repeats):
+            for name, step in steps.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(step())
+                times[name].append((time.perf_counter() - t0) * 1e3)
+        for name, step in steps.items():
             traces = getattr(step, "traces", None)
             if traces is not None and traces() != 1:
                 raise AssertionError(f"{name} ({optimizer}) traced {traces()} times")
-            del step
+        del steps
+        gc.collect()
+        # fbgemm after, not interleaved: torch's OpenMP workers spin on after each call and
+        # would slow the XLA step that follows on a small machine
+        fbgemm = fbgemm_step(sizes, optimizer)
+        if fbgemm is not None:
+            for _ in range(warmup):
+                fbgemm()
+            times["fbgemm TBE CPU"] = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fbgemm()
+                times["fbgemm TBE CPU"].append((time.perf_counter() - t0) * 1e3)
+            del fbgemm
             gc.collect()
-            if verbose:
-                med, lo, hi = rows[name]
-                print(f"{optimizer:9s} {name:28s} {med:8.2f} ms ({lo:.2f}-{hi:.2f})", flush=True)
-        eng, const, dyn = (rows[k][0] for k in rows)
+        rows = {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
+        eng, const, dyn = (rows[k][0] for k in list(rows)[:3])
         rows["ratio me.jax / engine"] = const / eng
         rows["ratio changing / constant lr"] = dyn / const
+        if "fbgemm TBE CPU" in rows:
+            rows["ratio fbgemm / me.jax"] = rows["fbgemm TBE CPU"][0] / const
         if verbose:
-            print(f"{optimizer:9s} me.jax/engine {const / eng:.2f}x   changing/constant lr {dyn / const:.2f}x", flush=True)
+            for name, (med, lo, hi) in ((k, v) for k, v in rows.items() if not k.startswith("ratio")):
+                print(f"{optimizer:9s} {name:28s} {med:8.2f} ms ({lo:.2f}-{hi:.2f})", flush=True)
+            print(f"{optimizer:9s} " + "   ".join(f"{k[6:]} {v:.2f}x" for k, v in rows.items() if k.startswith("ratio"))
+                  + "   load average %.2f %.2f %.2f" % os.getloadavg(), flush=True)
         out[optimizer] = rows
     return out
 
@@ -207,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import fbgemm_gpu  # noqa: F401
     except ImportError:
-        print("fbgemm_gpu not installed: no fbgemm TBE row (python -m benchmarks.jax_w1 --against-fbgemm has it)")
+        print("fbgemm_gpu not installed: no fbgemm TBE row (run with .venv/interop/bin/python, see make test-interop)")
+    print("load average at start: %.2f %.2f %.2f" % __import__("os").getloadavg(), flush=True)
     run(TINY_W1 if args.tiny else W1, args.repeats, tuple(args.optimizers.split(",")), verbose=True)
 
 
