@@ -20,15 +20,15 @@ or fused from the rule) and scatters back, so the same math runs on every backen
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import array_api_compat
 import numpy as np
 
-from meshembed.embedding.layout import TableSpec, _is_dynamic
 from meshembed.backend.protocol import occurrence_rounds  # noqa: F401 (re-exported)
+from meshembed.embedding.layout import TableSpec, _is_dynamic
 from meshembed.errors import ConfigError
-from meshembed.math.rule import REGISTERED_FUSED, UpdateRule, registered_code  # noqa: F401 (re-exported)
+from meshembed.math.rule import UpdateRule
 
 
 def resolve(value: Any, learning_rates: Sequence[float]) -> Any:
@@ -81,29 +81,6 @@ def _program_runner(table: TableSpec, backend: Any) -> dict[str, Any]:
     """UserDefinedProgram's ``hlo_runner``/``takes_learning_rate``, from a backend that runs HLO."""
     opt = table.optimizer
     return _runs_hlo(backend).hlo_program(table.name, bytes(opt.program), len(opt.slot_initial_values()))
-
-
-class UpdateSpec(NamedTuple):
-    """What a legacy update closure computes, as data (``fn.update_spec``), for the JAX
-    backend until it takes :class:`~meshembed.math.rule.UpdateRule` s too.
-    ``plain``: no gradient or weight clipping and no weight decay around the formula."""
-
-    algorithm: str
-    lr: float
-    hyperparameters: dict
-    plain: bool
-
-
-def fused_kernel(fn: Any, n_tables: int) -> tuple[int, tuple[float, float, float]] | None:
-    """``(kernel code, (lr, rho, epsilon))`` when a registered fused update computes the legacy
-    closure ``fn`` over a table and its ``n_tables - 1`` slots, else None (JAX only; backends
-    that take rules ask ``rule.fused_code``)."""
-    spec = getattr(fn, "update_spec", None)
-    code = None if spec is None or not spec.plain else registered_code(spec.algorithm, spec.hyperparameters, n_tables)
-    if code is None:
-        return None
-    hp = spec.hyperparameters
-    return code, (float(spec.lr), float(hp.get("rho", 0.0)), float(hp.get("epsilon", 0.0)))
 
 
 def _check_trainable(table: TableSpec, backend_name: Any) -> None:
@@ -160,37 +137,6 @@ def rule_values(table: TableSpec, rule: UpdateRule, learning_rates: Sequence[flo
     """This step's values of ``rule.dynamic`` (raises ConfigError without a learning rate)."""
     lr, hp = table_hyperparameters(table, learning_rates)
     return (lr, *(hp[name] for name in rule.dynamic[1:]))
-
-
-def make_update_fn(
-    xp: Any, table: TableSpec, learning_rates: Sequence[float], backend_name: str = ""
-) -> Callable[..., tuple]:
-    """``fn(grad_rows, param_rows, *slot_rows) -> (param_rows', *slot_rows')`` for this table,
-    with ``fn.update_spec`` (:class:`UpdateSpec`) describing it."""
-    from meshembed import math as me_math
-
-    opt = table.optimizer
-    algorithm = _algorithm(opt)
-    _check_trainable(table, backend_name)
-    lr, hp = table_hyperparameters(table, learning_rates)
-    if algorithm == "user_defined_program":
-        hp.update(_program_runner(table, backend_name))
-    decay = float(getattr(opt, "weight_decay_factor", 0.0) or 0.0)
-    by_lr = bool(getattr(opt, "multiply_weight_decay_factor_by_learning_rate", False))
-    gradient_clip = opt.gradient_clipping_limits()
-    weight_clip = opt.clipping_limits()
-
-    def fn(grads: Any, params: Any, *slots: Any) -> tuple:
-        new_params, new_slots = me_math.apply_update(
-            xp, algorithm, params, grads, tuple(slots), lr=lr, hyperparameters=hp,
-            gradient_clip=gradient_clip, weight_clip=weight_clip, weight_decay=decay,
-            multiply_weight_decay_by_lr=by_lr,
-        )
-        return (new_params, *tuple(new_slots))
-
-    fn.update_spec = UpdateSpec(algorithm if isinstance(algorithm, str) else "custom", lr, dict(hp),
-                                decay == 0 and gradient_clip is None and weight_clip is None)
-    return fn
 
 
 def is_non_lazy(table: TableSpec) -> bool:
