@@ -444,3 +444,14 @@ def test_accumulation_off_applies_each_occurrence_like_the_engine():
     one_by_one = me.jax.init(cfg_off)
     one_by_one = me.jax.apply_gradients(one_by_one, me.jax.prepare(cfg_off, {"a": np.array([3, 3])}), ones)
     assert not np.array_equal(summed["parameters"][3], one_by_one.parameters("ada")["parameters"][3])
+
+
+def test_float32_values_reach_the_fused_kernel_as_exact_doubles():
+    """A traced float32 hyper-parameter becomes the float64 bit pattern the engine passes
+    (built with integer ops, so without x64 too): normal, subnormal, zero, Inf and NaN."""
+    from meshembed_jax import api
+
+    values = np.array([0.3, -0.0, 0.0, 1e-45, 3e-39, -1.17e-38, 1.1754944e-38, np.inf, -np.inf, np.nan, 3.4e38,
+                       -2.5], np.float32)
+    bits = jax.jit(jax.vmap(api._f64_bits))(values)
+    np.testing.assert_array_equal(np.asarray(bits), values.astype(np.float64).view(np.uint32).reshape(-1, 2))
