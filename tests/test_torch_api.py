@@ -504,6 +504,12 @@ def test_benchmark_runs_tiny():
     med = {r.name: r.median_ms for r in rows}
     for impl in ("module", "module+compile", "engine"):
         assert med[torch_api_w1._NAME[impl]] > 0
+    from benchmarks import torch_module_w1
+
+    text = torch_module_w1.table(rows, ("sgd",))  # the side-by-side table of the W1 script
+    assert text.splitlines()[0].split() == ["optimizer", *torch_api_w1.IMPLS]
+    assert "module+compile  / engine" in text and ("skipped" in text) == (med[torch_api_w1._NAME["fbgemm"]] != med[
+        torch_api_w1._NAME["fbgemm"]])
     rows = torch_api_w1.w2(TINY_W2, repeats=1, counts=(2,), warmup=1)
     assert all(r.median_ms > 0 for r in rows)
 

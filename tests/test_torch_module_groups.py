@@ -3,7 +3,8 @@ groups of 2 (ranks [0, 2] and [1, 3]: neither is 0..k-1) each training its own m
 same time. Each group's tables are row-sharded over its 2 ranks only, and its result equals a
 1-process run of the same module on the group's whole batch (the 2 ranks' batches
 concatenated in group-rank order; gradients are summed across a group's ranks) within float32
-rounding; its checkpoint, written by the group's rank 0, restores in one process bit for bit.
+rounding; its checkpoint, written by the group's rank 0, restores over the group and in one
+process bit for bit.
 """
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ WORKER = textwrap.dedent('''
                 loss(ec(feats(*step[grank]))).backward()
             sd = ec.state_dict()  # collective over the group: whole logical tables
             ec.save(tmp / f"ckpt_{name}")
+            back = me.torch.EmbeddingCollection.restore(tmp / f"ckpt_{name}", process_group=groups[name])
+            assert back.engine.num_shards == 2
+            for k, v in back.state_dict().items():
+                assert torch.equal(v, sd[k]), k
             if grank == 0:
                 torch.save(sd, tmp / f"sd_{name}.pt")
             rows = ec.engine._state[0][0].data.shape[0]  # this rank's rows of the one table

@@ -363,11 +363,13 @@ class EmbeddingCollection(torch.nn.Module):
 
     @classmethod
     def restore(cls, path: Any, *, num_shards: int | None = None, device: Any = None,
-                fused_optimizer: bool = True) -> "EmbeddingCollection":
-        """A module from a portable checkpoint (``save``, or ``TPUEmbedding.save`` anywhere)."""
+                fused_optimizer: bool = True, process_group: Any = None) -> "EmbeddingCollection":
+        """A module from a portable checkpoint (``save``, or ``TPUEmbedding.save`` anywhere);
+        outputs keyed by feature name (the checkpoint keeps no feature_config nest)."""
         from meshembed_torch.backend import TorchBackend
 
-        engine = TPUEmbedding.restore(path, backend=TorchBackend(device=device), num_shards=num_shards)
+        backend = TorchBackend(device=device, process_group=_check_group(process_group))
+        engine = TPUEmbedding.restore(path, backend=backend, num_shards=num_shards)
         return cls._from_engine(engine, fused_optimizer)
 
     def __deepcopy__(self, memo: dict) -> "EmbeddingCollection":
