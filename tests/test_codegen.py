@@ -380,3 +380,17 @@ def test_recorded_graph_is_backend_neutral():
     assert ops <= {"row", "grad", "param", "const", "cast", "add", "sub", "mul", "div", "sqrt"}
     assert len(graph.outputs) == 3 and graph.n_params == 1
     assert not any("std::" in str(n.args) for n in graph.nodes)
+
+
+def test_prebuilt_kernels_are_found_by_their_own_cache_entry(monkeypatch, tmp_path):
+    """One compiler run for several kernels; a later process finds each by its own source."""
+    monkeypatch.setenv("MESHEMBED_CACHE", str(tmp_path))
+    monkeypatch.setattr(codegen, "_kernels", {})
+    rules = [make_rule("adagrad", {}, (), OPTIONS["weight_clip"], "float64"),
+             make_rule("lion", {}, (), OPTIONS["gradient_clip"], "float64")]
+    built = codegen.prebuild([(r, 1 + len(r.slot_names)) for r in rules])
+    assert all(built) and len(list(tmp_path.glob("meshembed_rk_batch-*.so"))) == 1
+    monkeypatch.setattr(codegen, "_kernels", {})
+    monkeypatch.setattr(codegen.native, "build_library", lambda *a, **k: pytest.fail("compiled again"))
+    again = codegen.row_kernel(rules[1], 2)
+    assert again is not None and again.symbol == built[1].symbol and again.address == built[1].address

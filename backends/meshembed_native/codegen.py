@@ -31,6 +31,7 @@ import ctypes
 import hashlib
 import math
 import os
+import shutil
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -638,7 +639,10 @@ def _build(pending: list[tuple[Any, Graph, str, str, Path]]) -> bool:
             tmp = t[4].with_name(f".{t[4].name}.{os.getpid()}.tmp")
             if tmp.exists() or tmp.is_symlink():
                 tmp.unlink()
-            os.symlink(lib, tmp)
+            try:
+                os.symlink(lib, tmp)
+            except OSError:  # no symbolic links here: a copy (dlopen loads it separately)
+                shutil.copyfile(lib, tmp)
             os.replace(tmp, t[4])
         return True
     except (native.BuildError, OSError) as exc:  # no compiler, a compiler that fails
