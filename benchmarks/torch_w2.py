@@ -9,10 +9,18 @@ Rows:
 * ``meshembed core adadelta, torch.compile`` — the same pure function and the write-back in one
   function compiled by ``TorchBackend.compile(..., force=True)``: inductor fuses the ~15
   element-wise ops and the three stores into one pass over memory.
-* ``torch.optim.Adadelta(foreach=True)`` and ``(foreach=False)``.
+* ``me.optimizers.Adadelta ... allow_nonfinite=True`` — the same without the NaN/Inf check of
+  the gradients (the default, ``allow_nonfinite=False``, refuses a non-finite step and changes
+  nothing: one extra read of every gradient).
+* ``me.torch.Adadelta.step`` — the ``torch.optim.Optimizer`` over ``nn.Parameter``\ s (``p.grad``),
+  on the same path (the generated row kernel of the rule, all tensors in one C call).
+* ``torch.optim.Adadelta(foreach=True)``, ``(foreach=False)`` and ``(fused=True)`` where this
+  torch has it (torch 2.13's Adadelta has no ``fused``: the row says so).
+
+``main`` prints the side-by-side table and each row's speed-up over ``foreach=True``.
 
 The bound is ``w2_bytes`` (read g, read+write p and both slots) ÷ measured copy bandwidth.
-Run: ``python -m benchmarks.torch_w2 [--tiny] [--repeats N]``.
+Run: ``python -m benchmarks.torch_w2 [--tiny] [--repeats N] [--only impl,...]``.
 """
 
 from __future__ import annotations
@@ -23,12 +31,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import WARMUP, Row, timeit, w2_bytes, w2_main
+from benchmarks.common import WARMUP, Row, w2_bytes, w2_main
 
 LR, RHO, EPS = 1.0, 0.95, 1e-6
-IMPLS = ("optimizer", "eager", "compile", "torch-foreach", "torch-loop")
+IMPLS = ("optimizer", "optimizer-nonfinite", "me-torch", "eager", "compile", "torch-foreach", "torch-fused",
+         "torch-loop")
+BASELINE = "torch-foreach"
 _NAME = {
     "optimizer": "me.optimizers.Adadelta.apply_gradients",
+    "optimizer-nonfinite": "me.optimizers.Adadelta(allow_nonfinite=True)",
+    "me-torch": "me.torch.Adadelta.step",
+    "torch-fused": "torch.optim.Adadelta(fused=True)",
     "eager": "meshembed core adadelta, eager",
     "compile": "meshembed core adadelta, torch.compile",
     "torch-foreach": "torch.optim.Adadelta(foreach=True)",
@@ -53,9 +66,18 @@ def _make_step(impl: str, params: int, count: int) -> Callable[[], Any]:
     from meshembed.math import AdadeltaSlots, adadelta
 
     ps, gs = _tensors(params, count)
-    if impl.startswith("torch"):
+    if impl.startswith("torch") or impl == "me-torch":
         leaves = [torch.nn.Parameter(p) for p in ps]
-        opt = torch.optim.Adadelta(leaves, lr=LR, rho=RHO, eps=EPS, foreach=impl == "torch-foreach")
+        if impl == "me-torch":
+            opt = me.torch.Adadelta(leaves, lr=LR, rho=RHO, eps=EPS)
+        elif impl == "torch-fused":
+            import inspect
+
+            if "fused" not in inspect.signature(torch.optim.Adadelta.__init__).parameters:
+                raise NotImplementedError(f"torch {torch.__version__}'s Adadelta has no fused=True")
+            opt = torch.optim.Adadelta(leaves, lr=LR, rho=RHO, eps=EPS, fused=True)
+        else:
+            opt = torch.optim.Adadelta(leaves, lr=LR, rho=RHO, eps=EPS, foreach=impl == "torch-foreach")
 
         def step() -> Any:
             for leaf, g in zip(leaves, gs):
@@ -63,9 +85,9 @@ def _make_step(impl: str, params: int, count: int) -> Callable[[], Any]:
             opt.step()
 
         return step
-    if impl == "optimizer":
+    if impl.startswith("optimizer"):
         variables = [me.Variable(p, name=f"w{i}", backend="torch") for i, p in enumerate(ps)]
-        opt = me.optimizers.Adadelta(learning_rate=LR, rho=RHO, epsilon=EPS)
+        opt = me.optimizers.Adadelta(learning_rate=LR, rho=RHO, epsilon=EPS, allow_nonfinite=impl != "optimizer")
         opt.build(variables)
         pairs = list(zip(gs, variables))
         return lambda: opt.apply_gradients(pairs)
@@ -91,31 +113,66 @@ def _make_step(impl: str, params: int, count: int) -> Callable[[], Any]:
 
 def w2(sizes: dict, repeats: int = 7, impls: tuple[str, ...] = IMPLS, counts: tuple[int, ...] = (1, 64),
        warmup: int = WARMUP, verbose: bool = False) -> list[Row]:
+    """Every implementation of a case built side by side, then timed *interleaved* (repeat r
+    times each one once, in turn), so a machine whose load changes during the run (other
+    processes on the same cores) weighs on every row alike; medians of ``repeats``."""
+    import time
+
     params = sizes["params"]
     rows = []
     for count in counts:
+        steps: dict[str, Any] = {}
+        notes = {impl: "" for impl in impls}
         for impl in impls:
-            note = ""
-            med = lo = hi = float("nan")
             try:
-                step = _make_step(impl, params, count)
-                med, lo, hi = timeit(step, warmup=warmup + (1 if impl in ("compile", "optimizer") else 0), repeats=repeats)
+                steps[impl] = _make_step(impl, params, count)
+                for _ in range(warmup + (1 if impl in ("compile", "optimizer", "optimizer-nonfinite", "me-torch") else 0)):
+                    steps[impl]()
             except Exception as exc:  # noqa: BLE001 - a failing row is reported, not fatal
-                note = f"{type(exc).__name__}: {str(exc)[:160]}"
-            finally:
-                step = None
-                gc.collect()
-            case = f"adadelta {count} tensor{'s' if count > 1 else ''}"
+                steps.pop(impl, None)
+                notes[impl] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        times: dict[str, list[float]] = {impl: [] for impl in steps}
+        for _ in range(repeats):
+            for impl, step in steps.items():
+                t0 = time.perf_counter()
+                step()
+                times[impl].append((time.perf_counter() - t0) * 1e3)
+        steps.clear()
+        gc.collect()
+        case = f"adadelta {count} tensor{'s' if count > 1 else ''}"
+        for impl in impls:
+            got = times.get(impl)
+            med, lo, hi = (float(np.median(got)), min(got), max(got)) if got else (float("nan"),) * 3
             row = Row(workload="W2", name=_NAME[impl], case=case, median_ms=med, min_ms=lo, max_ms=hi,
-                      bytes_touched=w2_bytes(params), state_bytes=params * 4 * 3, note=note)
+                      bytes_touched=w2_bytes(params), state_bytes=params * 4 * 3, note=notes[impl])
             rows.append(row)
             if verbose:
-                print(f"{case:20s} {row.name:42s} {med:9.2f} ms  ({lo:.2f}-{hi:.2f}) {note}", flush=True)
+                print(f"{case:20s} {row.name:46s} {med:9.2f} ms  ({lo:.2f}-{hi:.2f}) {row.note}", flush=True)
     return rows
 
 
+def speedups(rows: list[Row]) -> str:
+    """Side by side: each row's median and its speed-up over ``torch.optim.Adadelta(foreach=True)``
+    of the same case (> 1: faster)."""
+    base = {r.case: r.median_ms for r in rows if r.name == _NAME[BASELINE]}
+    lines = ["| case | implementation | median ms | min–max ms | × faster than foreach=True |", "|---|---|---|---|---|"]
+    for r in rows:
+        ratio = base.get(r.case, float("nan")) / r.median_ms if r.median_ms == r.median_ms else float("nan")
+        shown = f"{ratio:.2f}" if ratio == ratio else (r.note or "n/a")
+        lines.append(f"| {r.case} | {r.name} | {r.median_ms:.2f} | {r.min_ms:.2f}–{r.max_ms:.2f} | {shown} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
-    w2_main(__doc__, w2, IMPLS, argv)
+    captured: list[Row] = []
+
+    def w2_kept(*args: Any, **kwargs: Any) -> list[Row]:
+        captured[:] = w2(*args, **kwargs)
+        return captured
+
+    w2_main(__doc__, w2_kept, IMPLS, argv)
+    print()
+    print(speedups(captured))
 
 
 if __name__ == "__main__":

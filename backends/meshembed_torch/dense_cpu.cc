@@ -33,3 +33,35 @@ extern "C" int64_t meshembed_dense_update(int64_t fn, int64_t count, int64_t n_a
   delete[] first;
   return total;
 }
+
+// Whether every element of the `count` arrays (float32 if elem_size == 4, else float64) is
+// finite, in one pass over OpenMP threads: a value is NaN or ±Inf exactly when its exponent
+// bits are all ones; an integer OR over the chunk says it (associative, so it vectorises,
+// unlike a floating-point sum). 1: all finite.
+template <class T, class U>
+static int all_finite(int64_t count, const int64_t* numels, char* const* ptrs, int64_t chunk, int threads, U mask) {
+  int64_t* first = new int64_t[count + 1];
+  first[0] = 0;
+  for (int64_t n = 0; n < count; ++n) first[n + 1] = first[n] + (numels[n] + chunk - 1) / chunk;
+  const int64_t total = first[count];
+  int bad = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : bad)
+  for (int64_t c = 0; c < total; ++c) {
+    const int64_t n = std::upper_bound(first, first + count + 1, c) - first - 1;
+    const int64_t start = (c - first[n]) * chunk;
+    const int64_t len = std::min(chunk, numels[n] - start);
+    const U* x = reinterpret_cast<const U*>(ptrs[n]) + start;
+    U any = 0;
+    for (int64_t j = 0; j < len; ++j) any |= static_cast<U>((x[j] & mask) == mask);
+    bad |= any != 0;
+  }
+  delete[] first;
+  return !bad;
+}
+
+extern "C" int meshembed_all_finite(int64_t count, int64_t elem_size, const int64_t* numels, char* const* ptrs,
+                                    int64_t chunk, int threads) {
+  if (count <= 0 || chunk <= 0) return 1;
+  return elem_size == 4 ? all_finite<float, uint32_t>(count, numels, ptrs, chunk, threads, 0x7f800000u)
+                        : all_finite<double, uint64_t>(count, numels, ptrs, chunk, threads, 0x7ff0000000000000ull);
+}

@@ -43,6 +43,10 @@ def _library() -> Any:
             fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                            ctypes.c_int]
+            check = lib.meshembed_all_finite
+            check.restype = ctypes.c_int
+            check.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                              ctypes.c_int]
             _state["lib"] = lib
         except Exception as exc:  # no compiler, ...
             _state["lib"] = None
@@ -97,3 +101,26 @@ def update(kernel: Any, grads: Sequence[Any], values: Sequence[Sequence[float]],
     _library().meshembed_dense_update(kernel.address, count, k, elem, numels, gptrs, tptrs, hp, kernel.n_params,
                                       CHUNK, int(threads))
     calls[0] += 1
+
+
+def all_finite(arrays: Sequence[Any], threads: int) -> bool | None:
+    """Whether every element of ``arrays`` is finite, in one C pass over all of them (the
+    dense optimizer's NaN policy reads every gradient once); None where it does not apply
+    (not all contiguous float32 / float64 CPU tensors of one dtype, or no library): the
+    caller then uses the framework's reductions."""
+    import torch
+
+    if not enabled() or not arrays:
+        return None
+    dtype = arrays[0].dtype if isinstance(arrays[0], torch.Tensor) else None
+    if dtype not in (torch.float32, torch.float64) or any(
+            type(x) is not torch.Tensor or x.dtype != dtype or x.device.type != "cpu" or not x.is_contiguous()
+            for x in arrays):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    count = len(arrays)
+    numels = (ctypes.c_int64 * count)(*(x.numel() for x in arrays))
+    ptrs = (ctypes.c_void_p * count)(*(x.data_ptr() for x in arrays))
+    return bool(lib.meshembed_all_finite(count, arrays[0].element_size(), numels, ptrs, CHUNK, int(threads)))
