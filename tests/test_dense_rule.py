@@ -270,3 +270,34 @@ def test_jax_changing_learning_rate_compiles_nothing_after_warm_up(monkeypatch, 
         opt.apply_gradients(list(zip(g, vs)))
         counts.append(compiles[0])
     assert counts[-1] == counts[WARM_UP - 1], f"recompiled after warm-up: {counts}"
+
+
+@pytest.mark.skipif(not _usable("torch"), reason="torch is not installed")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_torch_nan_policy_in_one_pass_finds_any_bad_element(bad, dtype):
+    """The NaN policy's one C pass over all 64 gradients finds a single bad element in any
+    tensor (first, last, any position); large finite values pass; a non-contiguous tensor
+    takes the framework's reductions (same answer); the step then changes nothing."""
+    import torch
+
+    from meshembed_torch import dense_cpu
+
+    be = me.get_backend("torch")
+    dt = getattr(torch, dtype)
+    grads = [torch.randn(1000 + 7 * i, dtype=dt) for i in range(64)]
+    assert bool(be.finite_guard(grads))
+    assert dense_cpu.all_finite([torch.full((9,), torch.finfo(dt).max, dtype=dt)], 2) in (True, None)
+    for n, j in ((0, 0), (63, -1), (31, 500)):
+        hit = [g.clone() for g in grads]
+        hit[n][j] = bad
+        assert not bool(be.finite_guard(hit)), (n, j)
+    strided = torch.randn(40, dtype=dt)[::2].clone()[::1]
+    strided[3] = bad
+    assert not bool(be.finite_guard([torch.randn(80, dtype=dt)[::2], strided]))
+    variables = [me.Variable(np.ones(g.shape, dtype), name=f"v{i}", backend="torch") for i, g in enumerate(grads)]
+    hit = [g.clone() for g in grads]
+    hit[40][3] = bad
+    with pytest.raises(me.InputError, match="v40"):
+        me.optimizers.Adadelta(1.0).apply_gradients(list(zip(hit, variables)))
+    assert all(np.array_equal(v.numpy(), np.ones(v.shape, dtype)) for v in variables)
