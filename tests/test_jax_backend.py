@@ -131,11 +131,11 @@ def test_create_unshard_and_sharding(be, vocab, shards, strategy, dtype):
 def test_create_table_from_blocks_fills_in_place_on_the_devices(be, vocab, shards, strategy, window_rows, monkeypatch):
     """Forced onto the device-side fill (small windows: several windows per block, windows
     clamped at the end of a shard): the same padded, sharded table as ``create_table``."""
-    from meshembed_jax import backend as jax_backend
+    from meshembed_jax import table as jax_table
 
     dim = 4
-    monkeypatch.setattr(jax_backend, "BLOCKWISE_MIN_BYTES", 0)
-    monkeypatch.setattr(jax_backend, "WINDOW_BYTES", 4 * dim * shards * window_rows)
+    monkeypatch.setattr(jax_table, "BLOCKWISE_MIN_BYTES", 0)
+    monkeypatch.setattr(jax_table, "WINDOW_BYTES", 4 * dim * shards * window_rows)
     values = _table(vocab, dim)
     placement = Placement(vocab, shards, strategy)
     blocks = (values[a : a + 5] for a in range(0, vocab, 5))
@@ -366,9 +366,9 @@ def test_table_creation_leaves_shardings_intact(monkeypatch):
     """Creating tables (filled on the devices window by window, then collapsed to huge
     pages) must not touch the sharding's cached device set, which other tables of the same
     layout share: the huge-page hint once emptied it with ``devices().pop()``."""
-    from meshembed_jax import backend as jax_backend
+    from meshembed_jax import table as jax_table
 
-    monkeypatch.setattr(jax_backend, "BLOCKWISE_MIN_BYTES", 0)
+    monkeypatch.setattr(jax_table, "BLOCKWISE_MIN_BYTES", 0)
     be = JaxBackend()
     placement = Placement(40, 1, "mod")
     first = be.create_table(_table(40, 4), placement)

@@ -223,7 +223,7 @@ def test_other_platforms_and_dtypes_use_xla():
 def test_huge_page_hint_keeps_the_table(monkeypatch):
     """Collapsing a CPU table's buffer to 2 MiB pages is a hint: values and updates are
     unchanged whether or not the kernel honours it."""
-    from meshembed_jax import layout
+    from meshembed_jax import table as layout
 
     monkeypatch.setattr(layout, "HUGE_PAGE_MIN_BYTES", 1 << 21)
     be = me.get_backend("jax")

@@ -186,10 +186,10 @@ def _process_worker(rank: int, port: int, out_dir: str) -> None:
             np.testing.assert_allclose(be.unshard(a), ref.unshard(b), rtol=2e-6, atol=2e-6 * vocab)
             checks += 1
     # tables made block by block on the devices (forced for small tables: 3-row windows)
-    from meshembed_jax import backend as jax_backend
+    from meshembed_jax import table as jax_table
 
-    saved = jax_backend.BLOCKWISE_MIN_BYTES, jax_backend.WINDOW_BYTES
-    jax_backend.BLOCKWISE_MIN_BYTES, jax_backend.WINDOW_BYTES = 0, 4 * 4 * 4 * 3
+    saved = jax_table.BLOCKWISE_MIN_BYTES, jax_table.WINDOW_BYTES
+    jax_table.BLOCKWISE_MIN_BYTES, jax_table.WINDOW_BYTES = 0, 4 * 4 * 4 * 3
     try:
         for vocab, shards, strategy in [(37, 4, "mod"), (37, 2, "div")]:
             values = (np.arange(vocab)[:, None] + np.arange(4)[None] / 1000).astype(np.float32)
@@ -198,7 +198,7 @@ def _process_worker(rank: int, port: int, out_dir: str) -> None:
             np.testing.assert_array_equal(be.unshard(table), values)
             checks += 1
     finally:
-        jax_backend.BLOCKWISE_MIN_BYTES, jax_backend.WINDOW_BYTES = saved
+        jax_table.BLOCKWISE_MIN_BYTES, jax_table.WINDOW_BYTES = saved
     try:
         be.create_table(np.zeros((10, 2), np.float32), Placement(10, 3, "mod"))
     except ValueError as exc:

@@ -6,6 +6,6 @@ the backend cannot run when jax is missing.
 """
 
 from meshembed_jax.backend import JaxBackend
-from meshembed_jax.layout import JaxShardedTable
+from meshembed_jax.table import JaxShardedTable
 
 __all__ = ["JaxBackend", "JaxShardedTable"]

@@ -1,8 +1,10 @@
 """The CPU row kernels (``cpu_kernels.cc``): built on first use, registered with XLA's FFI.
 
 Why: XLA's CPU gathers and scatters move rows element by element on one thread, which made
-the W1 step several times slower than the torch backend (docs/benchmarks.md). These kernels only move and sum rows on
-XLA's intra-op thread pool; the optimizer formula stays the core's function compiled by XLA.
+the W1 step several times slower than the torch backend (docs/benchmarks.md). These kernels
+move and sum rows on XLA's intra-op thread pool. They hold no formula: the fused updates
+(``fused_update``, ``dense_update``) call the rule's row kernel generated from the core's math
+by ``meshembed_native.codegen`` (:func:`row_kernel`), whose address they take as an attribute.
 
 The shared library is compiled once per source/jax version with the system C++ compiler
 (``$CXX`` or ``g++``) into ``$MESHEMBED_CACHE`` (default ``~/.cache/meshembed``), see

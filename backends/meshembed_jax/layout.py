@@ -12,13 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any
 
-import numpy as np
-
-from meshembed.backend.protocol import ShardedTable
 from meshembed.sharding.placement import Placement
-from meshembed_native.pages import HUGE_PAGE_MIN_BYTES, advise_huge_pages
 
 AXIS = "shard"
 
@@ -91,93 +87,3 @@ def choose_devices(num_shards: int, devices: list[Any], process_count: int) -> l
         f"least one logical shard, so num_shards must be a multiple of the process count. "
         f"Received: num_shards={num_shards}"
     )
-
-
-class JaxShardedTable(ShardedTable):
-    """A logical ``[V, D]`` table held as a sharded padded ``[S, max_rows, D]`` jax.Array.
-
-    Kernels donate ``data`` and replace it with their output, so the wrapper object stays
-    the same across steps while no step copies the table.
-    """
-
-    def __init__(self, data: Any, layout: ShardLayout, dim: int):
-        self._data = data
-        self.layout = layout
-        self.placement = layout.placement
-        self._dim = dim
-        # a check of the last update that runs before anything reads ``data`` again
-        # (``JaxBackend`` defers its capacity check so the host can prepare the next step)
-        self.pending: Callable[[], None] | None = None
-
-    @property
-    def data(self) -> Any:
-        if self.pending is not None:
-            check, self.pending = self.pending, None
-            check()
-        return self._data
-
-    @data.setter
-    def data(self, value: Any) -> None:
-        self._data = value
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.placement.vocabulary_size, self._dim)
-
-    # dtype and sharding never change with an update: no need to wait for a pending check
-    @property
-    def dtype(self) -> Any:
-        return np.dtype(self._data.dtype)
-
-    @property
-    def sharding(self) -> Any:
-        return self._data.sharding
-
-    def __repr__(self) -> str:
-        p = self.placement
-        return (
-            f"JaxShardedTable(shape={self.shape}, dtype={self.dtype}, shards={p.num_shards} "
-            f"({p.strategy}), devices={self.layout.n_dev})"
-        )
-
-
-def pad_shards(values: np.ndarray, placement: Placement) -> np.ndarray:
-    """``[V, D]`` -> a new ``[S, max_rows, D]`` array with zero padding rows (host side).
-
-    Always a fresh array: the CPU runtime may keep the memory it is given, and a table must
-    never alias its caller's values. Each shard's rows are a strided (MOD) or contiguous
-    (DIV) slice, copied once (no fancy-indexing temporary)."""
-    s_all = placement.num_shards
-    out = np.zeros((s_all, placement.max_rows) + values.shape[1:], dtype=values.dtype)
-    for s in range(s_all):
-        rows = placement.rows_in_shard(s)
-        start = s if placement.strategy == "mod" else int(placement.shard_start(s))
-        out[s, :rows] = values[start::s_all][:rows] if placement.strategy == "mod" else values[start : start + rows]
-    return out
-
-
-def unpad_shards(padded: np.ndarray, placement: Placement) -> np.ndarray:
-    """Inverse of :func:`pad_shards`."""
-    out = np.empty((placement.vocabulary_size,) + padded.shape[2:], dtype=padded.dtype)
-    for s in range(placement.num_shards):
-        out[placement.global_ids(s)] = padded[s, : placement.rows_in_shard(s)]
-    return out
-
-
-def collapse_to_huge_pages(array: Any) -> None:
-    """Back a CPU table's buffers with 2 MiB pages: XLA has already allocated and written
-    them, so collapse them now (``MADV_COLLAPSE``, Linux ≥ 6.1; docs/benchmarks.md, "Huge
-    pages"). The buffers stay the same across steps (donated, written in place), so they keep
-    their pages. A hint only: anything unsupported is left as it is.
-    """
-    try:
-        shards = [s.data for s in array.addressable_shards]
-        if any(d.platform != "cpu" for s in shards for d in s.devices()):  # (a cached set: never pop it)
-            return
-        for s in shards:
-            nbytes = s.size * s.dtype.itemsize
-            if nbytes >= HUGE_PAGE_MIN_BYTES:
-                advise_huge_pages(s.unsafe_buffer_pointer(), nbytes, collapse=True)
-    except Exception:  # noqa: BLE001 - a performance hint must never break table creation
-        return
-
