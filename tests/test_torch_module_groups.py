@@ -96,6 +96,10 @@ WORKER = textwrap.dedent('''
                 assert torch.equal(v, sd[k]), k
             if grank == 0:
                 torch.save(sd, tmp / f"sd_{name}.pt")
+            try:  # rank-sharded tables stay where the group's collectives run
+                ec._move_tables(torch.device("cpu"))
+            except me.ConfigError as exc:
+                (tmp / f"move{rank}.txt").write_text(str(exc))
             rows = ec.engine._state[0][0].data.shape[0]  # this rank's rows of the one table
             (tmp / f"rows{rank}.txt").write_text(str(rows))
             dist.barrier()
@@ -129,6 +133,7 @@ def test_two_subgroups_train_their_own_modules_equal_to_one_process(tmp_path):
     assert out.returncode == 0 and "OK" in out.stdout, errors or out.stderr[-3000:]
     for rank in range(4):  # a rank outside a group cannot build a module over it
         assert "is not one of its ranks" in (tmp_path / f"refused{rank}.txt").read_text()
+        assert "sharded over torch.distributed ranks stay on their device" in (tmp_path / f"move{rank}.txt").read_text()
     for name, ranks in GROUPS.items():
         # row-sharded over the group's 2 ranks: each holds about half the rows
         vocab = cfg(name, B).tables[0].vocabulary_size
