@@ -139,6 +139,8 @@ def test_every_input_form_equals_ragged_ids():
         "jagged": (torch.nested.nested_tensor_from_jagged(v, o), torch.nested.nested_tensor_from_jagged(w, o)),
         "coo": (torch.sparse_coo_tensor(idx, v, size), torch.sparse_coo_tensor(idx, w, size)),
         "RaggedIds": (me.RaggedIds(offsets, values), weights),
+        "SparseIds of tensors": (me.SparseIds(idx.t(), v, size), me.SparseIds(idx.t(), w, size)),
+        "RaggedIds of tensors": (me.RaggedIds(o, v), me.RaggedIds(o, w)),
     }
     for name, (x, wx) in forms.items():
         got = ec({"bag": x}, {"bag": wx})["bag"]
