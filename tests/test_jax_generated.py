@@ -180,3 +180,8 @@ def test_kernel_address_and_parameter_block_reach_the_ffi():
     text = step.lower(datas, ids, jax.numpy.zeros((8, 3), np.float32), ids, jax.numpy.zeros(1, np.float32),
                       jax.numpy.asarray(True), jax.numpy.asarray(block[:2])).as_text()
     assert "meshembed_fused_update" in text and str(kernel.address) in text
+
+
+def test_invalid_dedup_is_a_config_error():
+    with pytest.raises(me.errors.ConfigError, match="Invalid `dedup`.*Received: dedup='hash'"):
+        jax_backend.JaxBackend(dedup="hash")

@@ -74,7 +74,8 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         self.capacity = capacity if capacity is not None else env_int("MESHEMBED_JAX_CAPACITY")
         self.dedup = dedup or env_choice("MESHEMBED_JAX_DEDUP", ("dense", "sort"))
         if self.dedup is not None and self.dedup not in ("dense", "sort"):
-            raise ValueError(f"Invalid `dedup`. Expected one of ('dense', 'sort'). Received: dedup={self.dedup!r}")
+            raise ConfigError(f"Invalid `dedup` for the jax backend. Expected one of ('dense', 'sort') or None (pick "
+                              f"per table). Received: dedup={self.dedup!r}")
         self._layouts: dict[tuple[Placement, tuple[int, ...]], ShardLayout] = {}
         self._meshes: dict[tuple[int, ...], Any] = {}
         self._kernels: collections.OrderedDict[Any, Callable] = collections.OrderedDict()

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from meshembed.errors import InputError
 from meshembed_jax import cpu_kernels
 from meshembed_jax.layout import AXIS, ShardLayout
 
@@ -87,21 +88,17 @@ def local_rows(layout: ShardLayout, ids: jax.Array) -> jax.Array:
     """Row of each global id inside this device's flattened block; ``M`` when not owned.
 
     Runs inside ``shard_map``: the device's position on the mesh axis says which logical
-    shards it holds. Placement arithmetic (MOD/DIV) is the jnp twin of
-    ``meshembed.sharding.Placement.owner``/``local_row``.
+    shards it holds. The MOD/DIV arithmetic is ``meshembed.sharding.Placement.owner`` /
+    ``local_row`` itself, run on jnp arrays.
     """
     p = layout.placement
-    v, s = p.vocabulary_size, p.num_shards
+    v = p.vocabulary_size
     k, r_max = layout.shards_per_device, layout.max_rows
     m = k * r_max
     valid = (ids >= 0) & (ids < v)
     safe = jnp.where(valid, ids, 0)
-    if p.strategy == "mod":
-        shard, row = safe % s, safe // s
-    else:
-        q, r = divmod(v, s)
-        shard = jnp.maximum(safe // (q + 1), (safe - r) // q)
-        row = safe - (shard * q + jnp.minimum(shard, r))
+    shard = p.owner(safe, xp=jnp)
+    row = p.local_row(safe, xp=jnp, owner=shard)
     if layout.n_dev > 1:
         local_shard = shard - lax.axis_index(AXIS).astype(ids.dtype) * k
         owned = valid & (local_shard >= 0) & (local_shard < k)
@@ -430,9 +427,9 @@ def _as_rows(new: Any, n_tables: int) -> list[Any]:
         new = (new,)
     new = list(new)
     if len(new) != n_tables:
-        raise ValueError(
-            f"Invalid optimizer function result. Expected {n_tables} arrays (one per table and "
-            f"slot, in the order given). Received: {len(new)}"
+        raise InputError(
+            f"Invalid update rule result. Expected {n_tables} arrays (the table and each slot, in the "
+            f"order given). Received: {len(new)}. Fix: return (params, slots) with one slot per slot name."
         )
     return new
 
