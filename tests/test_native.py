@@ -73,3 +73,21 @@ def test_huge_pages_on_real_memory_is_harmless():
     buf = np.zeros(3 * pages.HUGE_PAGE // 4, dtype=np.float32)
     pages.advise_huge_pages(buf.ctypes.data, buf.nbytes, collapse=True)
     assert not buf.any()  # a hint: the contents stay
+
+
+def test_load_once_sets_signatures_and_warns_once_when_unusable(tmp_path, monkeypatch):
+    import ctypes
+    import warnings
+
+    monkeypatch.setenv("MESHEMBED_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "add.cc"
+    source.write_text('extern "C" double me_add(double a, double b) { return a + b; }\n')
+    state: dict = {}
+    lib = native.load_once(state, source, "add", {"me_add": (ctypes.c_double, [ctypes.c_double] * 2)}, "adding is")
+    assert lib.me_add(1.5, 2.25) == 3.75 and native.load_once(state, source, "add", {}, "adding is") is lib
+    broken: dict = {}
+    with pytest.warns(RuntimeWarning, match="adding is unavailable .*same numbers. Fix it"):
+        assert native.load_once(broken, source, "add", {"me_sub": (None, [])}, "adding is", hint=" Fix it.") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.load_once(broken, source, "add", {"me_sub": (None, [])}, "adding is") is None

@@ -10,14 +10,16 @@ build its kernels falls back to its framework's own ops.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 #: Flags of every build: ``-ffp-contract=off`` keeps ``a - b * c`` two roundings, as NumPy
 #: computes it, instead of one fused multiply-add; ``-fno-math-errno`` lets ``sqrt`` vectorise
@@ -85,3 +87,22 @@ def build_library(source: Path, stem: str, key: str = "", flags: Sequence[str] =
             raise BuildError(f"{' '.join(cmd)} failed:\n{done.stderr[:4000]}")
         os.replace(tmp, path)
     return path
+
+
+def load_once(state: dict, source: Path, stem: str, signatures: Mapping[str, tuple[Any, Sequence[Any]]],
+              what: str, flags: Sequence[str] = FLAGS, hint: str = "") -> Any:
+    """``source``'s library (built if missing) with each function's ``(restype, argtypes)`` set,
+    kept in ``state["lib"]``; None, with one RuntimeWarning naming ``what`` (then ``hint``), where
+    it cannot be built or loaded (the caller's framework ops then run instead)."""
+    if "lib" not in state:
+        try:
+            lib = ctypes.CDLL(str(build_library(source, stem, flags=flags)))
+            for name, (restype, argtypes) in signatures.items():
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = restype, list(argtypes)
+            state["lib"] = lib
+        except Exception as exc:  # no compiler, a failed build, a missing symbol
+            state["lib"] = None
+            warnings.warn(f"meshembed: {what} unavailable ({type(exc).__name__}: {str(exc)[:500]}); the core "
+                          f"functions run instead (same numbers).{hint}", RuntimeWarning, stacklevel=3)
+    return state["lib"]

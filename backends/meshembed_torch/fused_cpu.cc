@@ -110,18 +110,12 @@ int64_t fused_update(void* kernel, const double* hp, int n_arrays, T* const* arr
 }  // namespace
 
 // One entry point per row dtype; `kernel` is a generated row kernel of the same dtype.
-extern "C" int64_t meshembed_fused_update_float32(void* kernel, const double* hp, int n_arrays, float* const* arrays,
-                                                  int64_t num_rows, const int64_t* rows, int64_t n,
-                                                  const int64_t* grad_index, const float* weights,
-                                                  const float* grads, int64_t grad_rows, int64_t dim, int threads) {
-  return fused_update<float>(kernel, hp, n_arrays, arrays, num_rows, rows, n, grad_index, weights, grads, grad_rows,
-                             dim, threads);
-}
-
-extern "C" int64_t meshembed_fused_update_float64(void* kernel, const double* hp, int n_arrays, double* const* arrays,
-                                                  int64_t num_rows, const int64_t* rows, int64_t n,
-                                                  const int64_t* grad_index, const double* weights,
-                                                  const double* grads, int64_t grad_rows, int64_t dim, int threads) {
-  return fused_update<double>(kernel, hp, n_arrays, arrays, num_rows, rows, n, grad_index, weights, grads, grad_rows,
-                              dim, threads);
-}
+#define MESHEMBED_FUSED_UPDATE(T, NAME)                                                                        \
+  extern "C" int64_t NAME(void* kernel, const double* hp, int n_arrays, T* const* arrays, int64_t num_rows,     \
+                          const int64_t* rows, int64_t n, const int64_t* grad_index, const T* weights,         \
+                          const T* grads, int64_t grad_rows, int64_t dim, int threads) {                       \
+    return fused_update<T>(kernel, hp, n_arrays, arrays, num_rows, rows, n, grad_index, weights, grads,        \
+                           grad_rows, dim, threads);                                                          \
+  }
+MESHEMBED_FUSED_UPDATE(float, meshembed_fused_update_float32)
+MESHEMBED_FUSED_UPDATE(double, meshembed_fused_update_float64)

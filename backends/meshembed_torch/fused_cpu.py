@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -42,20 +41,10 @@ def enabled() -> bool:
 
 def _library() -> Any:
     """The loaded driver library, or None (with one warning) where it cannot be built."""
-    if "lib" not in _state:
-        try:
-            lib = ctypes.CDLL(str(native.build_library(_SOURCE, "torch_fused_cpu", flags=(*native.FLAGS, "-fopenmp"))))
-            for dtype in ("float32", "float64"):
-                fn = getattr(lib, f"meshembed_fused_update_{dtype}")
-                fn.restype, fn.argtypes = ctypes.c_int64, _ARGS
-            _state["lib"] = lib
-        except Exception as exc:  # no compiler, ...
-            _state["lib"] = None
-            warnings.warn(
-                f"meshembed: the torch backend's fused CPU updates are unavailable ({type(exc).__name__}: "
-                f"{str(exc)[:500]}); the core functions run instead (same numbers). Set "
-                "MESHEMBED_TORCH_FUSED=0 to silence this.", RuntimeWarning, stacklevel=3)
-    return _state["lib"]
+    signatures = {f"meshembed_fused_update_{dtype}": (ctypes.c_int64, _ARGS) for dtype in ("float32", "float64")}
+    return native.load_once(_state, _SOURCE, "torch_fused_cpu", signatures,
+                            "the torch backend's fused CPU updates are", flags=(*native.FLAGS, "-fopenmp"),
+                            hint=" Set MESHEMBED_TORCH_FUSED=0 to silence this.")
 
 
 def kernel_for(rule: Any, values: Sequence[float], datas: Sequence[Any], grads: Any, n: int, grad_index: Any,
