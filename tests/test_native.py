@@ -86,7 +86,7 @@ def test_load_once_sets_signatures_and_warns_once_when_unusable(tmp_path, monkey
     lib = native.load_once(state, source, "add", {"me_add": (ctypes.c_double, [ctypes.c_double] * 2)}, "adding is")
     assert lib.me_add(1.5, 2.25) == 3.75 and native.load_once(state, source, "add", {}, "adding is") is lib
     broken: dict = {}
-    with pytest.warns(RuntimeWarning, match="adding is unavailable .*same numbers. Fix it"):
+    with pytest.warns(RuntimeWarning, match=r"adding is unavailable .*same numbers\)\. Fix it"):
         assert native.load_once(broken, source, "add", {"me_sub": (None, [])}, "adding is", hint=" Fix it.") is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
