@@ -362,7 +362,7 @@ def test_compile_policy(tb):
     assert g.__wrapped__ is f
     np.testing.assert_array_equal(g(torch.ones(3)).numpy(), [3.0, 3.0, 3.0])
     assert calls  # ran eagerly (a compiled graph would not call back into Python)
-    assert tb._fused == {}  # the small update_rows tests above never compiled anything
+    assert tb._compiled_updates == {}  # the small update_rows tests above never compiled anything
     assert TorchBackend(compile=False)._compile_mode == "never"
     with pytest.raises(ValueError, match="compile"):
         TorchBackend(compile="sometimes")
@@ -386,7 +386,7 @@ def test_compiled_update_rows_matches_numpy(nb, monkeypatch):
             nb.update_rows(ns, ids, grads, rule, values=hv)
         for a, b in zip(ts, ns):
             np.testing.assert_allclose(tc.unshard(a), nb.unshard(b), rtol=1e-5, atol=1e-6)
-    assert len(tc._fused) == 2 and not tc._compile_broken
+    assert len(tc._compiled_updates) == 2 and not tc._compile_broken
 
 
 def test_compiled_update_rows_exact_when_learning_rate_changes(nb):

@@ -81,7 +81,9 @@ class TorchBackend(TorchDenseMixin, Backend):
             )
         self._compile_mode = mode
         self._compile_broken = False
-        self._fused: dict[Any, Callable] = {}  # compiled updates by (rule, row layout, function)
+        # torch.compile'd gather -> rule -> scatter by (rule, row layout, function); the C++
+        # fused row updates (fused_cpu) are cached by the codegen, not here
+        self._compiled_updates: dict[Any, Callable] = {}
         self._rule_updates: dict[UpdateRule, Callable] = {}
 
     # -- discovery -----------------------------------------------------------------------
@@ -407,7 +409,7 @@ class TorchBackend(TorchDenseMixin, Backend):
         if first.group is None and ids.numel() and ids.numel() < 2**31:
             datas = [t.data for t in tables]
             kernel = fused_cpu.kernel_for(fn, values, datas, g_src, ids.numel(), rows_of, w)
-            if kernel is not None:  # a registered fused kernel computes fn (see fused_cpu.py)
+            if kernel is not None:  # a fused row update generated from the rule (see fused_cpu.py)
                 rows = ids if first.rowmap.identity else first.rowmap.local_index(ids)
                 fused_cpu.update(kernel, rows, g_src, rows_of, w, datas, torch.get_num_threads())
                 return list(tables)
@@ -424,11 +426,11 @@ class TorchBackend(TorchDenseMixin, Backend):
                 datas = [t.data for t in tables]
                 layout = tuple((d.shape[1], d.dtype) for d in datas) + (
                     flat.dtype, psw is not None, rows_of is not None, small)
-                fused = self._fused_update(fn, index.shape[0] * first.data.shape[1], first.data.device,
-                                           layout, self._k.bag_update_scatter)
-                if fused is not None:
+                compiled = self._compiled_update(fn, index.shape[0] * first.data.shape[1], first.data.device,
+                                                 layout, self._k.bag_update_scatter)
+                if compiled is not None:
                     update = self._update_fn(fn)
-                    self._run_compiled(fused, self._k.bag_update_scatter, update, self._hyper(values, first.data.device),
+                    self._run_compiled(compiled, self._k.bag_update_scatter, update, self._hyper(values, first.data.device),
                                        flat, seg.perm, seg.starts, rows_of, psw, small, index, *datas)
                     return list(tables)
         g = self._k.sum_segments(seg, g_src, weights=w, rows=rows_of)
@@ -489,13 +491,13 @@ class TorchBackend(TorchDenseMixin, Backend):
         first = tables[0]
         index = first.rowmap.local_index(uids)
         datas = [t.data for t in tables]
-        fused = self._fused_update(fn, index.shape[0] * first.data.shape[1], first.data.device,
-                                   tuple((d.shape[1], d.dtype) for d in datas) + ((g.dtype,) if g.dim() > 1 else ()))
+        compiled = self._compiled_update(fn, index.shape[0] * first.data.shape[1], first.data.device,
+                                         tuple((d.shape[1], d.dtype) for d in datas) + ((g.dtype,) if g.dim() > 1 else ()))
         update = self._update_fn(fn)
-        if fused is None:  # eager: the values as Python floats, exactly the NumPy reference's
+        if compiled is None:  # eager: the values as Python floats, exactly the NumPy reference's
             self._k.gather_update_scatter(update, tuple(values), g, index, *datas)
         else:
-            self._run_compiled(fused, self._k.gather_update_scatter, update, self._hyper(values, first.data.device),
+            self._run_compiled(compiled, self._k.gather_update_scatter, update, self._hyper(values, first.data.device),
                                g, index, *datas)
 
     def _update_fn(self, fn: UpdateRule) -> Callable:
@@ -552,7 +554,7 @@ class TorchBackend(TorchDenseMixin, Backend):
             return True
         return device.type == "cpu" and elements >= COMPILE_MIN_ELEMENTS
 
-    def _fused_update(self, fn: UpdateRule, elements: int, device: Any, layout: tuple = (),
+    def _compiled_update(self, fn: UpdateRule, elements: int, device: Any, layout: tuple = (),
                       func: Callable | None = None) -> Callable | None:
         """A ``torch.compile``d gather → rule → scatter for the rule ``fn``, or None for eager.
 
@@ -567,10 +569,10 @@ class TorchBackend(TorchDenseMixin, Backend):
             return None
         func = func or self._k.gather_update_scatter
         key = (fn, layout, func.__name__)
-        entry = self._fused.get(key)
+        entry = self._compiled_updates.get(key)
         if entry is None:
-            entry = self._k.Compiled(self._torch, self._k.distinct_code(func, len(self._fused)), rows_dynamic=True)
-            self._fused[key] = entry
+            entry = self._k.Compiled(self._torch, self._k.distinct_code(func, len(self._compiled_updates)), rows_dynamic=True)
+            self._compiled_updates[key] = entry
         return entry
 
     def _run_compiled(self, compiled: Callable, eager: Callable, *args: Any) -> Any:

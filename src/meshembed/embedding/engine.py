@@ -176,8 +176,9 @@ class TPUEmbedding:
                 f"me.Mesh(..., backend={self.backend.name!r}), or leave `backend` out to use the mesh's."
             )
         self.layout: Layout = build_layout(self.config)
-        # Backends whose update_rows lacks grad_index/grad_weights get expanded rows.
-        self._fused_backward = self.backend.capabilities.grad_index_updates
+        # The combiner's backward pass inside update_rows (grad_index/grad_weights); backends
+        # without it get one expanded gradient row per id.
+        self._backward_in_update = self.backend.capabilities.grad_index_updates
         self._rules: dict[int, Any] | None = None  # each table's UpdateRule, built on first use
         explicit = num_shards is not None
         if num_shards is None:
@@ -662,7 +663,7 @@ class TPUEmbedding:
                     self._state[t.index], ids, source, fns[t.index],
                     **guarded, **({"values": values[t.index]} if values else {})))
                 continue
-            if n_ids and self._fused_backward and uses_accumulation(t) and not is_non_lazy(t):
+            if n_ids and self._backward_in_update and uses_accumulation(t) and not is_non_lazy(t):
                 # Combiner backward fused into the update: the backend sums
                 # scale_k * grad[slot_k] per row without one gradient row per id.
                 one = len(parts) == 1
