@@ -7,15 +7,8 @@ live here, beside the protocol, so that backends need nothing from ``meshembed.e
 
 from __future__ import annotations
 
-from meshembed.errors import (
-    BackendUnavailableError,
-    CapacityError,
-    CheckpointError,
-    ConfigError,
-    InputError,
-    MeshembedError,
-    StateError,
-)
+from meshembed.errors import (BackendUnavailableError, CapacityError, CheckpointError, ConfigError, InputError,
+                              MeshembedError, StateError)
 
 #: Status codes: 0 is success, k > 0 an error of type ``KINDS[k - 1]`` (the most specific
 #: one in this tuple that the error is an instance of; anything else counts as the base class).
