@@ -9,6 +9,8 @@
   ``benchmarks`` package; ``meshembed/bench.py`` imports nothing outside the standard library
   and meshembed.
 * No import circle among the core's modules at import time.
+* No backend takes a function apart (``__closure__``, ``__code__``, ``inspect.signature``,
+  ``update_spec``, ...): the core hands backends UpdateRules, which are data.
 
 Reading the files (not importing them) keeps the test fast and lets it see lazy imports.
 """
@@ -172,6 +174,47 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+#: Reading these takes a function apart (what backends did to the core's update closures).
+INTROSPECTION = {"__closure__", "__code__", "__defaults__", "__kwdefaults__", "__globals__", "__wrapped__",
+                 "update_spec", "signature", "getfullargspec", "getclosurevars"}
+#: (file, function) allowed to read them, and why.
+INTROSPECTION_ALLOWED = {
+    # copies a function into a fresh code object so that dynamo keeps one cache per compiled
+    # entry; it reads nothing out of the function, and the core hands it no closure to parse
+    ("meshembed_torch/kernels.py", "distinct_code"),
+}
+
+
+def introspection_violations(backends: Path = BACKENDS) -> list[str]:
+    """Reads of function internals or signatures in backend files, as ``file:line name``."""
+    bad = []
+    for path in _files(backends):
+        rel = path.relative_to(backends).as_posix()
+        if rel in FRONT_ENDS:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        allowed_lines: set[int] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (rel, node.name) in INTROSPECTION_ALLOWED:
+                allowed_lines.update(range(node.lineno, node.end_lineno + 1))
+        for node in ast.walk(tree):
+            name = None
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in INTROSPECTION:
+                name = node.attr
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                    and node.args[1].value in INTROSPECTION:
+                name = node.args[1].value
+            if name and node.lineno not in allowed_lines:
+                bad.append(f"{rel}:{node.lineno} {name}")
+    return sorted(bad)
+
+
+def test_backends_never_take_core_functions_apart():
+    assert introspection_violations() == [], (
+        "backends get UpdateRules (data), never closures to inspect (docs/internals.md, Update rules)")
+
+
 def test_backends_import_only_protocol_math_sharding_config():
     assert backend_violations() == [], (
         "backend files may import only meshembed.{backend,math,sharding,config,errors}, their own "
@@ -209,6 +252,13 @@ def test_the_checks_catch_what_they_forbid(tmp_path):
         "meshembed_x/api.py:1 meshembed", "meshembed_x/api.py:2 meshembed.TPUEmbedding",
         "meshembed_x/backend.py:3 meshembed.embedding.updates",
     ]
+    _write(tmp_path / "i", {
+        "meshembed_x/backend.py": "import inspect\ndef f(fn):\n    fn.__wrapped__ = fn\n"
+                                  "    return fn.__closure__, getattr(fn, 'update_spec', None), inspect.signature(fn)\n",
+    })
+    assert introspection_violations(tmp_path / "i") == [
+        "meshembed_x/backend.py:4 __closure__", "meshembed_x/backend.py:4 signature",
+        "meshembed_x/backend.py:4 update_spec"]
     core = tmp_path / "src" / "meshembed"
     _write(core, {
         "__init__.py": "from meshembed import a\n",
