@@ -193,12 +193,12 @@ class TorchBackend(TorchDenseMixin, Backend):
                 f"Received: shape={vals.shape}"
             )
         table = self._empty_table(vals.shape[1], self.torch_dtype(vals.dtype), placement)
-        self._place_block(table, 0, vals)
+        table.write_block(0, vals)
         return table
 
     def create_table_from_blocks(self, shape: tuple[int, int], blocks: Any, placement: Placement) -> TorchShardedTable:
         table = self._empty_table(shape[1], self._torch.float32, placement)
-        walk_blocks(shape, blocks, lambda start, block: self._place_block(table, start, block))
+        walk_blocks(shape, blocks, table.write_block)
         return table
 
     def _empty_table(self, dim: int, dtype: Any, placement: Placement) -> TorchShardedTable:
@@ -207,15 +207,6 @@ class TorchBackend(TorchDenseMixin, Backend):
         held = tuple(s for s in range(placement.num_shards) if s % world == rank)
         rowmap = self._k.RowMap(placement.vocabulary_size, placement.num_shards, placement.strategy, held, self.device)
         return TorchShardedTable(self._k.empty_rows((rowmap.local_rows, dim), dtype, self.device), placement, rowmap, group)
-
-    def _place_block(self, table: TorchShardedTable, start: int, block: np.ndarray) -> None:
-        """Copy logical rows ``[start, start + len(block))`` into the shards held here."""
-        src = self._torch.from_numpy(np.ascontiguousarray(block))
-        for s, first, rows in table.placement.block_parts(start, start + len(block)):
-            if s in table.rowmap.held:
-                part = src[rows]
-                at = table.rowmap.local_offset(s) + first
-                table.data[at : at + len(part)].copy_(part)
 
     def unshard(self, table: TorchShardedTable) -> np.ndarray:
         """The logical table as a new NumPy array (collective: all-gather of every shard)."""

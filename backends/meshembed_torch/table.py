@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from meshembed.backend.protocol import ShardedTable
 from meshembed.sharding.placement import Placement
 
@@ -67,6 +69,17 @@ class TorchShardedTable(ShardedTable):
             out[s] = self.data[start:start + rows]
             start += rows
         return out
+
+    def write_block(self, start: int, block: np.ndarray) -> None:
+        """Copy logical rows ``[start, start + len(block))`` into the shards held here."""
+        import torch
+
+        src = torch.from_numpy(np.ascontiguousarray(block))
+        for s, first, rows in self.placement.block_parts(start, start + len(block)):
+            if s in self.rowmap.held:
+                part = src[rows]
+                at = self.rowmap.local_offset(s) + first
+                self.data[at : at + len(part)].copy_(part)
 
     def __repr__(self) -> str:
         where = "single process" if self.group is None else f"rank {self.group.rank}/{self.group.world}"
