@@ -97,6 +97,28 @@ def test_engine_hands_backends_the_rule_once_per_table():
     assert isinstance(seen[0][0], UpdateRule) and seen[0][0] is seen[1][0]
 
 
+@pytest.mark.parametrize("name", ["numpy", "torch", "array_api_strict"])
+def test_update_rows_takes_only_rules(name):
+    """A plain update function (the old closure protocol) or a wrong number of values is an
+    InputError naming the fix, from update_rows and update_rows_in_order; nothing is written."""
+    from meshembed.sharding import Placement
+
+    if name not in me.available_backends():
+        pytest.skip(f"{name} is not installed")
+    be = me.get_backend(name)
+    values = np.arange(12, dtype=np.float32).reshape(6, 2)
+    table = be.create_table(values, Placement(6, 2, "mod"))
+    ids, grads = be.asarray(np.array([1, 4, 1])), be.asarray(np.ones((3, 2), np.float32))
+    rule = make_rule(_table(E.SGD(0.1)))
+    for call in (be.update_rows, be.update_rows_in_order):
+        host_ids = np.array([1, 4, 1]) if call == be.update_rows_in_order else ids
+        with pytest.raises(me.InputError, match=r"Expected a meshembed.math.UpdateRule.*Received: function"):
+            call([table], host_ids, grads, lambda g, p: (p - g,))
+        with pytest.raises(me.InputError, match=r"Expected 1 values, one per \('lr',\)\. Received: 2"):
+            call([table], host_ids, grads, rule, values=(0.1, 0.2))
+    np.testing.assert_array_equal(be.unshard(table), values)
+
+
 # -- torch: no recompilation when a learning rate changes ----------------------------------------
 torch = pytest.importorskip("torch")
 from meshembed_torch.backend import TorchBackend  # noqa: E402

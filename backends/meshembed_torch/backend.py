@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from meshembed.backend.env import env_choice
-from meshembed.backend.protocol import Backend, Capabilities, occurrence_rounds, walk_blocks
+from meshembed.backend.protocol import Backend, Capabilities, check_rule, occurrence_rounds, walk_blocks
 from meshembed.errors import InputError
 from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.sharding.placement import Placement
@@ -386,6 +386,7 @@ class TorchBackend(TorchDenseMixin, Backend):
             return []
         first = tables[0]
         try:
+            values = check_rule(fn, values, self.name)
             ids, id_range = self._ids_in_range(ids, first)
             g_src = self.asarray(grads).to(first.data.device)
             rows_of = None if grad_index is None else self.asarray(grad_index).to(torch.int64).reshape(-1)
@@ -447,6 +448,7 @@ class TorchBackend(TorchDenseMixin, Backend):
         torch = self._torch
         first = tables[0]
         try:
+            values = check_rule(fn, values, self.name)
             ids = self._ids(ids, first)
             g = self.asarray(grads).to(first.data.device)
             keys = torch.zeros_like(ids) if groups is None else self.asarray(groups).to(ids).reshape(-1)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from meshembed.errors import InputError
 from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.sharding.placement import Placement
 
@@ -204,6 +205,7 @@ class Backend(abc.ABC):
 
         With ``guard`` (a boolean scalar from ``finite_guard``) false, nothing is written.
         """
+        values = check_rule(fn, values, self.name)
         if guard is not None and not bool(guard):
             return list(tables)
         if grad_index is not None:
@@ -238,6 +240,7 @@ class Backend(abc.ABC):
         pass the same ids). A multi-process backend routes the contributions to the owners and
         runs the rounds there, so the number of rounds never has to match across processes."""
         guarded: dict[str, Any] = {"values": values} if guard is None else {"values": values, "guard": guard}
+        values = check_rule(fn, values, self.name)
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         rounds = occurrence_rounds(ids)
         state = list(tables)
@@ -348,6 +351,24 @@ class Backend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<meshembed backend {self.name!r}>"
+
+
+def check_rule(rule: Any, values: Sequence[Any], backend: str = "") -> tuple:
+    """``values`` as a tuple, after checking that ``rule`` is an :class:`UpdateRule` and
+    ``values`` has one entry per ``rule.dynamic`` (an InputError otherwise, before anything is
+    written): what every backend's ``update_rows`` checks first."""
+    if not isinstance(rule, UpdateRule):
+        raise InputError(
+            f"Invalid `fn` for the {backend or 'backend'!r} backend's update_rows. Expected a "
+            "meshembed.math.UpdateRule (meshembed.embedding.updates.make_rule(table)) with its `values=`; "
+            f"plain update functions are no longer accepted. Received: {type(rule).__name__}"
+        )
+    if len(values) != len(rule.dynamic):
+        raise InputError(
+            f"Invalid `values` for the {rule.algorithm!r} rule. Expected {len(rule.dynamic)} values, one per "
+            f"{rule.dynamic}. Received: {len(values)}"
+        )
+    return tuple(values)
 
 
 def walk_blocks(shape: tuple[int, int], blocks: Iterable[np.ndarray], place: Callable[[int, np.ndarray], None]) -> None:
