@@ -44,9 +44,11 @@ def _items():
         _Item("tests/test_config.py::test_b"),
         _Item("conformance/test_engine.py::test_x[jax]", "jax"),
         _Item("tests/test_torch_distributed.py::test_ranks"),
-        _Item("tests/test_checkpoint_integrity.py::test_crash", marks=("slow",)),
+        _Item("tests/test_checkpoint_integrity.py::test_crash[a]", marks=("slow",)),
         _Item("tests/test_checkpoint_integrity.py::test_fast"),
         _Item("tests/test_jax_api.py::test_jax_backend_agree_over_two_processes"),
+        _Item("tests/test_jax_conformance_devices.py::test_one"),
+        _Item("tests/test_jax_conformance_devices.py::test_two"),
     ]
 
 
@@ -64,13 +66,19 @@ def test_files_stay_together_process_tests_share_one_group_queued_first():
     assert groups["tests/test_config.py::test_a"] == groups["tests/test_config.py::test_b"] == "tests/test_config.py"
     assert groups["conformance/test_engine.py::test_x[numpy]"] == "conformance/test_engine.py::numpy"
     assert groups["conformance/test_engine.py::test_x[jax]"] == "conformance/test_engine.py::jax"
+    assert groups["tests/test_checkpoint_integrity.py::test_fast"] == "tests/test_checkpoint_integrity.py"
+    own = [groups[f"tests/test_jax_conformance_devices.py::test_{n}"] for n in ("one", "two")]
+    own.append(groups["tests/test_checkpoint_integrity.py::test_crash[a]"])
+    assert len(set(own)) == 3 and not any(c in g for g in own for c in "[]@")  # a unit each; xdist splits on "@"
     process = [n for n, g in groups.items() if g == xdist_groups.PROCESSES]
-    assert sorted(process) == ["tests/test_checkpoint_integrity.py::test_crash",
-                               "tests/test_jax_api.py::test_jax_backend_agree_over_two_processes",
-                               "tests/test_torch_distributed.py::test_ranks"]
+    assert process == ["tests/test_torch_distributed.py::test_ranks",
+                       "tests/test_jax_api.py::test_jax_backend_agree_over_two_processes"]
     order = [i.nodeid for i in items]
-    assert order[:3] == [n for n in order if n in process]  # the serial group first, then the long files
-    assert order.index("tests/test_checkpoint_integrity.py::test_fast") == 3
+    assert order[:2] == process  # the serial group first, then the long ones
+    assert set(order[2:7]) == {"tests/test_checkpoint_integrity.py::test_crash[a]",
+                               "tests/test_checkpoint_integrity.py::test_fast", "conformance/test_engine.py::test_x[jax]",
+                               "tests/test_jax_conformance_devices.py::test_one",
+                               "tests/test_jax_conformance_devices.py::test_two"}
     assert order.index("tests/test_config.py::test_a") < order.index("tests/test_config.py::test_b")  # file order kept
     assert order[-1] == "conformance/test_engine.py::test_x[numpy]"  # the quick backends' conformance last
 
@@ -90,4 +98,7 @@ def test_every_file_that_launches_process_groups_runs_in_the_serial_group():
                  and LAUNCHES.search(p.read_text())}
     assert {"test_torch_distributed.py", "test_jax_multidevice.py"} <= launching  # the pattern finds them
     listed = set(xdist_groups.PROCESS_FILES) | {t.split("::")[0].rsplit("/", 1)[-1] for t in xdist_groups.PROCESS_TESTS}
-    assert launching <= listed, f"add to conformance/xdist_groups.PROCESS_FILES: {sorted(launching - listed)}"
+    assert launching <= listed, f"add to conformance/xdist_groups.PROCESS_FILES (or PROCESS_TESTS): {sorted(launching - listed)}"
+    for test in xdist_groups.PROCESS_TESTS:  # a renamed test would silently leave the group
+        path, name = test.split("::")
+        assert f"def {name}(" in (TESTS.parent / path).read_text(), f"{test} is gone: update PROCESS_TESTS"
