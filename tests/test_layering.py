@@ -82,15 +82,21 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
+def _backend_files(backends: Path) -> list[tuple[str, Path, ast.Module]]:
+    """``(path relative to backends/, path, parsed tree)`` of every backend file but the front ends."""
+    out = []
+    for path in _files(backends):
+        rel = path.relative_to(backends).as_posix()
+        if rel not in FRONT_ENDS:
+            out.append((rel, path, ast.parse(path.read_text(), str(path))))
+    return out
+
+
 def backend_violations(backends: Path = BACKENDS) -> list[str]:
     """Every forbidden meshembed import in backend files, as ``file:line name``."""
     bad = []
-    for path in _files(backends):
-        rel = path.relative_to(backends).as_posix()
-        if rel in FRONT_ENDS:
-            continue
+    for rel, path, tree in _backend_files(backends):
         allowed = (*BACKEND_MAY_USE, rel.split("/")[0])
-        tree = ast.parse(path.read_text(), str(path))
         for line, base, names in _imports(tree, _module_name(path, backends), path.name == "__init__.py"):
             if not _under(base, ("meshembed",)) or _under(base, allowed):
                 continue  # the standard library, frameworks, own package, allowed core modules
@@ -188,11 +194,7 @@ INTROSPECTION_ALLOWED = {
 def introspection_violations(backends: Path = BACKENDS) -> list[str]:
     """Reads of function internals or signatures in backend files, as ``file:line name``."""
     bad = []
-    for path in _files(backends):
-        rel = path.relative_to(backends).as_posix()
-        if rel in FRONT_ENDS:
-            continue
-        tree = ast.parse(path.read_text(), str(path))
+    for rel, _, tree in _backend_files(backends):
         allowed_lines: set[int] = set()
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (rel, node.name) in INTROSPECTION_ALLOWED:
