@@ -4,7 +4,7 @@ Why groups: ``loadgroup`` alone hands out single tests, which would set up every
 on every worker and split files whose tests build on each other's caches. So each test gets an
 ``xdist_group``: its file (in conformance/, its file and backend, so the big suites spread over
 both workers; a long subprocess suite, its own), except the tests that start process groups
-(gloo ranks, ``jax.distributed``). Those share one group: they run one after another on one
+with short rank timeouts (gloo ranks, ``jax.distributed``). Those share one group: they run one after another on one
 worker, never two of them at once, so their rank timeouts and free ports see at most one other
 test beside them. That group and the other long ones are queued first (``--no-loadscope-reorder``
 keeps this order), so no long test starts last. Without xdist nothing here changes the run.
@@ -16,23 +16,23 @@ import re
 
 import pytest
 
-#: Files whose tests launch several communicating processes (gloo ranks).
-PROCESS_FILES = (
-    "test_torch_distributed.py", "test_torch_ranks_agree.py", "test_torch_conformance_ranks.py",
-    "test_torch_api_dist.py", "test_torch_module_groups.py",
-)
+#: Files whose tests launch communicating processes with short rank timeouts (gloo ranks).
+PROCESS_FILES = ("test_torch_distributed.py", "test_torch_ranks_agree.py", "test_torch_conformance_ranks.py")
 #: Such tests in files that are otherwise one process (node id prefixes).
 PROCESS_TESTS = (
     "tests/test_jax_api.py::test_jax_backend_agree_over_two_processes",
     "tests/test_jax_multidevice.py::test_two_processes_match_numpy",
     "tests/test_mesh_multidevice.py::test_torch_two_rank_gloo_mesh_matches_single_process",
 )
+#: Files that start ranks with torch's default (minutes) timeouts: they may run beside anything.
+PARALLEL_PROCESS_FILES = ("test_torch_api_dist.py", "test_torch_module_groups.py")
 PROCESSES = "processes"
-#: Files of a few long, independent subprocess suites (8 devices): one work unit per test.
-SPLIT_FILES = ("test_jax_conformance_devices.py",)
+#: Files of a few long, independent subprocess tests (8 devices, example scripts): a unit per test.
+SPLIT_FILES = ("test_jax_conformance_devices.py", "test_torch_api_dist.py")
 #: Long files, queued right after PROCESSES (measured on the 2-core box).
 LONG_FILES = ("test_jax_api.py", "test_keras3_adadelta.py", "test_jax_x64.py", "test_checkpoint_integrity.py",
-              "test_jax_multidevice.py", "test_mesh_multidevice.py", "test_cli.py", "test_bench.py")
+              "test_jax_multidevice.py", "test_mesh_multidevice.py", "test_torch_module_groups.py", "test_protos.py",
+              "test_jax_cpu_kernels.py", "test_jax_fused.py", "test_torch_api.py", "test_cli.py", "test_bench.py")
 
 
 def _group(item: pytest.Item) -> str:

@@ -91,14 +91,15 @@ def test_a_group_set_by_the_test_is_kept():
 
 
 def test_every_file_that_launches_process_groups_runs_in_the_serial_group():
-    """A new test file that starts gloo ranks or jax.distributed processes must be listed (or its
-    tests marked slow), or under xdist it would run beside another such test and share its
-    timeouts and ports."""
+    """A new test file that starts gloo ranks or jax.distributed processes must be listed, or under
+    xdist it could run beside another such test, with its short rank timeouts."""
     launching = {p.name for p in TESTS.glob("test_*.py") if p.name != pathlib.Path(__file__).name
                  and LAUNCHES.search(p.read_text())}
     assert {"test_torch_distributed.py", "test_jax_multidevice.py"} <= launching  # the pattern finds them
-    listed = set(xdist_groups.PROCESS_FILES) | {t.split("::")[0].rsplit("/", 1)[-1] for t in xdist_groups.PROCESS_TESTS}
-    assert launching <= listed, f"add to conformance/xdist_groups.PROCESS_FILES (or PROCESS_TESTS): {sorted(launching - listed)}"
+    listed = {t.split("::")[0].rsplit("/", 1)[-1] for t in xdist_groups.PROCESS_TESTS}
+    listed |= set(xdist_groups.PROCESS_FILES) | set(xdist_groups.PARALLEL_PROCESS_FILES)
+    assert launching <= listed, ("add to conformance/xdist_groups.PROCESS_FILES (or PROCESS_TESTS, or PARALLEL_PROCESS_FILES "
+                                 f"when its ranks wait minutes): {sorted(launching - listed)}")
     for test in xdist_groups.PROCESS_TESTS:  # a renamed test would silently leave the group
         path, name = test.split("::")
         assert f"def {name}(" in (TESTS.parent / path).read_text(), f"{test} is gone: update PROCESS_TESTS"
