@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from meshembed.backend.env import env_choice, env_int
-from meshembed.backend.protocol import Backend, Capabilities
+from meshembed.backend.protocol import Backend, Capabilities, check_rule
 from meshembed.errors import CapacityError, ConfigError, InputError
 from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.sharding.placement import Placement
@@ -349,17 +349,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
 
     def _check_rule(self, rule: Any, values: Sequence[Any]) -> tuple[float, ...]:
         """The call's values as floats, after checking ``rule`` is an UpdateRule with as many."""
-        if not isinstance(rule, UpdateRule):
-            raise InputError(
-                "Invalid `fn` for the jax backend's update_rows. Expected a meshembed.math.UpdateRule "
-                f"(meshembed.embedding.updates.make_rule(table)) with its `values=`. Received: {type(rule).__name__}"
-            )
-        if len(values) != len(rule.dynamic):
-            raise InputError(
-                f"Invalid `values` for the {rule.algorithm!r} rule. Expected {len(rule.dynamic)} values, "
-                f"one per {rule.dynamic}. Received: {len(values)}"
-            )
-        return tuple(float(v) for v in values)
+        return tuple(float(v) for v in check_rule(rule, values, self.name))
 
     def rule_call(self, rule: UpdateRule) -> Callable[..., tuple]:
         """``call(dyn, g, *rows)``: ``apply_rule`` with the call's values ``dyn`` (traced by the
