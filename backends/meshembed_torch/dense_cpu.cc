@@ -8,6 +8,14 @@
 
 typedef void (*row_fn)(char* const* rows, const char* g, int64_t dim, const double* hp);
 
+// Threads for `elements` of work: one per 256K elements at most, so a small step runs on the
+// calling thread alone (waking a second thread costs more than it saves, and far more when the
+// cores are shared with other processes).
+static int threads_for(int64_t elements, int threads) {
+  const int64_t most = std::max<int64_t>(1, elements >> 18);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, most)));
+}
+
 // fn: the kernel's address; numels[n]: elements of tensor n; grads[n]: its gradient;
 // targets[k * count + n]: array k (the variable, then the slots) of tensor n; hp[n * n_params ..]:
 // the parameter block of tensor n. Returns the number of chunks run (0 for nothing to do).
@@ -21,7 +29,9 @@ extern "C" int64_t meshembed_dense_update(int64_t fn, int64_t count, int64_t n_a
   first[0] = 0;
   for (int64_t n = 0; n < count; ++n) first[n + 1] = first[n] + (numels[n] + chunk - 1) / chunk;
   const int64_t total = first[count];
-#pragma omp parallel for schedule(static) num_threads(threads)
+  int64_t elements = 0;
+  for (int64_t n = 0; n < count; ++n) elements += numels[n];
+#pragma omp parallel for schedule(static) num_threads(threads_for(elements, threads))
   for (int64_t c = 0; c < total; ++c) {
     const int64_t n = std::upper_bound(first, first + count + 1, c) - first - 1;
     const int64_t start = (c - first[n]) * chunk;
@@ -44,8 +54,10 @@ static int all_finite(int64_t count, const int64_t* numels, char* const* ptrs, i
   first[0] = 0;
   for (int64_t n = 0; n < count; ++n) first[n + 1] = first[n] + (numels[n] + chunk - 1) / chunk;
   const int64_t total = first[count];
+  int64_t elements = 0;
+  for (int64_t n = 0; n < count; ++n) elements += numels[n];
   int bad = 0;
-#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : bad)
+#pragma omp parallel for schedule(static) num_threads(threads_for(elements / 7, threads)) reduction(| : bad)
   for (int64_t c = 0; c < total; ++c) {
     const int64_t n = std::upper_bound(first, first + count + 1, c) - first - 1;
     const int64_t start = (c - first[n]) * chunk;
