@@ -157,7 +157,7 @@ def test_no_backend_reads_function_attributes_of_the_dense_step():
 def test_torch_generated_dense_kernel_equals_numpy(dtype, option):
     from meshembed_torch import dense_cpu
 
-    shapes = [(70, 9), (100_003,), (5,)]
+    shapes = [(70, 9), (600_003,), (5,)]  # > 512K elements: two threads where torch has two, chunk tails
     before = dense_cpu.calls[0]
     got = _train("torch", shapes, dtype=dtype, **OPTIONS[option])
     if dense_cpu.kernel_for(me.optimizers.Adadelta()._rule(
