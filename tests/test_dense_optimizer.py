@@ -344,7 +344,7 @@ def test_numpy_elementwise_steps_in_pieces_are_the_whole_step(monkeypatch, dtype
     """NumPy runs Adadelta's elementwise step on pieces written in place (small pieces here:
     several and a tail, and a 2-D variable): bit-identical to the step on whole arrays, and
     every variable and slot keeps its own storage."""
-    from meshembed_numpy import backend as numpy_backend
+    from meshembed_numpy import dense as numpy_dense
 
     rng = np.random.default_rng(3)
     shapes = [(1000,), (33, 17), (5,)]
@@ -352,7 +352,7 @@ def test_numpy_elementwise_steps_in_pieces_are_the_whole_step(monkeypatch, dtype
     grads = [[rng.standard_normal(s).astype(dtype) for s in shapes] for _ in range(3)]
     results = []
     for piece in (10**9, 64):
-        monkeypatch.setattr(numpy_backend, "PIECE_ELEMENTS", piece)
+        monkeypatch.setattr(numpy_dense, "PIECE_ELEMENTS", piece)
         vs = [me.Variable(x, name=f"v{i}", backend="numpy") for i, x in enumerate(init)]
         opt = me.optimizers.Adadelta(learning_rate=0.5, rho=0.9, epsilon=1e-6)
         storage = None

@@ -7,22 +7,18 @@ so a placement bug shows up here first.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import array_api_compat.numpy as xp_numpy
 import numpy as np
 
 from meshembed.backend.protocol import Backend, Capabilities, walk_blocks
-from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.sharding.placement import Placement, shard, unshard
+from meshembed_numpy.dense import NumpyDenseMixin
 from meshembed_numpy.table import NumpyShardedTable
 
 
-#: Elements per piece of an elementwise dense step (256 KiB of float32; see compile_update).
-PIECE_ELEMENTS = 1 << 16
-
-
-class NumpyBackend(Backend):
+class NumpyBackend(NumpyDenseMixin, Backend):
     name = "numpy"
 
     @property
@@ -53,35 +49,6 @@ class NumpyBackend(Backend):
 
         walk_blocks(shape, blocks, place)
         return NumpyShardedTable(shards, placement)
-
-    def compile_update(self, rule: UpdateRule, count: int) -> Callable[..., Any]:
-        """An element-wise rule (Adadelta's) runs on pieces of ``PIECE_ELEMENTS`` of each
-        variable and writes them in place: NumPy evaluates a formula one full-size temporary
-        per operation, which at W2 (16.7M float32) held ~5 extra arrays (peak 2.7x the
-        parameters and slots; 1.02x in pieces, at the same speed). Same numbers: every
-        element depends only on the same element of each input."""
-        if not rule.elementwise:
-            return super().compile_update(rule, count)
-
-        def step(grad: Any, values: tuple, *own: Any) -> tuple:
-            return apply_rule(xp_numpy, rule, values, grad, *own)
-
-        def step_in_pieces(grads: Sequence[Any], values: Sequence[Any], *targets: Sequence[Any]) -> None:
-            for n in range(count):
-                own = [t[n] for t in targets]
-                grad = np.asarray(grads[n])
-                hp = tuple(values[n])  # Python floats: the reference's arithmetic
-                if grad.shape != own[0].shape or not all(t.shape == grad.shape and t.flags.c_contiguous for t in own):
-                    for target, new in zip(own, step(grad, hp, *own)):
-                        target[...] = new
-                    continue
-                flat_grad, flat = grad.reshape(-1), [t.reshape(-1) for t in own]  # views of the targets
-                for start in range(0, flat_grad.size, PIECE_ELEMENTS):
-                    piece = slice(start, start + PIECE_ELEMENTS)
-                    for target, new in zip(flat, step(flat_grad[piece], hp, *(t[piece] for t in flat))):
-                        target[piece] = new
-
-        return step_in_pieces
 
     def unshard(self, table: NumpyShardedTable) -> np.ndarray:
         return unshard(table.shards, table.placement)
