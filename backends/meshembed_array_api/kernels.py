@@ -91,7 +91,8 @@ def split_by_shard(xp: Any, placement: Any, ids: Any) -> list[tuple[int, Any, An
     """``(shard, positions in ids, local rows)`` for each shard that owns any of ``ids``."""
     if placement.num_shards == 1:
         return [(0, None, ids)]
-    owner, local = placement.owner(ids, xp), placement.local_row(ids, xp)
+    owner = placement.owner(ids, xp)
+    local = placement.local_row(ids, xp, owner=owner)
     parts = []
     for s in range(placement.num_shards):
         pos = xp.nonzero(owner == s)[0]
