@@ -235,11 +235,14 @@ def test_error_inside_an_in_place_step_changes_nothing(bk, monkeypatch):
     assert int(opt.iterations.numpy()) == 2
 
 
-def test_torch_dense_steps_run_compiled_in_place_and_match_numpy():
-    """Big enough to compile (2¹⁸ floats × 4 arrays): the step is compiled in place (the
-    variable keeps its tensor), grouped over variables, once for a learning-rate schedule,
-    and matches the NumPy backend."""
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_torch_dense_steps_run_compiled_in_place_and_match_numpy(monkeypatch, fused):
+    """Big enough to compile (2¹⁸ floats × 4 arrays): the step runs in place (the variable
+    keeps its tensor) — the generated row kernel (fused on) or the core function compiled
+    (off) — grouped over variables, once for a learning-rate schedule, and matches the NumPy
+    backend."""
     torch = pytest.importorskip("torch")
+    monkeypatch.setenv("MESHEMBED_TORCH_FUSED", fused)
     rng = np.random.default_rng(5)
     shapes = [(512, 512), (1 << 18,), (1 << 18,)]
     init = [rng.standard_normal(s).astype(np.float32) for s in shapes]
