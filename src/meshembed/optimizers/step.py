@@ -68,8 +68,8 @@ class StepMixin:
         return fn
 
     def _run_in_place(self, updates: Sequence["_InPlace"]) -> None:
-        """Run staged in-place updates, up to ``backend.in_place_group(step)`` consecutive ones
-        of the same step in one compiled call: each compiled call pays dispatch and guards, so
+        """Run staged in-place updates, up to ``backend.in_place_group(rule)`` consecutive ones
+        of the same rule in one call: each compiled call pays dispatch and guards, so
         grouping saves time, while a cold XLA compile grows with the group; the backend picks
         the size (figures: docs/benchmarks.md, "Measurements behind design choices")."""
         # A gradient may be another (or the same) variable's own array: copy it before any
