@@ -80,8 +80,8 @@ def fits(kernel: Any, grads: Sequence[Any], targets: Sequence[Sequence[Any]]) ->
         return False
     for n, g in enumerate(grads):
         own = [t[n] for t in targets]
-        if any(not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dtype != dtype
-               or not x.is_contiguous() for x in (g, *own)):
+        if any(not isinstance(x, torch.Tensor) or hasattr(x, "device_mesh") or x.device.type != "cpu"
+               or x.dtype != dtype or not x.is_contiguous() for x in (g, *own)):
             return False
         if any(x.shape != g.shape for x in own):
             return False
@@ -114,7 +114,8 @@ def all_finite(arrays: Sequence[Any], threads: int) -> bool | None:
         return None
     dtype = arrays[0].dtype if isinstance(arrays[0], torch.Tensor) else None
     if dtype not in (torch.float32, torch.float64) or any(
-            type(x) is not torch.Tensor or x.dtype != dtype or x.device.type != "cpu" or not x.is_contiguous()
+            not isinstance(x, torch.Tensor) or hasattr(x, "device_mesh") or x.dtype != dtype
+            or x.device.type != "cpu" or not x.is_contiguous()
             for x in arrays):
         return None
     lib = _library()
