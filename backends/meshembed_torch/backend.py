@@ -281,9 +281,10 @@ class TorchBackend(TorchDenseMixin, Backend):
             self._refuse(table, "gather", exc)
             raise
         if table.group is None:
-            # a per-id lookup's rows are >= 32 MiB at W1 sizes: glibc maps them fresh every
-            # step, and 2 MiB pages cut its 8,192 first-touch faults to 16 (docs/benchmarks.md)
-            out = self._k.empty_rows((ids.shape[0], table.data.shape[1]), table.data.dtype, table.data.device)
+            # a per-id lookup's rows are >= 32 MiB at W1 sizes: glibc maps such blocks fresh
+            # every step, so they are recycled once released (docs/benchmarks.md)
+            rows = self.__dict__.setdefault("_recycled_rows", self._k.RecycledRows())
+            out = rows.empty((ids.shape[0], table.data.shape[1]), table.data.dtype, table.data.device)
             return self._torch.index_select(table.data, 0, table.rowmap.local_index(ids), out=out)
         seg = self._k.segments(ids)  # send each distinct id once
         route = self._dist.Route(table.group, self._owner_rank(table, seg.unique), "gather")
@@ -411,7 +412,7 @@ class TorchBackend(TorchDenseMixin, Backend):
             if self._k.bag_sums(flat):
                 # One compiled function sums the gradients (embedding_bag) and runs gather →
                 # fn → scatter: inductor writes the new rows into the sums' buffer instead of
-                # a fresh one (measured at W1: 2.5 → 2.1 ms for SGD's sum + update).
+                # a fresh one (docs/benchmarks.md, "Measurements behind design choices").
                 psw = None if w is None or self._k.all_ones(w) else w.reshape(-1)
                 small = flat.shape[0] < 2**31 and seg.perm.numel() < 2**31  # int32 bag indices
                 index = first.rowmap.local_index(seg.unique)
@@ -548,14 +549,14 @@ class TorchBackend(TorchDenseMixin, Backend):
         return device.type == "cpu" and elements >= COMPILE_MIN_ELEMENTS
 
     def _compiled_update(self, fn: UpdateRule, elements: int, device: Any, layout: tuple = (),
-                      func: Callable | None = None) -> Callable | None:
+                         func: Callable | None = None) -> Callable | None:
         """A ``torch.compile``d gather → rule → scatter for the rule ``fn``, or None for eager.
 
         One compiled entry per rule (its static part) and row layout (``layout``: each table's
         row width and dtype); the rule's values are tensor inputs, so a learning rate that
         changes every step reuses the entry. Only the row counts are
         dynamic: a static row width lets inductor unroll and vectorise the row loop without a
-        tail (measured at W1: Adagrad's update 3.2 → 2.6 ms, SGD 1.2–1.7 → 1.16 ms), and one
+        tail (faster at W1: docs/benchmarks.md), and one
         entry per width keeps each entry's dynamo cache small. ``func`` is what gets compiled
         (default :func:`.kernels.gather_update_scatter`; :func:`.kernels.bag_update_scatter` also sums)."""
         if not self._wants_compile(elements, device):

@@ -1,24 +1,11 @@
 """Row kernels of the Torch backend: dedup + segment sums, id → storage-row maps, table
 storage, and the gather → rule → scatter functions the backend hands ``torch.compile``.
 
-Measured on the 2-core CPU box (W1: 131,072 ids, Zipf(1.1) over 10⁶ rows, ~29,800 unique,
-64 float32 columns; medians of 15):
-
-=========================================  =========
-``torch.unique(return_inverse)``            1.3 ms
-``torch.unique(sorted=False, ...)``         1.3 ms (no gain on CPU)
-``torch.sort(stable=True)``                 1.1 ms
-dense id → slot map (index_fill/nonzero)    1.2 ms (no gain over sort)
-sum rows: ``index_add_`` by inverse          6.3 ms (one thread)
-sum rows: ``scatter_add_`` / ``index_put_`` 6.4 / 15 ms
-sum rows: CSR ``@`` (MKL)                    6.1 ms
-sum rows: ``sparse_coo.coalesce()``         22.6 ms
-sum rows: sort + ``embedding_bag(sum)``      5.2 ms total (bag 2.8 ms, both cores)
-=========================================  =========
-
-So a segment sum is a stable sort of the ids followed by ``embedding_bag`` in ``sum`` mode
-with the sort permutation as indices and the segment starts as offsets: the bag kernel is
-the only multi-threaded row reduction in ATen on CPU, and a stable sort keeps each
+Of the ways to dedup and sum rows in ATen on CPU (``unique``, a dense id map, ``index_add_``,
+``scatter_add_``, CSR matmul, ``coalesce``: figures in docs/benchmarks.md, "Measurements behind
+design choices"), the fastest is a stable sort of the ids followed by ``embedding_bag`` in
+``sum`` mode with the sort permutation as indices and the segment starts as offsets: the bag
+kernel is the only multi-threaded row reduction in ATen on CPU, and a stable sort keeps each
 segment's rows in input order, so the sums are added in the same order as NumPy's
 ``np.add.at`` (bit-identical results). Dedup is the sort; no separate ``unique`` pass.
 """
@@ -59,8 +46,7 @@ def segments(ids: torch.Tensor, id_range: tuple[int, int] | None = None) -> Segm
         return Segments(empty, empty, empty)
     keys = _narrow(ids, id_range)
     sorted_ids, perm = torch.sort(keys, stable=True)
-    # one pass over the sorted keys (measured 0.10 ms at W1, against 0.30 ms for a
-    # ne + nonzero + index_select of the group starts)
+    # one pass over the sorted keys (faster than ne + nonzero + index_select of the starts)
     unique, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
     starts = torch.zeros_like(counts)
     torch.cumsum(counts[:-1], 0, out=starts[1:])
@@ -68,8 +54,8 @@ def segments(ids: torch.Tensor, id_range: tuple[int, int] | None = None) -> Segm
 
 
 def _narrow(index: torch.Tensor, id_range: tuple[int, int] | None = None) -> torch.Tensor:
-    """int64 indices as int32 when they fit: the CPU sort and the bag kernel run ~1.6× and
-    ~1.8× faster on int32 (W1: sort 1.07 → 0.66 ms, bag 0.57 → 0.31 ms); same results."""
+    """int64 indices as int32 when they fit: the CPU sort and the bag kernel run faster on
+    int32 (docs/benchmarks.md); same results."""
     if index.dtype != torch.int64 or index.numel() == 0:
         return index
     lo, hi = torch.aminmax(index) if id_range is None else id_range
@@ -139,7 +125,7 @@ def bag_inputs(seg: Segments, source_rows: int, weights: torch.Tensor | None = N
 def bag_offsets(sorted_ids: torch.Tensor, num_segments: int, int32: bool = False) -> torch.Tensor:
     """Start of each segment in non-decreasing ``sorted_ids`` (all in ``[0, num_segments)``):
     the ``offsets`` of ``embedding_bag``. An exclusive cumsum of ``bincount`` — one linear
-    pass, measured 0.13 ms against 0.44 ms for ``searchsorted`` of every segment at W1
+    pass, faster than ``searchsorted`` of every segment (docs/benchmarks.md)
     (131,072 ids, 16,384 segments)."""
     dtype = torch.int32 if int32 else torch.int64
     offsets = torch.zeros(num_segments, dtype=dtype, device=sorted_ids.device)
@@ -154,8 +140,8 @@ def sorted_offsets(segment_ids: torch.Tensor, num_segments: int, int32: bool = F
     sample-major combiner input), found in one pass over them; ``None`` when they are not
     sorted (sort them first). ``IndexError`` when one is outside ``[0, num_segments)``.
 
-    One ``unique_consecutive`` replaces the sortedness test and the ``bincount`` (W1:
-    0.10 ms against 0.23 ms); its runs are strictly increasing exactly when the ids are
+    One ``unique_consecutive`` replaces the sortedness test and the ``bincount`` (faster at
+    W1: docs/benchmarks.md); its runs are strictly increasing exactly when the ids are
     sorted, and with one run per segment the offsets are the runs' exclusive cumsum."""
     runs, counts = torch.unique_consecutive(segment_ids, return_counts=True)
     if runs.numel() > 1 and not bool((runs[1:] > runs[:-1]).all()):
@@ -269,10 +255,9 @@ def tune_malloc() -> bool:
     glibc's dynamic thresholds start low (128 KiB mmap, 2× that trim) and only rise as blocks
     are freed, so with the W1 step's few 4–8 MiB temporaries (the forward activations, the
     per-row gradient sums, inductor's row buffer) the heap top is trimmed and grown again
-    every few steps: measured 1,900–3,700 page faults (+2–3 ms) on about a third of the
-    steps, ~1,500 faults per step on average. Fixing the mmap threshold at its ceiling
-    (32 MiB) and the trim threshold at 64 MiB — what glibc would pick itself after freeing
-    one 32 MiB block — removes them (≈ 0–30 faults per step). Process-wide, but bounded: at
+    every few steps: thousands of page faults on a third of the steps (docs/benchmarks.md).
+    Fixing the mmap threshold at its ceiling (32 MiB) and the trim threshold at 64 MiB — what
+    glibc would pick itself after freeing one 32 MiB block — removes nearly all of them. Process-wide, but bounded: at
     most 64 MiB of freed heap stays mapped per arena; allocators other than glibc's
     (jemalloc, tcmalloc via ``LD_PRELOAD``) are left alone."""
     if _malloc_state:
@@ -310,6 +295,43 @@ def empty_rows(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
         advise_huge_pages(out.data_ptr(), nbytes)
         tune_malloc()
     return out
+
+
+class RecycledRows:
+    """Output buffers of >= 32 MiB (a per-id lookup's rows at W1: 131,072 × 64 float32) kept
+    and handed out again once nobody holds them, as a caching allocator would.
+
+    glibc maps such blocks fresh on every allocation (its mmap-threshold ceiling is 32 MiB),
+    so each costs a first touch of every page, about half of a W1 per-id lookup
+    (docs/benchmarks.md, "The per-id step"). A buffer is reused only when this cache holds
+    the one reference to it, to its TensorImpl and to its storage (no view, no NumPy array,
+    no autograd record, no DLPack export) and it does not require grad; ``keep`` buffers per
+    shape cover ``acts = emb.dequeue()`` loops, where the previous step's are still bound."""
+
+    _OWN_REFS = 4  # the list, the loop variable, the argument, getrefcount's own
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._bufs: dict[tuple, list[torch.Tensor]] = {}
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        if device.type != "cpu" or nbytes < HUGE_PAGE_MIN_BYTES:
+            return torch.empty(shape, dtype=dtype, device=device)
+        bufs = self._bufs.setdefault((tuple(shape), dtype, device), [])
+        for buf in bufs:
+            if self._free(buf):
+                return buf
+        out = empty_rows(tuple(shape), dtype, device)
+        bufs.append(out)
+        del bufs[:-self.keep]
+        return out
+
+    @classmethod
+    def _free(cls, buf: torch.Tensor) -> bool:
+        return (sys.getrefcount(buf) <= cls._OWN_REFS and buf._use_count() == 1
+                and torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2  # + the wrapper
+                and not buf.requires_grad)
 
 
 # -- compiled updates: what the backend hands torch.compile ------------------------------------
@@ -391,7 +413,7 @@ class Compiled:
 
 class SpecializeFloats:
     """``torch._dynamo.config.patch(specialize_float=True)`` for one call, without building a
-    patch object per call (measured ~12 µs each: a noticeable part of a small compiled call)."""
+    patch object per call (a noticeable part of a small compiled call: docs/benchmarks.md)."""
 
     __slots__ = ("_config", "_old")
 
