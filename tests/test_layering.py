@@ -9,6 +9,8 @@
   ``benchmarks`` package; ``meshembed/bench.py`` imports nothing outside the standard library
   and meshembed.
 * No import circle among the core's modules at import time.
+* Every backend package keeps its backend class in backend.py, its ShardedTable in table.py
+  and its dense mixin in dense.py (Keras' ``backend/{jax,torch,numpy}/`` layout).
 * No backend takes a function apart (``__closure__``, ``__code__``, ``inspect.signature``,
   ``update_spec``, ...): the core hands backends UpdateRules, which are data.
 
@@ -235,6 +237,32 @@ def test_no_import_circle_in_the_core():
     assert cycles(import_graph()) == []
 
 
+#: The backend packages with storage of their own (meshembed_native is the shared C++ build).
+BACKEND_PACKAGES = ("meshembed_numpy", "meshembed_torch", "meshembed_jax", "meshembed_array_api")
+#: Where each kind of class lives in every backend package (the Keras-style layout).
+HOME_OF = {"Backend": "backend.py", "ShardedTable": "table.py", "DenseMixin": "dense.py"}
+
+
+def structure_violations(backends: Path = BACKENDS) -> list[str]:
+    """Backend classes outside their file (``HOME_OF``), and packages without backend.py/table.py."""
+    bad = [f"{pkg}/{name} missing" for pkg in BACKEND_PACKAGES for name in ("backend.py", "table.py")
+           if not (backends / pkg / name).is_file()]
+    for rel, _, tree in _backend_files(backends):
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            kinds = {ast.unparse(base).split(".")[-1] for base in node.bases}
+            kinds |= {"DenseMixin"} if node.name.endswith("DenseMixin") else set()
+            for kind in kinds & set(HOME_OF):
+                if not rel.endswith("/" + HOME_OF[kind]):
+                    bad.append(f"{rel}:{node.lineno} {node.name} ({kind}: belongs in {HOME_OF[kind]})")
+    return bad
+
+
+def test_every_backend_package_has_the_same_files():
+    assert structure_violations() == []
+
+
 def _write(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -261,6 +289,14 @@ def test_the_checks_catch_what_they_forbid(tmp_path):
     assert introspection_violations(tmp_path / "i") == [
         "meshembed_x/backend.py:4 __closure__", "meshembed_x/backend.py:4 signature",
         "meshembed_x/backend.py:4 update_spec"]
+    _write(tmp_path / "s", {
+        "meshembed_numpy/backend.py": "class T(ShardedTable): pass\nclass B(NumpyDenseMixin, Backend): pass\n",
+        "meshembed_numpy/table.py": "class NumpyDenseMixin: pass\n",
+    })
+    assert structure_violations(tmp_path / "s")[-2:] == [
+        "meshembed_numpy/backend.py:1 T (ShardedTable: belongs in table.py)",
+        "meshembed_numpy/table.py:1 NumpyDenseMixin (DenseMixin: belongs in dense.py)"]
+    assert "meshembed_torch/backend.py missing" in structure_violations(tmp_path / "s")
     core = tmp_path / "src" / "meshembed"
     _write(core, {
         "__init__.py": "from meshembed import a\n",
