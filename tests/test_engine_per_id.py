@@ -93,3 +93,57 @@ def test_identity_update_sends_no_slot_index(monkeypatch):
     emb.dequeue()
     emb.apply_gradients([np.ones((B, M, D), np.float32)])
     assert calls == [((B * M, D), None)]
+
+
+def test_recycled_rows_only_reuses_released_buffers():
+    """torch: a >= 32 MiB output is handed out again only once nothing refers to it."""
+    torch = pytest.importorskip("torch")
+    from meshembed_torch.kernels import RecycledRows
+
+    cache, shape, f32, cpu = RecycledRows(keep=1), (131072, 64), torch.float32, torch.device("cpu")
+    a = cache.empty(shape, f32, cpu)
+    ptr = a.data_ptr()
+    del a
+    x = cache.empty(shape, f32, cpu)
+    assert x.data_ptr() == ptr  # released: reused
+    holders = [lambda t: t, lambda t: t.view(-1), lambda t: t.numpy(),
+               lambda t: (t.reshape(-1, 1).requires_grad_() * 2).sum(),  # autograd keeps a view
+               lambda t: (t.requires_grad_() * t).sum()]  # autograd keeps the tensor itself
+    for hold in holders:
+        held = hold(x)
+        ptr = x.data_ptr()
+        del x
+        y = cache.empty(shape, f32, cpu)
+        assert y.data_ptr() != ptr, hold  # still referenced: a new buffer
+        del held
+        x = y
+
+
+def test_per_id_activations_stay_valid_while_held():
+    """The torch engine recycles a per-id lookup's 32 MiB rows, never ones a caller holds."""
+    pytest.importorskip("torch")
+    n, dim = 131072, 64
+    cfg = me.EmbeddingConfig(tables=[me.TableConfig("t", 1000, dim, optimizer=me.embedding.SGD(0.5))],
+                             features=[me.FeatureConfig("t", (n, 1), name="seq")])
+    emb = me.TPUEmbedding(cfg, backend="torch", num_shards=1, initializers={"t": np.zeros((1000, dim), np.float32)})
+    ids = (np.arange(n) % 1000).reshape(n, 1)
+    grad = np.ones((n, 1, dim), np.float32)
+
+    def step():
+        emb.enqueue([ids])
+        acts = emb.dequeue()[0]
+        emb.apply_gradients([grad])
+        return acts
+
+    first = step()
+    kept = first.clone()
+    second = step()  # `first` is still held: its memory must not be reused
+    assert first.data_ptr() != second.data_ptr()
+    assert bool((first == kept).all()) and not bool((second == kept).all())
+    ptrs = {first.data_ptr(), second.data_ptr()}
+    del first, second, kept
+    third = step()
+    assert third.data_ptr() in ptrs  # released buffers are reused
+    count = np.bincount(ids.reshape(-1), minlength=1000).astype(np.float32)  # 132 or 131 per row
+    want = np.repeat(-2 * 0.5 * count[:, None], dim, axis=1)  # two SGD steps of lr 0.5 from zeros
+    np.testing.assert_array_equal(third.numpy()[:1000, 0], want)
