@@ -328,11 +328,14 @@ def lookup(state: EmbeddingState, batch: Batch) -> dict[str, Any]:
 # -- apply_gradients -----------------------------------------------------------------------
 def _weak(x: Any) -> Any:
     """A learning rate as the engine's Python floats are traced: a weakly-typed scalar of the
-    default float dtype (float32 rows stay float32; scalar algebra as in the engine)."""
+    *canonical* default float dtype (float32 without x64: float32 rows stay float32; scalar
+    algebra as in the engine). Not ``jnp.dtype(float)``: that puts a float64 scalar in an
+    x64-off program, and XLA turns ``x / convert(lr)`` into ``x * (1 / lr)`` (1 ulp off the
+    engine on FTRL, OnlineYogi, non-lazy Adam on the XLA step)."""
     try:
         from jax._src.lax.lax import _convert_element_type
 
-        return _convert_element_type(x, jnp.dtype(float), weak_type=True)
+        return _convert_element_type(x, jax.dtypes.canonicalize_dtype(float), weak_type=True)
     except Exception:  # pragma: no cover - private API moved
         return jnp.asarray(x, jnp.float32)
 
@@ -373,7 +376,7 @@ def _update_fn(t: Any, lrs: list[Any]) -> tuple[UpdateRule, tuple]:
 def _runtime(values: tuple) -> tuple:
     """The values as the engine's compiled step receives them: runtime (weakly-typed) scalars,
     never constants XLA could fold into the math (a constant ``lr`` lets it rewrite
-    ``x / lr`` as ``x * (1 / lr)``: 1 ulp off on FTRL)."""
+    ``x / lr`` as ``x * (1 / lr)``: 1 ulp off on FTRL with a config's constant rate)."""
     return jax.lax.optimization_barrier(tuple(_weak(v) for v in values))
 
 
@@ -411,6 +414,17 @@ def _f64_bits(x: Any) -> Any:
     d_man = jnp.where((exp == 0) & (man > 0), sub_man, man)
     high = (sign << 31) | (d_exp.astype(jnp.uint32) << 20) | (d_man >> 3)
     return jnp.stack([(d_man & 0x7) << 29, high]).astype(jnp.uint32)
+
+
+def _every_row_cap(be: JaxBackend, sl: ShardLayout, n_ids: int) -> int:
+    """The unique-row capacity the engine's non-lazy update ends with (``_capacity_for`` of its
+    padded batch, grown once to ``bucket(1.25 x)`` the rows a device owns when that is short):
+    the same capacity, so the same row pieces: XLA:CPU compiles the math per piece shape, and
+    [11, 3] pieces gave non-lazy Adam 1 ulp off the engine's [8, 3] (same HLO ops, measured)."""
+    p = sl.placement
+    owned = np.bincount(p.owner(np.arange(p.vocabulary_size)) // sl.shards_per_device, minlength=sl.n_dev).max()
+    cap = be._capacity_for(sl, bucket(n_ids))
+    return cap if cap >= owned else bucket(int(owned) + int(owned) // 4)
 
 
 def _row_grads(batch: Batch, rows: list, parts: list) -> list:
@@ -522,7 +536,7 @@ def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learnin
             every = jnp.arange(t.vocabulary_size, dtype=ids.dtype)
             ids = jnp.concatenate([ids, every])
             g = jnp.concatenate([*_row_grads(batch, rows, parts), jnp.zeros((t.vocabulary_size, dim), jnp.float32)])
-            cap = min(int(ids.shape[0]), t.vocabulary_size)  # every row is updated
+            cap = _every_row_cap(be, sl, int(ids.shape[0]))
             new = _step(be, sl, dim, rule, datas, values, guard, cap, ids, g)
         elif not uses_accumulation(t):
             new = _in_rounds(be, sl, dim, rule, datas, values, guard, ids, jnp.concatenate(_row_grads(batch, rows, parts)))
