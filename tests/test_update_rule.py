@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 import meshembed as me
-from conformance.test_engine_optimizers import CASES, OPTIONS, D, V, _config, _gradients, _inputs
+from conformance.test_engine_optimizers import CASES, D, V, _config, _gradients, _inputs
 from meshembed.embedding.updates import make_rule, rule_values
 from meshembed.math import UpdateRule, apply_rule, apply_update, get_math
+from tests.rule_runs import run_with_changing_lr
 
 E = me.embedding
 
@@ -134,30 +135,11 @@ COUNT_CASES = [(name, "plain") for name in CASES] + [
     for option in ("gradient_clip", "weight_clip", "weight_decay", "weight_decay_by_lr")]
 
 
-def _lr(step):
-    return 0.3 / (1 + step)
-
-
 def _run(backend, name, option, steps=STEPS, counter=None):
     """Final state of an engine with ``learning_rates=[lr(step)]`` (and a step counter), and
     the compile count after each step."""
-    case = CASES[name]
-    kw = dict(OPTIONS[option])
-    if case["dynamic"]:
-        kw["_tag"] = 1
-    opt = case["spec"](E.DynamicLearningRate(0), **kw)
-    table0 = np.random.default_rng(7).uniform(-0.5, 0.5, (V, D)).astype(np.float32)
-    emb = me.TPUEmbedding(_config(opt), backend=backend, num_shards=2, initializers={"t": table0})
-    counts = []
-    for s in range(steps):
-        feats, weights = _inputs(s % 3)
-        emb.enqueue(feats, weights)
-        emb.dequeue()
-        lrs = [np.float32(_lr(s))] if name != "assign" else []  # Assign takes no learning rate
-        lrs += [np.float32(10 + s)] if case["dynamic"] else []
-        emb.apply_gradients(_gradients(s % 3, case["grad_scale"]), learning_rates=lrs)
-        counts.append(None if counter is None else counter.frame_count)
-    return emb.retrieve_parameters("t"), counts
+    return run_with_changing_lr(backend, name, option, steps, num_shards=2,
+                                after_step=lambda emb: None if counter is None else counter.frame_count)
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ jax = pytest.importorskip("jax")
 
 import meshembed as me  # noqa: E402
 from meshembed.math.rule import UpdateRule  # noqa: E402
-from conformance.test_engine_optimizers import CASES, OPTIONS, D, V, _config, _gradients, _inputs  # noqa: E402
+from conformance.test_engine_optimizers import CASES  # noqa: E402
+from tests.rule_runs import run_with_changing_lr  # noqa: E402
 
-E = me.embedding
 STEPS = 30
 WARM_UP = 3  # one compilation per distinct batch shape: the three inputs repeat from step 3
 _COMPILES = [0]
@@ -31,24 +31,11 @@ COUNT_CASES = [(name, "plain") for name in CASES] + [
 
 
 def _run(backend, name, option):
-    case = CASES[name]
-    kw = dict(OPTIONS[option])
-    if case["dynamic"]:
-        kw["_tag"] = 1
-    opt = case["spec"](E.DynamicLearningRate(0), **kw)
-    table0 = np.random.default_rng(7).uniform(-0.5, 0.5, (V, D)).astype(np.float32)
-    emb = me.TPUEmbedding(_config(opt), backend=backend, num_shards=1, initializers={"t": table0})
-    counts = []
-    for s in range(STEPS):
-        feats, weights = _inputs(s % 3)
-        emb.enqueue(feats, weights)
-        emb.dequeue()
-        lrs = [np.float32(0.3 / (1 + s))] if name != "assign" else []
-        lrs += [np.float32(10 + s)] if case["dynamic"] else []
-        emb.apply_gradients(_gradients(s % 3, case["grad_scale"]), learning_rates=lrs)
-        got = emb.retrieve_parameters("t")  # waits for the step (and any capacity redo)
-        counts.append(_COMPILES[0])
-    return got, counts
+    def compiles(emb):
+        emb.retrieve_parameters("t")  # waits for the step (and any capacity redo)
+        return _COMPILES[0]
+
+    return run_with_changing_lr(backend, name, option, STEPS, num_shards=1, after_step=compiles)
 
 
 @pytest.mark.parametrize("path", ["xla", "fused"])
