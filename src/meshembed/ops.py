@@ -100,6 +100,21 @@ def _count(values: Sequence[Any], n: int, what: str, per: str) -> list[Any]:
     return values
 
 
+def _enqueue_args(engine: Any, per: str, indices: Sequence[Any], ids: Sequence[Any], weights: Sequence[Any],
+                  combiners: Any, mode_override: Any) -> tuple[list, list, list, Any, Any]:
+    """The checked arguments of an enqueue op with one entry per ``per`` ("feature" or
+    "table"): ``(indices, ids, weights or Nones, mode, combiners)``; also checks that the
+    engine may enqueue now."""
+    n = len(engine.layout.features if per == "feature" else engine.layout.tables)
+    indices = _count(indices, n, "sample_indices", per)
+    ids = _count(ids, n, "embedding_indices", per)
+    weights = _count(weights, n, "aggregation_weights", per) if len(weights) else [None] * n
+    mode = _mode(engine, mode_override)
+    comb = _combiners(engine, combiners)
+    engine._check_can_enqueue()
+    return indices, ids, weights, mode, comb
+
+
 def _weights(w: Any) -> np.ndarray | None:
     arr = _host(w) if w is not None else np.zeros(0)
     return None if arr.size == 0 else arr.reshape(-1)
@@ -159,14 +174,9 @@ def _feature_batch(engine: TPUEmbedding, k: int, index: Any, ids: Any, w: Any, r
 
 @agreed("enqueue")  # one process's bad input fails the op on every process, none waits
 def _enqueue_per_feature(engine, indices, ids, weights, combiners, mode_override, ragged) -> None:
-    n = len(engine.layout.features)
-    indices = _count(indices, n, "sample_indices", "feature")
-    ids = _count(ids, n, "embedding_indices", "feature")
-    weights = _count(weights, n, "aggregation_weights", "feature") if len(weights) else [None] * n
-    mode = _mode(engine, mode_override)
-    comb = _combiners(engine, combiners)
-    engine._check_can_enqueue()
-    batches = [_feature_batch(engine, k, indices[k], ids[k], weights[k], ragged) for k in range(n)]
+    indices, ids, weights, mode, comb = _enqueue_args(engine, "feature", indices, ids, weights, combiners,
+                                                      mode_override)
+    batches = [_feature_batch(engine, k, indices[k], ids[k], weights[k], ragged) for k in range(len(ids))]
     engine._enqueue_batches(batches, mode, comb)
 
 
@@ -266,13 +276,8 @@ def enqueue_tpu_embedding_sparse_batch(
 def _enqueue_sparse_batch(engine, sample_indices, embedding_indices, aggregation_weights, combiners,
                           mode_override) -> None:
     _per_table_features(engine, "enqueue_tpu_embedding_sparse_batch")
-    n = len(engine.layout.tables)
-    sample_indices = _count(sample_indices, n, "sample_indices", "table")
-    embedding_indices = _count(embedding_indices, n, "embedding_indices", "table")
-    weights = _count(aggregation_weights, n, "aggregation_weights", "table") if len(aggregation_weights) else [None] * n
-    mode = _mode(engine, mode_override)
-    comb = _combiners(engine, combiners)
-    engine._check_can_enqueue()
+    sample_indices, embedding_indices, weights, mode, comb = _enqueue_args(
+        engine, "table", sample_indices, embedding_indices, aggregation_weights, combiners, mode_override)
     batches = []
     for k, f in enumerate(engine.layout.features):
         info = engine._info(f)
