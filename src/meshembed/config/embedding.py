@@ -277,15 +277,7 @@ class EmbeddingConfig:
     @property
     def dynamic_tags(self) -> tuple[int, ...]:
         """Sorted distinct tags of all dynamic inputs (learning rates and step counters)."""
-        tags: set[int] = set()
-        for t in self.tables:
-            opt = t.optimizer
-            if opt is None:
-                continue
-            if isinstance(opt.learning_rate, DynamicLearningRate):
-                tags.add(opt.learning_rate.tag)
-            tags.update(d.tag for d in opt.dynamic_inputs())
-        return tuple(sorted(tags))
+        return tuple(sorted(_tags(self.tables)))
 
     @property
     def num_dynamic_inputs(self) -> int:
@@ -325,16 +317,22 @@ class EmbeddingConfig:
         return new
 
 
-def _assign_dynamic_tags(tables: tuple[TableConfig, ...]) -> tuple[tuple[TableConfig, ...], tuple[Any, ...]]:
-    """Turn callable learning rates / step counters into DynamicLearningRate tags (spec §5.3)."""
-    explicit: set[int] = set()
+def _tags(tables: Sequence[TableConfig]) -> set[int]:
+    """The DynamicLearningRate tags the tables' optimizers use (learning rates, step counters)."""
+    tags: set[int] = set()
     for t in tables:
         opt = t.optimizer
         if opt is None:
             continue
         if isinstance(opt.learning_rate, DynamicLearningRate):
-            explicit.add(opt.learning_rate.tag)
-        explicit.update(d.tag for d in opt.dynamic_inputs())
+            tags.add(opt.learning_rate.tag)
+        tags.update(d.tag for d in opt.dynamic_inputs())
+    return tags
+
+
+def _assign_dynamic_tags(tables: tuple[TableConfig, ...]) -> tuple[tuple[TableConfig, ...], tuple[Any, ...]]:
+    """Turn callable learning rates / step counters into DynamicLearningRate tags (spec §5.3)."""
+    explicit = _tags(tables)
     next_tag = max(explicit) + 1 if explicit else 0
     fn_tags: dict[int, int] = {}  # id(fn) -> tag
     fns: dict[int, Callable[[], float]] = {}
