@@ -12,7 +12,6 @@ pointers. ``MESHEMBED_TORCH_FUSED=0`` turns it off (the core function, compiled,
 from __future__ import annotations
 
 import ctypes
-import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -31,29 +30,20 @@ def enabled() -> bool:
     return env_flag("MESHEMBED_TORCH_FUSED", True)
 
 
+_UPDATE_ARGS = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+_CHECK_ARGS = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+
+
 def _library() -> Any:
     """The loaded driver, or None (one warning) where it cannot be built."""
-    if "lib" not in _state:
-        from meshembed_native import build as native
+    from meshembed_native import build as native
 
-        try:
-            lib = ctypes.CDLL(str(native.build_library(_SOURCE, "torch_dense_cpu", flags=(*native.FLAGS, "-fopenmp"))))
-            fn = lib.meshembed_dense_update
-            fn.restype = ctypes.c_int64
-            fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                           ctypes.c_int]
-            check = lib.meshembed_all_finite
-            check.restype = ctypes.c_int
-            check.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                              ctypes.c_int]
-            _state["lib"] = lib
-        except Exception as exc:  # no compiler, ...
-            _state["lib"] = None
-            warnings.warn(f"meshembed: the torch backend's fused dense update is unavailable ({type(exc).__name__}: "
-                          f"{str(exc)[:300]}); the core function runs instead (same numbers).", RuntimeWarning,
-                          stacklevel=3)
-    return _state["lib"]
+    signatures = {"meshembed_dense_update": (ctypes.c_int64, _UPDATE_ARGS),
+                  "meshembed_all_finite": (ctypes.c_int, _CHECK_ARGS)}
+    return native.load_once(_state, _SOURCE, "torch_dense_cpu", signatures,
+                            "the torch backend's fused dense update is", flags=(*native.FLAGS, "-fopenmp"),
+                            hint=" Set MESHEMBED_TORCH_FUSED=0 to silence this.")
 
 
 def kernel_for(rule: UpdateRule) -> Any:
