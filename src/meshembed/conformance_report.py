@@ -116,11 +116,19 @@ def run(backends: list[str] | None = None, extra_args: list[str] | None = None) 
     import meshembed as me
 
     names = backends or list(me.available_backends())
-    os.environ["MESHEMBED_TEST_BACKENDS"] = ",".join(names)
     report = Report(backends=names + ["all"])
     suite = pathlib.Path(conformance.__file__).parent
     args = [str(suite), "-q", "-p", "no:cacheprovider", "--no-header", "-rN", *(extra_args or [])]
-    pytest.main(args, plugins=[_Collector(report)])
+    # the suite reads its backends from the environment; set only for the run, then restored
+    before = os.environ.get("MESHEMBED_TEST_BACKENDS")
+    os.environ["MESHEMBED_TEST_BACKENDS"] = ",".join(names)
+    try:
+        pytest.main(args, plugins=[_Collector(report)])
+    finally:
+        if before is None:
+            del os.environ["MESHEMBED_TEST_BACKENDS"]
+        else:
+            os.environ["MESHEMBED_TEST_BACKENDS"] = before
     if not any("all" in row for row in report.rows.values()):
         report.backends.remove("all")
     return report
