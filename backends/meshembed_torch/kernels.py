@@ -308,11 +308,14 @@ class RecycledRows:
     no autograd record, no DLPack export) and it does not require grad; ``keep`` buffers per
     shape cover ``acts = emb.dequeue()`` loops, where the previous step's are still bound."""
 
-    _OWN_REFS = 4  # the list, the loop variable, the argument, getrefcount's own
-
     def __init__(self, keep: int = 2):
         self.keep = keep
         self._bufs: dict[tuple, list[torch.Tensor]] = {}
+        # the references this cache's own lookup holds (list, loop variable, arguments),
+        # counted on a probe by the same code path, so no interpreter detail is assumed
+        self._own_refs = 0
+        for probe in [torch.empty(0)]:
+            self._own_refs = sys.getrefcount(probe)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
@@ -320,18 +323,17 @@ class RecycledRows:
             return torch.empty(shape, dtype=dtype, device=device)
         bufs = self._bufs.setdefault((tuple(shape), dtype, device), [])
         for buf in bufs:
-            if self._free(buf):
+            if sys.getrefcount(buf) <= self._own_refs and self._free(buf):
                 return buf
         out = empty_rows(tuple(shape), dtype, device)
         bufs.append(out)
         del bufs[:-self.keep]
         return out
 
-    @classmethod
-    def _free(cls, buf: torch.Tensor) -> bool:
-        return (sys.getrefcount(buf) <= cls._OWN_REFS and buf._use_count() == 1
-                and torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2  # + the wrapper
-                and not buf.requires_grad)
+    @staticmethod
+    def _free(buf: torch.Tensor) -> bool:
+        return (buf._use_count() == 1 and not buf.requires_grad
+                and torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2)  # + the wrapper
 
 
 # -- compiled updates: what the backend hands torch.compile ------------------------------------
