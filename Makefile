@@ -23,8 +23,18 @@ $(VENV)/.full: $(VENV)/.core
 demo: $(VENV)/.core
 	$(PYTHON) -m meshembed demo
 
-test: $(VENV)/.full
-	$(PYTHON) -m pytest tests conformance -q
+# The test runner's own plugins, pinned: pytest-xdist runs the suite on TEST_WORKERS processes
+# (2 = the CI box's cores; TEST_WORKERS=0 runs it in one process). conformance/xdist_groups.py
+# keeps each file on one worker and the multi-process tests one at a time, long ones first.
+TEST_TOOLS ?= pytest-xdist==3.8.0 execnet==2.1.2
+TEST_WORKERS ?= 2
+
+$(VENV)/.test-tools: $(VENV)/.full
+	$(PIP) install -q $(TEST_TOOLS)
+	touch $@
+
+test: $(VENV)/.test-tools
+	$(PYTHON) -m pytest tests conformance -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 conformance: $(VENV)/.core
 	$(PYTHON) -m meshembed conformance
