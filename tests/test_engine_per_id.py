@@ -147,3 +147,67 @@ def test_per_id_activations_stay_valid_while_held():
     count = np.bincount(ids.reshape(-1), minlength=1000).astype(np.float32)  # 132 or 131 per row
     want = np.repeat(-2 * 0.5 * count[:, None], dim, axis=1)  # two SGD steps of lr 0.5 from zeros
     np.testing.assert_array_equal(third.numpy()[:1000, 0], want)
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])  # the generated fused update, the XLA step
+@pytest.mark.parametrize("combiner,weighted", [("sum", False), ("mean", True)])
+def test_jax_per_id_rows_keep_their_shape(fused, combiner, weighted, monkeypatch):
+    """JAX (``shaped_rows``): the per-id lookup takes ids ``[B, M]`` and returns ``[B, M, D]``,
+    the update takes the ``[B, M, D]`` gradients as they are (an eager reshape copies every
+    row), and the numbers are NumPy's, bit for bit."""
+    pytest.importorskip("jax")
+    from meshembed_jax import JaxBackend
+
+    monkeypatch.setenv("MESHEMBED_JAX_FUSED", fused)
+    assert JaxBackend().capabilities.shaped_rows
+    seen = {"gather": [], "update": []}
+    real_gather, real_update = JaxBackend.gather, JaxBackend.update_rows
+
+    def gather(self, table, ids):
+        out = real_gather(self, table, ids)
+        seen["gather"].append((tuple(ids.shape), tuple(out.shape)))
+        return out
+
+    def update_rows(self, tables, ids, grads, fn, **kw):
+        seen["update"].append((tuple(grads.shape), kw.get("grad_index")))
+        return real_update(self, tables, ids, grads, fn, **kw)
+
+    monkeypatch.setattr(JaxBackend, "gather", gather)
+    monkeypatch.setattr(JaxBackend, "update_rows", update_rows)
+    for opt in (me.embedding.SGD(learning_rate=0.1), me.embedding.Adagrad(learning_rate=0.1),
+                me.embedding.Adam(learning_rate=0.01)):
+        seen["gather"].clear()
+        seen["update"].clear()
+        got = _run("jax", combiner, opt, weighted)
+        assert seen["gather"] == [((B, M), (B, M, D))] * 3
+        assert seen["update"] == [((B, M, D), None)] * 3
+        with monkeypatch.context() as m:
+            m.setattr(combiners, "is_identity", lambda s, n: False)
+            general = _run("jax", combiner, opt, weighted)
+        assert len(seen["gather"]) == 3  # the general path: gather_combine, no plain gather
+        # the generated kernels are NumPy's bits; the XLA step is the general path's (XLA's
+        # CPU code for Adagrad/Adam differs from NumPy in the last bit, either path)
+        wants = [general] + ([_run("numpy", combiner, opt, weighted)] if fused == "1" else [])
+        for want in wants:
+            assert got.keys() == want.keys()
+            for key in got:
+                np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_jax_gather_shapes_and_padding():
+    """``gather`` returns ``ids.shape + (D,)`` for N-d ids and for 1-d ids of any length
+    (padded to a bucket or not), zeros nowhere: the table's rows themselves."""
+    pytest.importorskip("jax")
+    from meshembed.sharding import Placement
+    from meshembed_jax import JaxBackend
+
+    be = JaxBackend()
+    values = np.random.default_rng(0).standard_normal((V, D)).astype(np.float32)
+    table = be.create_table(values, Placement(V, 2, "mod"))
+    rng = np.random.default_rng(1)
+    for shape in [(16,), (13,), (1,), (0,), (B, M), (B, 1), (2, 3, 4), (0, 3)]:
+        ids = rng.integers(0, V, size=shape)
+        for x in (ids, be.asarray(ids, dtype="int64")):
+            out = be.gather(table, x)
+            assert tuple(out.shape) == shape + (D,)
+            np.testing.assert_array_equal(be.to_numpy(out), values[ids])

@@ -116,6 +116,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
             compiles=True,
             distributed=jax.process_count() > 1,
             runs_hlo=True,
+            shaped_rows=True,  # gather and update_rows shape / flatten rows inside their programs
             update_rules=True,
             # with several processes each one holds its own gradients: check before updating
             guarded_updates=jax.process_count() == 1,
@@ -299,7 +300,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
                 grads = grads * xp.reshape(self.asarray(grad_weights), (-1, 1))
             grad_index = None
         if grad_index is None:
-            gids, ggrads, _, _ = self._global_batch(layout, ids, grads)
+            gids, ggrads, _, _ = self._global_batch(layout, ids, grads, keep_shape=True)  # [..., D]: flattened in the step
             nb = int(gids.shape[0])
             return self._update(tables, layout, dim, fn, nb, (gids, ggrads, guard), values=values)
         from meshembed_jax.kernels import index_dtype
@@ -396,9 +397,10 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         from meshembed_jax import cpu_kernels
 
         grads = args[1]
-        if grads.ndim != 2 or grads.dtype != tables[0].dtype:
-            return False
-        if grads.shape[1] != dim or (weighted is None and grads.shape[0] != args[0].shape[0]):
+        if grads.ndim < 2 or (weighted is not None and grads.ndim != 2) or grads.dtype != tables[0].dtype:
+            return False  # per-id gradients may come as [..., D] (flattened in the step)
+        rows = int(np.prod(grads.shape[:-1]))
+        if grads.shape[-1] != dim or (weighted is None and rows != args[0].shape[0]):
             return False  # the XLA path reports the shape error before anything is written
         combined = weighted is not None
         found = self.fused_program(layout, dim, rule, [t.dtype for t in tables], combined, bool(weighted))

@@ -25,6 +25,7 @@ pure-XLA code below is what runs elsewhere (TPU, GPU) and where they cannot be b
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
@@ -152,17 +153,30 @@ def dedup_sort(flat: jax.Array, m: int, capacity: int) -> tuple[jax.Array, jax.A
 _DEDUP = {"dense": dedup_dense, "sort": dedup_sort}
 
 
-def make_lookup(layout: ShardLayout, dim: int) -> Callable:
-    """``lookup(data, ids) -> rows``: masked local gather on every device, then psum."""
+def make_lookup(layout: ShardLayout, dim: int, shape: tuple[int, ...] | None = None) -> Callable:
+    """``lookup(data, ids) -> rows``: masked local gather on every device (the CPU row
+    kernel where it serves the layout: XLA's gather moves rows element by element), then
+    psum. With ``shape`` the first ``prod(shape)`` rows come back as ``shape + (D,)`` from
+    inside the program: an eager slice or reshape after it would copy every row."""
     m = layout.rows_per_device
 
     def per_device(block: jax.Array, ids: jax.Array) -> jax.Array:
         flat = local_rows(layout, ids)
-        rows = block.reshape(m, dim).at[flat].get(mode="fill", fill_value=0)
-        return across_devices(layout, rows)
+        table = block.reshape(m, dim)
+
+        def xla() -> jax.Array:
+            return table.at[flat].get(mode="fill", fill_value=0)
+
+        def ffi() -> jax.Array:  # zeros for the sentinel row m, as mode="fill"
+            return cpu_kernels.gather_rows(table, flat)
+
+        return across_devices(layout, on_platform(layout, ffi, xla, table.dtype))
 
     fn = device_map(layout, per_device, in_specs=(P(AXIS), P()), out_specs=P())
-    return jax.jit(fn)
+    if shape is None:
+        return jax.jit(fn)
+    n = math.prod(shape)
+    return jax.jit(lambda data, ids: fn(data, ids)[:n].reshape(shape + (dim,)))
 
 
 def make_scatter(layout: ShardLayout, dim: int) -> Callable:
@@ -364,6 +378,8 @@ def make_update(layout: ShardLayout, dim: int, n_tables: int, capacity: int, ded
 
     def per_device(blocks: tuple, ids: jax.Array, grads: jax.Array, *rest: Any) -> tuple:
         (segs, w, guard, dyn) = rest if combined else (None, None, *rest)
+        if not combined:  # one row per id, [..., D]: flattened here, a bitcast (eagerly: a copy)
+            grads = grads.reshape(-1, grads.shape[-1])
         n = ids.shape[0]
         c = chunk_rows(n, dim * grads.dtype.itemsize)
 
@@ -405,6 +421,8 @@ def make_fused_update(layout: ShardLayout, dim: int, n_tables: int, address: int
     def per_device(blocks: tuple, ids: jax.Array, grads: jax.Array, segs: jax.Array, w: jax.Array,
                    guard: jax.Array, hp: jax.Array) -> tuple:
         flat = local_rows(layout, ids)
+        if not combined:  # one row per id, [..., D]: flattened here (eagerly: a copy)
+            grads = grads.reshape(-1, grads.shape[-1])
 
         def body(_: jax.Array, tabs: tuple) -> tuple:
             return tuple(cpu_kernels.fused_update(list(tabs), flat, grads, segs, w, hp, address, combined, weighted))

@@ -229,8 +229,11 @@ class JaxTables:
             self._kernels.move_to_end(key)
         return fn
 
-    def _global_batch(self, layout: ShardLayout, ids: Any, *rows: Any) -> tuple[Any, ...]:
+    def _global_batch(self, layout: ShardLayout, ids: Any, *rows: Any, keep_shape: bool = False) -> tuple[Any, ...]:
         """Pad ``ids`` (with -1) and row arrays (with 0) to a bucket, replicated on the mesh.
+
+        ``keep_shape``: a native ``[..., D]`` row array that needs no padding keeps its shape
+        (the kernel flattens it: an eager reshape copies every row).
 
         Returns ``(ids, *rows, n_local, offset)``: with several processes each one passes its
         own part and the parts are concatenated in process order; ``offset`` is where this
@@ -257,7 +260,8 @@ class JaxTables:
         out = [jax.device_put(ids, layout.replicated)]
         for r in rows:
             if self.is_native(r):
-                r = r.reshape(n, -1)
+                if not (keep_shape and nb == n and r.ndim >= 2 and int(np.prod(r.shape[:-1])) == n):
+                    r = r.reshape(n, -1)
                 if nb > n:
                     r = jnp.concatenate([r, jnp.zeros((nb - n, r.shape[1]), r.dtype)])
             else:
@@ -273,6 +277,11 @@ class JaxTables:
         layout, dim = table.layout, table.shape[1]
         shape = tuple(ids.shape)
         gids, n, offset = self._global_batch(layout, ids)
+        if self._jax.process_count() == 1 and (len(shape) != 1 or gids.shape[0] == n):
+            # ids.shape + (D,) from inside the program (no eager slice/reshape: a copy of
+            # every row); compiled per shape, so only for unpadded or N-d (per-id) ids
+            lookup = self._kernel(("lookup", layout, dim, shape), lambda: kernels.make_lookup(layout, dim, shape))
+            return lookup(table.data, gids)
         lookup = self._kernel(("lookup", layout, dim), lambda: kernels.make_lookup(layout, dim))
         rows = self._local_result(lookup(table.data, gids), n, offset)
         return rows.reshape(shape + (dim,)) if len(shape) != 1 else rows

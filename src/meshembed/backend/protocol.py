@@ -43,6 +43,11 @@ class Capabilities:
     #: ``update_rows`` takes ``grad_index`` / ``grad_weights`` (the combiner's backward pass
     #: fused into the update; the protocol's default does).
     grad_index_updates: bool = True
+    #: ``gather`` takes ids of any shape and returns ``ids.shape + (D,)``, and ``update_rows``
+    #: without ``grad_index`` takes one gradient row per id as ``[..., D]``: the engine then
+    #: passes per-id (sequence) features in their own shape. Where an eager reshape copies
+    #: (JAX), that saves two copies of every row per step.
+    shaped_rows: bool = False
 
 
 class ShardedTable(abc.ABC):

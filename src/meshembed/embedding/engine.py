@@ -449,8 +449,10 @@ class TPUEmbedding:
                 rows = quantize(xp, self.backend.gather(table, d.ids), lo, hi, quant.num_buckets)
                 act = combiners.forward(self.backend, rows, xp.reshape(d.scale, (-1, 1)), d.slots, d.num_slots)
             elif d.identity:  # one id per slot: the rows themselves, no segment sum
-                act = self.backend.gather(table, d.ids)
-                act = act if d.unit_scale else act * xp.reshape(d.scale, (-1, 1))
+                # shaped_rows: the rows come in the activation's shape (no reshape: a copy on JAX)
+                shaped = self.backend.capabilities.shaped_rows and len(f.output_shape) != 1
+                act = self.backend.gather(table, xp.reshape(d.ids, f.output_shape) if shaped else d.ids)
+                act = act if d.unit_scale else act * xp.reshape(d.scale, tuple(act.shape[:-1]) + (1,))
             else:  # fused gather + combine where the backend has one
                 weights = None if d.unit_scale else d.scale
                 act = self.backend.gather_combine(table, d.ids, d.slots, d.num_slots, weights)
@@ -542,7 +544,8 @@ class TPUEmbedding:
         return out
 
     def _check_gradients(self, gradients: Any, check_now: bool) -> list[Any]:
-        """The gradients as ``[ids, D]`` backend arrays; with ``check_now``, NaN/Inf raise."""
+        """The gradients as backend arrays of their activation's shape (the update flattens
+        them, or not: see ``shaped_rows``); with ``check_now``, NaN/Inf raise."""
         xp = self.backend.xp
         grads = self._by_feature(gradients, "gradients")
         out = []
@@ -578,7 +581,7 @@ class TPUEmbedding:
                 raise _traced_call_error("apply_gradients")
             if check_now and not self.backend.all_finite(g):
                 raise self._nonfinite_error(f)
-            out.append(xp.reshape(g, (int(np.prod(f.output_shape)), t.dimension)))
+            out.append(g)
         return out
 
     def _is_real(self, g: Any) -> bool:
@@ -652,10 +655,13 @@ class TPUEmbedding:
         for t in self.layout.tables:
             parts = per_table[t.index]
             n_ids = sum(int(d.host_ids.shape[0]) for d, _ in parts)
-            if n_ids and all(d.identity for d, _ in parts) and uses_accumulation(t) and not is_non_lazy(t):
+            identity = n_ids and all(d.identity for d, _ in parts) and uses_accumulation(t) and not is_non_lazy(t)
+            if not (identity and len(parts) == 1 and self.backend.capabilities.shaped_rows):
+                parts = [(d, xp.reshape(g, (-1, t.dimension))) for d, g in parts]  # [ids, D]
+            if identity:
                 # Every feature has one id per slot: the (weighted) activation gradients are
                 # the per-id gradients, in id order, so no slot index travels (see identity).
-                rows = [g if d.unit_scale else g * xp.reshape(d.scale, (-1, 1)) for d, g in parts]
+                rows = [g if d.unit_scale else g * xp.reshape(d.scale, tuple(g.shape[:-1]) + (1,)) for d, g in parts]
                 ids = parts[0][0].ids if len(parts) == 1 else self.backend.asarray(
                     np.concatenate([d.host_ids for d, _ in parts]), dtype="int64")
                 source = rows[0] if len(rows) == 1 else xp.concat(rows, axis=0)
