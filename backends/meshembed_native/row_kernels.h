@@ -1,7 +1,8 @@
 // Row kernels shared by the backends' C++ code (the JAX backend's FFI kernels, the torch
 // backend's fused CPU updates): bitmap dedup of table rows, per-row gradient sums in batch
-// order, and the registered fused optimizer formulas (ApplyRow). Header-only; built in by
-// meshembed_native/build.py, which puts this directory on the include path.
+// order, row prefetch. No optimizer formula: the per-row update is a kernel generated from the
+// core's math (meshembed_native/codegen.py). Header-only; built in by meshembed_native/build.py,
+// which puts this directory on the include path.
 #pragma once
 
 #include <algorithm>
@@ -143,71 +144,5 @@ inline std::vector<int64_t> BalancedCuts(const int32_t* slot_of, int64_t n, int6
     cut[t] = std::lower_bound(count.begin(), count.end() - 1, count[unique] * t / parts) - count.begin();
   return cut;
 }
-
-// The registered fused updates (meshembed.embedding.updates.REGISTERED_FUSED): the optimizer on one
-// float32 row with the formulas of meshembed/math written out in the same operation order
-// (built with -ffp-contract=off: no fused multiply-adds), so a backend's fused kernel gives
-// the core function's numbers to the last bit. An optimisation, not the definition: the
-// tests compare every algorithm here with the core function and the NumPy reference.
-enum Algorithm : int { kSgd = 0, kAdagrad = 1, kAdadelta = 2 };
-
-struct RowUpdate {
-  int algorithm;
-  int64_t dim;
-  float* table;
-  float* slot0;  // Adagrad: accumulators; Adadelta: accumulators (nullptr: none)
-  float* slot1;  // Adadelta: updates
-  float lr, rho, epsilon, one_minus_rho;  // 1 - rho rounded once from double, as the core's
-                                         // Python-float hyper-parameters are
-  // hp: learning rate, rho, epsilon (the ones the algorithm uses)
-  RowUpdate(int algorithm, int64_t dim, float* table, float* slot0, float* slot1, const double* hp)
-      : RowUpdate(algorithm, dim, table, slot0, slot1, float(hp[0]), float(hp[1]), float(hp[2]),
-                  float(1.0 - hp[1])) {}
-  RowUpdate(int algorithm, int64_t dim, float* table, float* slot0, float* slot1, float lr, float rho,
-            float epsilon, float one_minus_rho)
-      : algorithm(algorithm), dim(dim), table(table), slot0(slot0), slot1(slot1), lr(lr), rho(rho),
-        epsilon(epsilon), one_minus_rho(one_minus_rho) {}
-
-  // Prefetch table row `row` and its slots for writing.
-  void Prefetch(int64_t row) const {
-    const int64_t bytes = dim * int64_t(sizeof(float));
-    for (float* base : {table, slot0, slot1})
-      if (base) PrefetchBytes(base + row * dim, bytes, true);
-  }
-
-  // Apply the formula to table row `row` with gradient g. Scalars are copied to locals and
-  // pointers are restrict: a store to a row could otherwise alias them, which forces a
-  // reload per element and stops vectorisation.
-  void Apply(int64_t row, const float* __restrict g) const {
-    const float lr = this->lr, rho = this->rho, eps = epsilon, one_minus_rho = this->one_minus_rho;
-    float* __restrict w = table + row * dim;
-    switch (algorithm) {
-      case kSgd:
-        for (int64_t d = 0; d < dim; ++d) w[d] = w[d] - lr * g[d];
-        break;
-      case kAdagrad: {
-        float* __restrict acc = slot0 + row * dim;
-        for (int64_t d = 0; d < dim; ++d) {
-          const float a = acc[d] + g[d] * g[d];
-          acc[d] = a;
-          w[d] = w[d] - lr * g[d] / std::sqrt(a);
-        }
-        break;
-      }
-      case kAdadelta: {
-        float* __restrict acc = slot0 + row * dim;
-        float* __restrict upd = slot1 + row * dim;
-        for (int64_t d = 0; d < dim; ++d) {
-          const float a = rho * acc[d] + one_minus_rho * (g[d] * g[d]);
-          const float step = std::sqrt(upd[d] + eps) / std::sqrt(a + eps) * g[d];
-          upd[d] = rho * upd[d] + one_minus_rho * (step * step);
-          acc[d] = a;
-          w[d] = w[d] - lr * step;
-        }
-        break;
-      }
-    }
-  }
-};
 
 }  // namespace meshembed
