@@ -65,17 +65,6 @@ def test_apply_rule_is_apply_update():
         np.testing.assert_array_equal(a, b)
 
 
-def test_fused_kernels_are_found_on_the_rule():
-    assert make_rule(_table(E.SGD(0.1))).fused_code(1) == 0
-    assert make_rule(_table(E.Adagrad(0.1))).fused_code(2) == 1
-    rule = make_rule(_table(E.Adadelta(0.1, rho=0.9, epsilon=1e-4)))
-    assert rule.fused_code(3) == 2 and rule.fused_params((0.5,)) == (0.5, 0.9, 1e-4)
-    assert make_rule(_table(E.Adagrad(0.1))).fused_code(1) is None  # slots missing
-    assert make_rule(_table(E.Adagrad(0.1, clipvalue=1.0))).fused_code(2) is None  # not plain
-    assert make_rule(_table(E.SGD(0.1, weight_decay_factor=0.1))).fused_code(1) is None
-    assert make_rule(_table(E.Adam(0.1))).fused_code(3) is None
-
-
 def test_engine_hands_backends_the_rule_once_per_table():
     seen = []
     emb = me.TPUEmbedding(_config(E.Adam(E.DynamicLearningRate(0))), backend="numpy")

@@ -2,7 +2,7 @@
 
 Each param group is driven by one ``me.optimizers.Adadelta`` over ``me.Variable``s that
 *adopt* the parameters' storage, so the step is the core ``meshembed.math.adadelta`` through
-the torch backend's in-place compiled (or registered fused) update, writing straight into the
+the torch backend's in-place compiled (or generated fused) update, writing straight into the
 parameters: the same numbers as ``me.optimizers.Adadelta``, bit for bit.
 
 Defaults are Keras' (lr 1e-3, ρ 0.95, ε 1e-7). ``torch.optim.Adadelta``'s are lr 1.0, ρ 0.9,

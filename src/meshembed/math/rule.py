@@ -20,27 +20,7 @@ from typing import Any, Sequence
 
 from meshembed.math.registry import OptimizerMath, apply_update
 
-__all__ = ["REGISTERED_FUSED", "UpdateRule", "apply_rule", "registered_code"]
-
-#: The registered fused updates: algorithm (proto name) -> (kernel code, slot count,
-#: hyper-parameters it reads besides lr). The C++ kernels (``meshembed_native/row_kernels.h``)
-#: take ``(lr, rho, epsilon)``; an optimisation of :func:`apply_rule`, tested against it.
-REGISTERED_FUSED: dict[str, tuple[int, int, tuple[str, ...]]] = {
-    "stochastic_gradient_descent": (0, 0, ()),
-    "adagrad": (1, 1, ()),
-    "adadelta": (2, 2, ("rho", "epsilon")),
-}
-
-
-def registered_code(algorithm: str, hyperparameters: Any, n_tables: int) -> int | None:
-    """The code of the registered fused kernel computing ``algorithm`` with hyper-parameters
-    named ``hyperparameters`` over a table and its ``n_tables - 1`` slots, or None."""
-    entry = REGISTERED_FUSED.get(algorithm)
-    if entry is None:
-        return None
-    code, n_slots, reads = entry
-    return code if n_tables == 1 + n_slots and not set(hyperparameters) - set(reads) else None
-
+__all__ = ["UpdateRule", "apply_rule"]
 
 @dataclass(frozen=True)
 class UpdateRule:
@@ -95,18 +75,6 @@ class UpdateRule:
         hp = dict(self.static)
         hp.update((name, values[i]) for i, name in enumerate(self.dynamic) if i)
         return values[0], hp
-
-    def fused_code(self, n_tables: int) -> int | None:
-        """The registered fused kernel computing this rule over ``n_tables`` arrays (the table
-        and its slots), or None: a plain update of a registered algorithm only."""
-        if not self.plain:
-            return None
-        return registered_code(self.algorithm, [n for n in self.dynamic[1:]] + [n for n, _ in self.static], n_tables)
-
-    def fused_params(self, values: Sequence[float]) -> tuple[float, float, float]:
-        """The registered kernels' parameter block ``(lr, rho, epsilon)`` for ``values``."""
-        lr, hp = self.hyperparameters(values)
-        return float(lr), float(hp.get("rho", 0.0)), float(hp.get("epsilon", 0.0))
 
 
 def apply_rule(xp: Any, rule: UpdateRule, hyper_values: Sequence[Any], grads: Any, params: Any,
