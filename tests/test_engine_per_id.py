@@ -211,3 +211,21 @@ def test_jax_gather_shapes_and_padding():
             out = be.gather(table, x)
             assert tuple(out.shape) == shape + (D,)
             np.testing.assert_array_equal(be.to_numpy(out), values[ids])
+
+
+def test_jax_per_id_lookup_copies_no_rows():
+    """The per-id lookup's ``[n, 1, D]`` rows are the gather's own output: no XLA copy of
+    them (a reshape of the FFI result got a layout of its own and a copy of 32 MiB at W1)."""
+    pytest.importorskip("jax")
+    from meshembed.sharding import Placement
+    from meshembed_jax import JaxBackend, kernels
+
+    be = JaxBackend()
+    table = be.create_table(np.zeros((V, D), np.float32), Placement(V, 1, "mod"))
+    if not kernels.use_cpu_kernels(table.layout, np.float32):
+        pytest.skip("no CPU FFI kernels here")
+    ids = np.arange(64).reshape(64, 1) % V
+    gids, _, _ = be._global_batch(table.layout, ids)
+    hlo = kernels.make_lookup(table.layout, D, (64, 1)).lower(table.data, gids).compile().as_text()
+    assert "meshembed_gather_rows" in hlo
+    assert " copy(" not in hlo, hlo

@@ -148,10 +148,12 @@ def dedup_sum(ids: Any, grads: Any, segs: Any, w: Any, m: int, capacity: int, co
     return _vary_like(tuple(res), ids, grads, segs, w)
 
 
-def gather_rows(table: Any, idx: Any) -> Any:
+def gather_rows(table: Any, idx: Any, shape: tuple[int, ...] | None = None) -> Any:
+    """``table[idx]``, zeros for rows outside the table; ``shape``: the result's shape (its
+    last axis ``D``, ``len(idx)`` rows): made in that shape, XLA would copy a reshape of it."""
     import jax
 
-    out = jax.ShapeDtypeStruct((idx.shape[0], table.shape[1]), table.dtype)
+    out = jax.ShapeDtypeStruct(shape or (idx.shape[0], table.shape[1]), table.dtype)
     return _vary_like(jax.ffi.ffi_call("meshembed_gather_rows", out)(table, idx), table, idx)
 
 

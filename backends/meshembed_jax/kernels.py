@@ -163,12 +163,16 @@ def make_lookup(layout: ShardLayout, dim: int, shape: tuple[int, ...] | None = N
     def per_device(block: jax.Array, ids: jax.Array) -> jax.Array:
         flat = local_rows(layout, ids)
         table = block.reshape(m, dim)
+        # unpadded: the rows are made in their final shape (XLA copies a reshape of an FFI
+        # result: a [n, 1, D] bitcast got a layout of its own)
+        out = shape + (dim,) if shape is not None and math.prod(shape) == ids.shape[0] else None
 
         def xla() -> jax.Array:
-            return table.at[flat].get(mode="fill", fill_value=0)
+            rows = table.at[flat].get(mode="fill", fill_value=0)
+            return rows if out is None else rows.reshape(out)
 
         def ffi() -> jax.Array:  # zeros for the sentinel row m, as mode="fill"
-            return cpu_kernels.gather_rows(table, flat)
+            return cpu_kernels.gather_rows(table, flat, out)
 
         return across_devices(layout, on_platform(layout, ffi, xla, table.dtype))
 
@@ -176,7 +180,12 @@ def make_lookup(layout: ShardLayout, dim: int, shape: tuple[int, ...] | None = N
     if shape is None:
         return jax.jit(fn)
     n = math.prod(shape)
-    return jax.jit(lambda data, ids: fn(data, ids)[:n].reshape(shape + (dim,)))
+
+    def lookup(data: jax.Array, ids: jax.Array) -> jax.Array:
+        rows = fn(data, ids)
+        return rows if rows.ndim != 2 else rows[:n].reshape(shape + (dim,))
+
+    return jax.jit(lookup)
 
 
 def make_scatter(layout: ShardLayout, dim: int) -> Callable:
