@@ -22,20 +22,23 @@ from meshembed.math.registry import OPTIMIZERS, get_math
 from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed_native import codegen
 
-#: Measured bound, in ulp of the result, of the C library's pow/exp/log (what a generated
-#: kernel calls) against NumPy's (docs/internals.md "Generated kernels"; this machine: glibc,
-#: NumPy's AVX-512 code).
+#: Measured bound, in ulp of the result, of the kernels' pow/exp/log against NumPy's
+#: (docs/internals.md "Generated kernels"; this machine: NumPy's AVX-512 code): float64 calls the
+#: C library (glibc), float32 the generated source's own vectorizable versions
+#: (``codegen.float32_math``, <= 1 ulp of the correctly rounded result, tested below).
 LIBM_ULP = {"pow": 1, "exp": 2, "log": 2}
 
 _LIBM = ctypes.CDLL(ctypes.util.find_library("m"))
 
 
 def _libm(name: str, *args):
-    """Element-wise ``name`` from the C library, NumPy's result dtype (Python numbers weak)."""
+    """Element-wise ``name`` as the kernels compute it, NumPy's result dtype (Python numbers
+    weak): the generated float32 math for float32, the C library's for float64."""
     dtype = np.result_type(*args)
-    suffix, ctype = ("f", ctypes.c_float) if dtype == np.float32 else ("", ctypes.c_double)
-    fn = getattr(_LIBM, name + suffix)
-    fn.restype, fn.argtypes = ctype, [ctype] * len(args)
+    if dtype == np.float32:
+        return codegen.float32_math(name, *(np.asarray(a, dtype=dtype) for a in args))
+    fn = getattr(_LIBM, name)
+    fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_double] * len(args)
     arrays = np.broadcast_arrays(*(np.asarray(a, dtype=dtype) for a in args))
     flat = [a.ravel().tolist() for a in arrays]
     return np.array([fn(*v) for v in zip(*flat)], dtype=dtype).reshape(arrays[0].shape)
@@ -216,7 +219,7 @@ def test_the_comparison_catches_a_one_ulp_change(kernels):
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_libm_calls_are_within_the_stated_ulp_bound_of_numpy(dtype):
-    """The kernels' pow/exp/log (C library) against NumPy's own, on one op each."""
+    """The kernels' pow/exp/log (float64: C library, float32: generated) against NumPy's own."""
     def fn(xp, params, grads, slots, *, lr):
         return params ** lr, type(slots)(xp.exp(grads), xp.log(xp.abs(slots.b)), 2.0 ** xp.minimum(grads, 60.0))
     opt = CustomOptimizer(fn, ("a", "b", "c"), (0.0,) * 3)
@@ -234,6 +237,48 @@ def test_libm_calls_are_within_the_stated_ulp_bound_of_numpy(dtype):
         kernel.apply(got, g, (lr,))
         for name, a, b in zip(("pow", "exp", "log", "pow"), got, want):
             assert ulp_distance(a, b).max() <= LIBM_ULP[name], (name, lr)
+
+
+_SPECIAL = np.float32([0, -0.0, 1, -1, 2, -2, 0.5, -0.5, 3, -3, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 1e-40,
+                       3.4e38, -3.4e38, 2.0**24, 2.0**24 + 2, 1e30, -1e30, 0.3, 7, -7, 88.7, 89, -103, -104, -150])
+
+
+def test_float32_math_is_within_one_ulp_of_the_correctly_rounded_result():
+    """The generated float32 pow/exp/log: <= 1 ulp of float64 NumPy rounded to float32 over
+    the whole range, and the C library's (C99) result bit for bit on every special case."""
+    rng = np.random.default_rng(7)
+    n = 200_000
+    x = np.concatenate([np.exp(rng.uniform(-103, 88, n)), rng.uniform(0, 2, n), -np.exp(rng.uniform(-20, 20, n)),
+                        np.float32(1e-41) * rng.uniform(0, 100, n)]).astype(np.float32)
+    y = np.concatenate([rng.uniform(-3, 3, n), rng.standard_normal(n) * 30, rng.integers(-20, 20, n),
+                        rng.uniform(-1.2, 1.2, n)]).astype(np.float32)
+    e = np.concatenate([rng.uniform(-110, 90, n), rng.standard_normal(n), _SPECIAL]).astype(np.float32)
+    with np.errstate(all="ignore"):
+        exact = {"pow": np.power(x.astype(np.float64), y.astype(np.float64)).astype(np.float32),
+                 "exp": np.exp(e.astype(np.float64)).astype(np.float32),
+                 "log": np.log(np.abs(x).astype(np.float64)).astype(np.float32)}
+    got = {"pow": codegen.float32_math("pow", x, y), "exp": codegen.float32_math("exp", e),
+           "log": codegen.float32_math("log", np.abs(x))}
+    for name in got:
+        assert ulp_distance(got[name], exact[name]).max() <= 1, name
+    sx, sy = (a.ravel() for a in np.meshgrid(_SPECIAL, _SPECIAL))
+    for name, args in (("pow", (sx, sy)), ("exp", (_SPECIAL,)), ("log", (_SPECIAL,))):
+        fn = getattr(_LIBM, name + "f")
+        fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float] * len(args)
+        want = np.array([fn(*v) for v in zip(*(a.tolist() for a in args))], np.float32)
+        mine = codegen.float32_math(name, *args)
+        close = ulp_distance(mine, want) <= 1  # every result within 1 ulp; C99's special cases: the same bits
+        special = np.any([(a == 0) | np.isinf(a) | (np.abs(a) == 1) | (name != "pow") & (a < 0) for a in args], axis=0)
+        assert close.all(), (name, [a[~close][:5] for a in args])
+        assert (mine.view(np.int32) == want.view(np.int32))[special & ~np.isnan(want)].all(), name
+        assert (np.isnan(mine) == np.isnan(want)).all(), name
+
+
+def test_float32_math_rejects_bad_arguments():
+    with pytest.raises(InputError, match="name"):
+        codegen.float32_math("sin", np.ones(2, np.float32))
+    with pytest.raises(InputError, match="name"):
+        codegen.float32_math("pow", np.ones(2, np.float32))
 
 
 def _all_ops(xp, params, grads, slots, *, lr, c):

@@ -45,7 +45,8 @@ from meshembed.math.common import SymbolicScalar
 from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed_native import build as native
 
-__all__ = ["Graph", "Node", "NotRecordable", "RowKernel", "emit_cpp", "prebuild", "record", "row_kernel"]
+__all__ = ["Graph", "Node", "NotRecordable", "RowKernel", "emit_cpp", "float32_math", "prebuild", "record",
+           "row_kernel"]
 
 #: Most arrays (table + slots) one kernel takes: what the backends' drivers dispatch on.
 MAX_ARRAYS = 8
@@ -425,8 +426,8 @@ _CTYPE = {"float32": "float", "float64": "double", "bool": "bool"}
 _EXPR = {
     "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
     "neg": "(-{0})", "pos": "{0}", "abs": "std::fabs({0})", "sqrt": "std::sqrt({0})",
-    "floor": "std::floor({0})", "ceil": "std::ceil({0})", "exp": "std::exp({0})", "log": "std::log({0})",
-    "square": "({0} * {0})", "pow": "std::pow({0}, {1})", "max": "me_max({0}, {1})", "min": "me_min({0}, {1})",
+    "floor": "std::floor({0})", "ceil": "std::ceil({0})", "exp": "me_exp({0})", "log": "me_log({0})",
+    "square": "({0} * {0})", "pow": "me_pow({0}, {1})", "max": "me_max({0}, {1})", "min": "me_min({0}, {1})",
     "sign": "me_sign({0})", "lt": "({0} < {1})", "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})",
     "eq": "({0} == {1})", "ne": "({0} != {1})", "and": "({0} && {1})", "or": "({0} || {1})", "xor": "({0} != {1})",
     "not": "(!{0})", "where": "({0} ? {1} : {2})", "isnan": "({0} != {0})", "isinf": "std::isinf({0})",
@@ -446,6 +447,64 @@ template <class T> inline T me_sign(T x) { return x > T(0) ? T(1) : (x < T(0) ? 
 // A C library call's operand known at compile time stays opaque: GCC would otherwise turn
 // powf(x, 0.5f) into sqrtf(x) or fold exp(c) itself, not the library's (NumPy-like) result.
 template <class T> inline T me_opaque(T v) { volatile T t = v; return t; }
+// Float32 pow/exp/log computed in double with plain IEEE operations (no C library call), so
+// the loop vectorizes and the result does not depend on the vector width or the remainder.
+inline double me_bits_d(uint64_t b) { double d; __builtin_memcpy(&d, &b, 8); return d; }
+inline uint64_t me_d_bits(double d) { uint64_t b; __builtin_memcpy(&b, &d, 8); return b; }
+// log(a) for a finite double a > 0 (abs error ~1e-15 relative): a = m 2^e, m in [sqrt(1/2), sqrt(2)).
+inline double me_log_core(double a) {
+  const uint64_t b = me_d_bits(a);
+  double e = static_cast<double>(static_cast<int64_t>(b >> 52) - 1023);
+  double m = me_bits_d((b & 0xFFFFFFFFFFFFFull) | 0x3FF0000000000000ull);
+  const bool big = m > 0x1.6a09e667f3bcdp+0;
+  m = big ? m * 0.5 : m;
+  e = big ? e + 1.0 : e;
+  const double f = m - 1.0, s = f / (2.0 + f), z = s * s;
+  double p = 2.0 / 13;
+  p = p * z + 2.0 / 11; p = p * z + 2.0 / 9; p = p * z + 2.0 / 7; p = p * z + 2.0 / 5; p = p * z + 2.0 / 3;
+  return e * 0x1.62e42fefa39efp-1 + (2.0 * s + s * z * p);
+}
+// exp(t) for the float range: t clamped to [-120, 100] (beyond: 0 / inf once rounded to float).
+inline double me_exp_core(double t) {
+  t = t < -120.0 ? -120.0 : (t > 100.0 ? 100.0 : t);  // NaN stays NaN
+  const double sh = t * 0x1.71547652b82fep+0 + 0x1.8p52;  // round(t / ln2) in the low bits
+  const double k = sh - 0x1.8p52;
+  const double r = (t - k * 0x1.62e42fee00000p-1) - k * 0x1.a39ef35793c76p-33;
+  double p = 1.0 / 3628800;
+  p = p * r + 1.0 / 362880; p = p * r + 1.0 / 40320;
+  p = p * r + 1.0 / 5040; p = p * r + 1.0 / 720; p = p * r + 1.0 / 120; p = p * r + 1.0 / 24;
+  p = p * r + 1.0 / 6; p = p * r + 0.5; p = p * r + 1.0; p = p * r + 1.0;
+  const uint64_t kb = me_d_bits(sh) - me_d_bits(0x1.8p52);  // k as a two's-complement integer
+  return p * me_bits_d((kb + 1023ull) << 52);
+}
+inline float me_expf(float x) { return static_cast<float>(me_exp_core(x)); }
+inline float me_logf(float x) {
+  float r = static_cast<float>(me_log_core(x));
+  r = x == __builtin_inff() ? x : r;
+  r = x == 0.0f ? -__builtin_inff() : r;
+  r = x < 0.0f ? __builtin_nanf("") : r;
+  return x != x ? x : r;
+}
+inline float me_powf(float x, float y) {
+  const float ax = std::fabs(x);
+  const double l = me_log_core(ax);
+  const double lx = ax != ax ? static_cast<double>(ax) : (ax == 0.0f ? -__builtin_inf()
+                    : (ax == __builtin_inff() ? __builtin_inf() : l));
+  float r = static_cast<float>(me_exp_core(static_cast<double>(y) * lx));
+  const float yr = std::rint(y), hr = std::rint(y * 0.5f);
+  const bool integer = yr == y, odd = integer & std::fabs(y) < 0x1p24f & hr != y * 0.5f;
+  uint32_t xb; __builtin_memcpy(&xb, &x, 4);
+  r = ((xb >> 31) != 0u & odd) ? -r : r;
+  r = (x < 0.0f & x > -__builtin_inff() & !integer) ? __builtin_nanf("") : r;
+  return (y == 0.0f | x == 1.0f | (x == -1.0f & std::fabs(y) == __builtin_inff())) ? 1.0f : r;
+}
+// float32: the vectorizable versions above; float64 (and mixed operands): the C library's.
+inline float me_pow(float x, float y) { return me_powf(x, y); }
+inline double me_pow(double x, double y) { return std::pow(x, y); }
+inline float me_exp(float x) { return me_expf(x); }
+inline double me_exp(double x) { return std::exp(x); }
+inline float me_log(float x) { return me_logf(x); }
+inline double me_log(double x) { return std::log(x); }
 }  // namespace
 """
 
@@ -484,7 +543,8 @@ def emit_cpp(graph: Graph, symbol: str) -> str:
         elif n.op == "cast":
             expr = f"({'x%d' % n.args[0]} != 0)" if n.dtype == "bool" else f"static_cast<{ctype}>(x{n.args[0]})"
         else:
-            names = [f"me_opaque(x{a})" if n.op in _LIBM and not graph.nodes[a].varying else f"x{a}" for a in n.args]
+            opaque = n.op in _LIBM and n.dtype != "float32"  # (float32: no C library call to keep)
+            names = [f"me_opaque(x{a})" if opaque and not graph.nodes[a].varying else f"x{a}" for a in n.args]
             expr = _EXPR[n.op].format(*names)
         (inside if n.varying else before).append(f"const {ctype} x{i} = {expr};")
     stores = [f"r{k}[j] = x{o};" for k, o in enumerate(graph.outputs)
@@ -551,6 +611,9 @@ _kernels: dict[Any, RowKernel | None] = {}
 _libraries: dict[str, ctypes.CDLL] = {}
 _warned = [False]
 STEM = "meshembed_rk"
+#: -fno-trapping-math lets GCC compute both sides of a select (the float32 pow/exp/log's special
+#: cases) and so vectorize the loop; it changes no result (FP exception flags are never read).
+FLAGS = (*native.FLAGS, "-fno-trapping-math")
 
 
 def _source_dir() -> Path:
@@ -609,7 +672,7 @@ def prebuild(items: Iterable[tuple[UpdateRule, int]]) -> list[RowKernel | None]:
                 continue
             graph, symbol, source = made
             src = _write(_source_dir() / f"{symbol}.cc", source)
-            todo[i] = (key, graph, symbol, source, native.library_path(src, STEM))
+            todo[i] = (key, graph, symbol, source, native.library_path(src, STEM, flags=FLAGS))
         missing = {t[2]: t for t in todo.values() if not t[4].exists()}
         failed = False
         if missing:
@@ -630,11 +693,11 @@ def _build(pending: list[tuple[Any, Graph, str, str, Path]]) -> bool:
     process) where no compiler works."""
     try:
         if len(pending) == 1:
-            native.build_library(_source_dir() / f"{pending[0][2]}.cc", STEM)
+            native.build_library(_source_dir() / f"{pending[0][2]}.cc", STEM, flags=FLAGS)
             return True
         combined = PREAMBLE + "".join(t[3][len(PREAMBLE):] for t in pending)
         name = hashlib.sha256(combined.encode()).hexdigest()[:16]
-        lib = native.build_library(_write(_source_dir() / f"batch_{name}.cc", combined), STEM + "_batch")
+        lib = native.build_library(_write(_source_dir() / f"batch_{name}.cc", combined), STEM + "_batch", flags=FLAGS)
         for t in pending:  # each kernel's own cache entry: a link to the batch library
             tmp = t[4].with_name(f".{t[4].name}.{os.getpid()}.tmp")
             if tmp.exists() or tmp.is_symlink():
@@ -665,6 +728,39 @@ def _key(rule: UpdateRule, n_arrays: int) -> Any:
 def _remember(key: Any, kernel: RowKernel | None) -> None:
     if key is not None:
         _kernels[key] = kernel
+
+
+_MATH_SOURCE = """
+extern "C" void me_math_pow(const float* x, const float* y, float* o, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) o[j] = me_pow(x[j], y[j]);
+}
+extern "C" void me_math_exp(const float* x, const float* y, float* o, int64_t n) {
+  (void)y; for (int64_t j = 0; j < n; ++j) o[j] = me_exp(x[j]);
+}
+extern "C" void me_math_log(const float* x, const float* y, float* o, int64_t n) {
+  (void)y; for (int64_t j = 0; j < n; ++j) o[j] = me_log(x[j]);
+}
+"""
+_math_state: dict = {}
+
+
+def float32_math(name: str, *args: Any) -> np.ndarray:
+    """The generated kernels' float32 ``pow``/``exp``/``log`` (``name``) element-wise over
+    ``args`` (broadcast, as float32): the reference tests compare a kernel with bit for bit."""
+    if name not in _LIBM or len(args) != (2 if name == "pow" else 1):
+        raise InputError(f"Invalid `name`/arguments. Expected 'pow' (2 arrays), 'exp' or 'log' (1). "
+                         f"Received: name={name!r} with {len(args)} argument(s)")
+    ptr = ctypes.POINTER(ctypes.c_float)
+    lib = native.load_once(_math_state, _write(_source_dir() / "math_f32.cc", PREAMBLE + _MATH_SOURCE),
+                           "meshembed_math", {f"me_math_{n}": (None, [ptr, ptr, ptr, ctypes.c_int64])
+                                              for n in _LIBM}, "the generated float32 math", flags=FLAGS)
+    if lib is None:
+        raise native.BuildError("no C++ compiler: the generated float32 math cannot be built")
+    arrays = [np.ascontiguousarray(a, dtype=np.float32) for a in np.broadcast_arrays(*args)]
+    out = np.empty(arrays[0].shape, np.float32)
+    x, y = arrays[0], arrays[-1]
+    getattr(lib, f"me_math_{name}")(x.ctypes.data_as(ptr), y.ctypes.data_as(ptr), out.ctypes.data_as(ptr), out.size)
+    return out
 
 
 def row_kernel(rule: UpdateRule, n_arrays: int) -> RowKernel | None:
