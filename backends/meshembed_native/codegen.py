@@ -451,14 +451,23 @@ template <class T> inline T me_opaque(T v) { volatile T t = v; return t; }
 // the loop vectorizes and the result does not depend on the vector width or the remainder.
 inline double me_bits_d(uint64_t b) { double d; __builtin_memcpy(&d, &b, 8); return d; }
 inline uint64_t me_d_bits(double d) { uint64_t b; __builtin_memcpy(&b, &d, 8); return b; }
-// log(a) for a finite double a > 0 (abs error ~1e-15 relative): a = m 2^e, m in [sqrt(1/2), sqrt(2)).
+// c ? a : b as bit masks: GCC merges chains of ?: into n-way choices it will not vectorize.
+inline double me_sel(bool c, double a, double b) {
+  const uint64_t m = 0ull - static_cast<uint64_t>(c);
+  return me_bits_d((me_d_bits(a) & m) | (me_d_bits(b) & ~m));
+}
+inline float me_sel(bool c, float a, float b) {
+  uint32_t ab, bb; __builtin_memcpy(&ab, &a, 4); __builtin_memcpy(&bb, &b, 4);
+  const uint32_t m = 0u - static_cast<uint32_t>(c), r = (ab & m) | (bb & ~m);
+  float f; __builtin_memcpy(&f, &r, 4); return f;
+}
+// log(a) for a finite double a > 0 (relative error ~1e-13): a = m 2^e, m in [sqrt(1/2), sqrt(2)).
 inline double me_log_core(double a) {
   const uint64_t b = me_d_bits(a);
-  double e = static_cast<double>(static_cast<int64_t>(b >> 52) - 1023);
-  double m = me_bits_d((b & 0xFFFFFFFFFFFFFull) | 0x3FF0000000000000ull);
-  const bool big = m > 0x1.6a09e667f3bcdp+0;
-  m = big ? m * 0.5 : m;
-  e = big ? e + 1.0 : e;
+  const double m0 = me_bits_d((b & 0xFFFFFFFFFFFFFull) | 0x3FF0000000000000ull);
+  const bool big = m0 > 0x1.6a09e667f3bcdp+0;
+  const double m = me_sel(big, m0 * 0.5, m0);
+  const double e = static_cast<double>(static_cast<int64_t>(b >> 52) - 1023) + me_sel(big, 1.0, 0.0);
   const double f = m - 1.0, s = f / (2.0 + f), z = s * s;
   double p = 2.0 / 13;
   p = p * z + 2.0 / 11; p = p * z + 2.0 / 9; p = p * z + 2.0 / 7; p = p * z + 2.0 / 5; p = p * z + 2.0 / 3;
@@ -466,7 +475,8 @@ inline double me_log_core(double a) {
 }
 // exp(t) for the float range: t clamped to [-120, 100] (beyond: 0 / inf once rounded to float).
 inline double me_exp_core(double t) {
-  t = t < -120.0 ? -120.0 : (t > 100.0 ? 100.0 : t);  // NaN stays NaN
+  t = me_sel(t > 100.0, 100.0, t);  // NaN stays NaN
+  t = me_sel(t < -120.0, -120.0, t);
   const double sh = t * 0x1.71547652b82fep+0 + 0x1.8p52;  // round(t / ln2) in the low bits
   const double k = sh - 0x1.8p52;
   const double r = (t - k * 0x1.62e42fee00000p-1) - k * 0x1.a39ef35793c76p-33;
@@ -480,23 +490,23 @@ inline double me_exp_core(double t) {
 inline float me_expf(float x) { return static_cast<float>(me_exp_core(x)); }
 inline float me_logf(float x) {
   float r = static_cast<float>(me_log_core(x));
-  r = x == __builtin_inff() ? x : r;
-  r = x == 0.0f ? -__builtin_inff() : r;
-  r = x < 0.0f ? __builtin_nanf("") : r;
-  return x != x ? x : r;
+  r = me_sel(x == __builtin_inff(), x, r);
+  r = me_sel(x == 0.0f, -__builtin_inff(), r);
+  r = me_sel(x < 0.0f, __builtin_nanf(""), r);
+  return me_sel(x != x, x, r);
 }
 inline float me_powf(float x, float y) {
   const float ax = std::fabs(x);
-  const double l = me_log_core(ax);
-  const double lx = ax != ax ? static_cast<double>(ax) : (ax == 0.0f ? -__builtin_inf()
-                    : (ax == __builtin_inff() ? __builtin_inf() : l));
+  double lx = me_sel(ax == __builtin_inff(), __builtin_inf(), me_log_core(ax));
+  lx = me_sel(ax == 0.0f, -__builtin_inf(), lx);
+  lx = me_sel(ax != ax, static_cast<double>(ax), lx);
   float r = static_cast<float>(me_exp_core(static_cast<double>(y) * lx));
   const float yr = std::rint(y), hr = std::rint(y * 0.5f);
-  const bool integer = yr == y, odd = integer & std::fabs(y) < 0x1p24f & hr != y * 0.5f;
+  const bool integer = yr == y, odd = integer & (std::fabs(y) < 0x1p24f) & (hr != y * 0.5f);
   uint32_t xb; __builtin_memcpy(&xb, &x, 4);
-  r = ((xb >> 31) != 0u & odd) ? -r : r;
-  r = (x < 0.0f & x > -__builtin_inff() & !integer) ? __builtin_nanf("") : r;
-  return (y == 0.0f | x == 1.0f | (x == -1.0f & std::fabs(y) == __builtin_inff())) ? 1.0f : r;
+  r = me_sel(((xb >> 31) != 0u) & odd, -r, r);
+  r = me_sel((x < 0.0f) & (x > -__builtin_inff()) & !integer, __builtin_nanf(""), r);
+  return me_sel((y == 0.0f) | (x == 1.0f) | ((x == -1.0f) & (std::fabs(y) == __builtin_inff())), 1.0f, r);
 }
 // float32: the vectorizable versions above; float64 (and mixed operands): the C library's.
 inline float me_pow(float x, float y) { return me_powf(x, y); }
