@@ -1,9 +1,10 @@
 """Generated row kernels (meshembed_native.codegen) equal the NumPy reference of the core's
 math: every element-wise optimizer × float32/float64 × {none, gradient clipping, weight
 clipping, weight decay, weight decay × lr} and the static variants that change the code, bit
-for bit. Where a formula calls pow/exp/log the kernel calls the C library's function and NumPy
-its own SIMD one: the reference then takes the C library's too (``LibmNumpy``), and the two
-functions' difference is the stated bound ``LIBM_ULP``, tested on its own."""
+for bit. Where a formula calls pow/exp/log the kernel calls the C library's function (float64)
+or the generated float32 one (``codegen.float32_math``) and NumPy its own SIMD one: the reference
+then takes the kernel's too (``LibmNumpy``), and the difference from NumPy is the stated bound
+``LIBM_ULP``, tested on its own (the float32 functions also against the correctly rounded result)."""
 
 from __future__ import annotations
 

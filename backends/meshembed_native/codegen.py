@@ -13,8 +13,9 @@ each is cast to the rows' dtype T where it meets an array; static Python numbers
 exactly (``float.hex``) and cast to T where they meet an array; ``asarray(v, dtype=T)`` is T.
 ``maximum``/``minimum``/``sign``/``where`` keep NumPy's NaN and signed-zero behaviour (small
 inline helpers in the generated source). Built with ``-ffp-contract=off`` (no fused
-multiply-adds), so + − × ÷ sqrt give the reference's bits; pow/exp/log call libm, which may
-differ from NumPy's own SIMD versions by a few ulp (docs/internals.md "Generated kernels").
+multiply-adds), so + − × ÷ sqrt give the reference's bits; pow/exp/log call libm (float64) or
+the preamble's vectorizable float32 versions (<= 1 ulp of the correctly rounded result), which
+may differ from NumPy's own SIMD versions by a few ulp (docs/internals.md "Generated kernels").
 
 C ABI of each kernel (one per rule's static part and dtype T)::
 
