@@ -6,9 +6,9 @@ weighted ragged feature, 2 MOD shards, 3 steps), and in float32 and float64 (x64
 tests only) through ``update_rows`` on both backends, plain and with the combiner's backward
 (``grad_index``/``grad_weights``). The fused path is asserted taken (``fused_calls``).
 
-Bits, always. Where the formula calls pow/exp/log the kernel calls the C library's function
-and NumPy its own SIMD one (they differ by the bound test_codegen.py states, ``LIBM_ULP``): the
-NumPy backend of those cases then runs the core's math with the C library's pow/exp/log
+Bits, always. Where the formula calls pow/exp/log the kernel calls its own float32 function (the
+C library's in float64) and NumPy its own SIMD one (they differ by the bound test_codegen.py states, ``LIBM_ULP``): the
+NumPy backend of those cases then runs the core's math with those same pow/exp/log
 (test_codegen's ``LibmNumpy``), so the comparison stays exact.
 """
 
@@ -42,7 +42,7 @@ DIRECT = ("sgd", "adagrad", "adagrad_momentum", "ftrl", "adam_lazy_sum_inside_sq
 
 
 class LibmNumpyBackend(NumpyBackend):
-    """The NumPy reference with the C library's pow/exp/log (what the kernels call)."""
+    """The NumPy reference with the pow/exp/log the kernels call (codegen.float32_math / the C library)."""
 
     @property
     def xp(self):
