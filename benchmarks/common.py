@@ -218,3 +218,18 @@ def w2_main(doc: str, w2: Callable[..., list[Row]], impls: tuple[str, ...], argv
     gbs = bandwidth_gbs()
     print(f"\ncopy bandwidth {gbs:.1f} GB/s")
     print(table(rows, gbs))
+
+
+class W1Inputs:
+    """A W1-shaped workload's host inputs, made once: Zipf ids, the pooled splits (``k`` ids
+    a sample), a small gradient per sample, and how many unique rows a step touches."""
+
+    def __init__(self, sizes: dict, seed: int = 0):
+        self.sizes = sizes
+        v, d, b, k = sizes["vocab"], sizes["dim"], sizes["batch"], sizes["ids_per_sample"]
+        self.ids = zipf_ids(b * k, v, sizes["zipf"], seed)
+        self.splits = np.arange(0, b * k + 1, k, dtype=np.int64)
+        self.segments = np.repeat(np.arange(b), k)
+        self.grad = np.random.default_rng(seed + 1).standard_normal((b, d)).astype(np.float32) * 0.01
+        self.unique = int(np.unique(self.ids).size)
+

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import TINY_W1, W1, WARMUP, Row, bandwidth_gbs, inputs_ready, table, timeit, w1_bytes, zipf_ids
+from benchmarks.common import TINY_W1, W1, WARMUP, Row, W1Inputs, bandwidth_gbs, inputs_ready, table, timeit, w1_bytes
 
 OPTIMIZERS = ("sgd", "adagrad", "adadelta")
 IMPLS = ("engine", "update_rows", "optax")
@@ -48,17 +48,7 @@ def _spec(name: str) -> Any:
     }[name]()
 
 
-class _Data:
-    """The workload's inputs, made once (host arrays)."""
-
-    def __init__(self, sizes: dict, seed: int = 0):
-        self.sizes = sizes
-        v, d, b, k = sizes["vocab"], sizes["dim"], sizes["batch"], sizes["ids_per_sample"]
-        self.ids = zipf_ids(b * k, v, sizes["zipf"], seed)
-        self.splits = np.arange(0, b * k + 1, k, dtype=np.int64)
-        self.segments = np.repeat(np.arange(b), k)
-        self.grad = np.random.default_rng(1).standard_normal((b, d)).astype(np.float32) * 0.01
-        self.unique = int(np.unique(self.ids).size)
+_Data = W1Inputs  # the shared W1 inputs (benchmarks.common)
 
 
 def _sync(x: Any) -> None:

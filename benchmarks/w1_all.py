@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import TINY_W1, W1, WARMUP, bandwidth_gbs, zipf_ids
+from benchmarks.common import TINY_W1, W1, WARMUP, W1Inputs, bandwidth_gbs
 
 LR = 0.01
 #: The issue's targets.
@@ -102,16 +102,7 @@ def _learning_rates(algorithm: str, changing: bool) -> Callable[[int], list[floa
     return lambda k: [base(k)]
 
 
-class _Data:
-    """The workload's host inputs, shared by every row."""
-
-    def __init__(self, sizes: dict, seed: int = 0):
-        self.sizes = sizes
-        v, d, b, k = sizes["vocab"], sizes["dim"], sizes["batch"], sizes["ids_per_sample"]
-        self.ids = zipf_ids(b * k, v, sizes["zipf"], seed)
-        self.splits = np.arange(0, b * k + 1, k, dtype=np.int64)
-        self.grad = np.random.default_rng(seed + 1).standard_normal((b, d)).astype(np.float32) * 0.01
-        self.unique = int(np.unique(self.ids).size)
+_Data = W1Inputs  # the shared W1 inputs (benchmarks.common)
 
 
 def _engine_steps(backend: str, d: _Data, algorithm: str, per_id: bool = False) -> dict[str, Callable[[], Any]]:

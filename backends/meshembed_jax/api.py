@@ -23,7 +23,7 @@ from meshembed.embedding.updates import is_non_lazy, make_rule, resolve, uses_ac
 from meshembed.math.rule import UpdateRule
 from meshembed.errors import CapacityError, ConfigError, InputError
 from meshembed_jax import cpu_kernels, kernels
-from meshembed_jax.backend import JaxBackend, bucket
+from meshembed_jax.backend import JaxBackend, bucket, traced_rule_errors
 from meshembed_jax.layout import ShardLayout
 from meshembed_jax.table import JaxShardedTable
 
@@ -450,14 +450,8 @@ def _step(be: JaxBackend, sl: ShardLayout, dim: int, rule: UpdateRule, datas: tu
     extra = (segs, w) if combined else ()
 
     def run_xla() -> tuple:
-        try:
+        with traced_rule_errors(rule, "me.jax", "train this table with me.TPUEmbedding"):
             return tuple(xla(datas, ids, grads, *extra, guard, dyn)[0])
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError) as exc:
-            raise ConfigError(
-                f"Invalid update rule {rule.algorithm!r}: its math branches in Python on one of its dynamic values "
-                f"{rule.dynamic}, which me.jax passes as traced inputs. Fix: give that hyper-parameter a constant "
-                "value, or train this table with me.TPUEmbedding."
-            ) from exc
 
     found = be.fused_program(sl, dim, rule, [d.dtype for d in datas], combined is not None, weighted)
     if found is None:

@@ -20,8 +20,9 @@ jax is imported when the backend is instantiated. The parts, as in every backend
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -38,6 +39,22 @@ from meshembed_jax.table import JaxShardedTable, JaxTables, bucket
 #: Fused updates run in this process (tests check the path was taken).
 fused_calls = [0]
 
+
+
+@contextlib.contextmanager
+def traced_rule_errors(rule: UpdateRule, who: str, alternative: str) -> Iterator[None]:
+    """Turn JAX's error for a rule whose math branches in Python on a traced dynamic value
+    into a ConfigError naming the rule and the fix (raised before anything is written)."""
+    import jax
+
+    try:
+        yield
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError) as exc:
+        raise ConfigError(
+            f"Invalid update rule {rule.algorithm!r}: its math branches in Python on one of its dynamic "
+            f"values {rule.dynamic}, which {who} passes as traced inputs (nothing was updated). "
+            f"Fix: give that hyper-parameter a constant value, or {alternative}."
+        ) from exc
 
 class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
     """Tables on a ``jax.sharding.Mesh``; compiled, donated, shard_map-routed row kernels.
@@ -433,14 +450,8 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         dedup = self._dedup_for(layout, nb)
         step = self.update_program(layout, dim, len(tables), capacity, dedup, rule, weighted is not None,
                                    bool(weighted))
-        try:
+        with traced_rule_errors(rule, "the jax backend", "write the math with xp.where"):
             new, count = step(tuple(t.data for t in tables), *args, values)
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError) as exc:
-            raise ConfigError(
-                f"Invalid update rule {rule.algorithm!r}: its math branches in Python on one of its dynamic "
-                f"values {rule.dynamic}, which the jax backend passes as traced inputs (nothing was updated). "
-                "Fix: give that hyper-parameter a constant value, or write the math with xp.where."
-            ) from exc
         for t, d in zip(tables, new):
             t.data = d
 
