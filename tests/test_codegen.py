@@ -106,6 +106,11 @@ VARIANTS: list[tuple[str, dict, tuple[str, ...]]] = [
     ("adagrad_momentum", dict(use_nesterov=True), ()),
     ("adagrad_momentum", dict(beta2=1.0), ()),
     ("adagrad_momentum", {}, ("beta2", "momentum")),
+    # pow(x, -1/2) as a constant (the square-root path) above; a runtime -1/2 and another exponent:
+    ("adagrad_momentum", {}, ("exponent",)),
+    ("adagrad_momentum", dict(exponent=2.5), ()),
+    ("frequency_aware_adagrad", {}, ("probability_exponent",)),
+    ("frequency_aware_adagrad", dict(probability_exponent=0.7), ()),
     ("bounded_adagrad", dict(update_accumulator_first=True), ()),
     ("bounded_adagrad", dict(max_var_update=0.0, max_accumulator=0.0), ()),
     ("lion", dict(use_non_lazy_lion=True), ()),
@@ -118,7 +123,7 @@ OPTIONS = {
     "weight_decay": dict(weight_decay=0.01),
     "weight_decay_lr": dict(weight_decay=0.02, multiply_weight_decay_by_lr=True),
 }
-DYNAMIC_VALUES = {"lr": 0.3, "step_counter": 7.0, "beta1": 0.85, "beta2": 0.995, "epsilon": 1e-7, "rho": 0.93,
+DYNAMIC_VALUES = {"lr": 0.3, "step_counter": 7.0, "exponent": 2.0, "probability_exponent": 0.5, "beta1": 0.85, "beta2": 0.995, "epsilon": 1e-7, "rho": 0.93,
                   "momentum": 0.8}
 
 
@@ -273,6 +278,31 @@ def test_float32_math_is_within_one_ulp_of_the_correctly_rounded_result():
         assert close.all(), (name, [a[~close][:5] for a in args])
         assert (mine.view(np.int32) == want.view(np.int32))[special & ~np.isnan(want)].all(), name
         assert (np.isnan(mine) == np.isnan(want)).all(), name
+
+
+def test_float32_pow_of_one_half_is_a_correctly_rounded_square_root():
+    """pow(x, ±1/2) takes the square-root path (AdagradMomentum's default exponent): +1/2 is
+    sqrtf bit for bit, -1/2 within 1 ulp of the correctly rounded 1/sqrt(x), C99's special
+    cases (pow(-0, ±1/2) = +0 / +inf, pow(-inf, ±1/2) = +inf / +0) the C library's bits."""
+    rng = np.random.default_rng(11)
+    x = np.concatenate([np.exp(rng.uniform(-103, 88, 200_000)), np.float32(1e-41) * rng.uniform(0, 100, 1000),
+                        -rng.uniform(0, 5, 100), _SPECIAL]).astype(np.float32)
+    half = codegen.float32_math("pow", x, np.full_like(x, 0.5))
+    with np.errstate(all="ignore"):
+        not_minus_inf = x != -np.inf  # pow(-inf, 1/2) = +inf, sqrt(-inf) = NaN (checked below)
+        assert ulp_distance(half[not_minus_inf], np.sqrt(x + np.float32(0))[not_minus_inf]).max() == 0
+        exact = (1 / np.sqrt(x.astype(np.float64))).astype(np.float32)
+    mhalf = codegen.float32_math("pow", x, np.full_like(x, -0.5))
+    finite = np.isfinite(x) & (x != 0)
+    assert ulp_distance(mhalf[finite], exact[finite]).max() <= 1
+    powf = _LIBM.powf
+    powf.restype, powf.argtypes = ctypes.c_float, [ctypes.c_float] * 2
+    for y, got in ((0.5, half), (-0.5, mhalf)):
+        want = np.array([powf(v, y) for v in _SPECIAL.tolist()], np.float32)
+        mine = got[-len(_SPECIAL):]
+        assert (np.isnan(mine) == np.isnan(want)).all(), y
+        ok = ~np.isnan(want)
+        assert (mine.view(np.int32)[ok] == want.view(np.int32)[ok]).all(), y
 
 
 def test_float32_math_rejects_bad_arguments():

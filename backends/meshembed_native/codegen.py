@@ -496,7 +496,7 @@ inline float me_logf(float x) {
   r = me_sel(x < 0.0f, __builtin_nanf(""), r);
   return me_sel(x != x, x, r);
 }
-inline float me_powf(float x, float y) {
+inline float me_powf_any(float x, float y) {
   const float ax = std::fabs(x);
   double lx = me_sel(ax == __builtin_inff(), __builtin_inf(), me_log_core(ax));
   lx = me_sel(ax == 0.0f, -__builtin_inf(), lx);
@@ -508,6 +508,18 @@ inline float me_powf(float x, float y) {
   r = me_sel(((xb >> 31) != 0u) & odd, -r, r);
   r = me_sel((x < 0.0f) & (x > -__builtin_inff()) & !integer, __builtin_nanf(""), r);
   return me_sel((y == 0.0f) | (x == 1.0f) | ((x == -1.0f) & (std::fabs(y) == __builtin_inff())), 1.0f, r);
+}
+// pow(x, 1/2) and pow(x, -1/2) (AdagradMomentum's default exponent, typical probability
+// exponents): a square root (in double for the reciprocal), correctly rounded but for a double
+// rounding, and C99's cases (-0 -> +0 / +inf, -inf -> +inf / +0). Chosen by value, so a kernel
+// with the exponent as a constant (GCC drops the other branches) and float32_math agree.
+inline float me_pow_half(float x) { return me_sel(x == -__builtin_inff(), __builtin_inff(), std::sqrt(x + 0.0f)); }
+inline float me_pow_mhalf(float x) {
+  const float r = static_cast<float>(1.0 / std::sqrt(static_cast<double>(x) + 0.0));
+  return me_sel(x == -__builtin_inff(), 0.0f, r);
+}
+inline float me_powf(float x, float y) {
+  return me_sel(y == 0.5f, me_pow_half(x), me_sel(y == -0.5f, me_pow_mhalf(x), me_powf_any(x, y)));
 }
 // float32: the vectorizable versions above; float64 (and mixed operands): the C library's.
 inline float me_pow(float x, float y) { return me_powf(x, y); }
