@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import math
 import warnings
 from dataclasses import replace
@@ -249,16 +250,72 @@ _SPECIAL = np.float32([0, -0.0, 1, -1, 2, -2, 0.5, -0.5, 3, -3, np.inf, -np.inf,
                        3.4e38, -3.4e38, 2.0**24, 2.0**24 + 2, 1e30, -1e30, 0.3, 7, -7, 88.7, 89, -103, -104, -150])
 
 
+def _worst_points(err: np.ndarray, grid: np.ndarray, count: int = 12) -> np.ndarray:
+    """The grid points of the ``count`` largest local maxima of |err| (an approximation's worst cases)."""
+    a = np.abs(err)
+    peak = np.flatnonzero((a[1:-1] >= a[:-2]) & (a[1:-1] >= a[2:])) + 1
+    peak = np.concatenate([[0], peak, [a.size - 1]])
+    return grid[peak[np.argsort(a[peak])[-count:]]]
+
+
+@functools.lru_cache(maxsize=1)
+def _core_errors():
+    """Relative errors of the float32 math's double cores on dense grids, against long double:
+    log2 on z in [sqrt(1/2), sqrt(2)) (the reduced range, float values), exp2 on u in [-150, 128]."""
+    if np.finfo(np.longdouble).nmant < 60:
+        pytest.skip("no extended-precision long double here for the reference")
+    z = np.unique(np.linspace(np.sqrt(0.5), np.sqrt(2), 1_000_001).astype(np.float32)).astype(np.float64)
+    z = z[(z >= np.sqrt(0.5)) & (z < np.sqrt(2))]
+    want = np.log2(z.astype(np.longdouble))
+    log_err = ((codegen._float32_math_core("log2", z) - want) / np.where(want == 0, 1, want)).astype(np.float64)
+    u = np.linspace(-150, 128, 2_780_001)
+    exp_err = (codegen._float32_math_core("exp2", u) / np.exp2(u.astype(np.longdouble)) - 1).astype(np.float64)
+    return (z, log_err), (u, exp_err)
+
+
+def test_float32_math_cores_meet_their_error_bounds():
+    """The bounds the 1-ulp argument in codegen's PREAMBLE rests on: log2 <= 4.3e-12, exp2 <= 1.9e-9
+    relative (a degree less in either polynomial: 6.9e-10, 7.5e-8, too much for that argument)."""
+    (z, log_err), (u, exp_err) = _core_errors()
+    assert np.abs(log_err).max() <= 4.3e-12
+    assert np.abs(exp_err).max() <= 1.9e-9
+    assert np.abs(log_err).max() > 1e-13 and np.abs(exp_err).max() > 1e-10  # the grids reach the error
+    # the worst reduced arguments in every binade of float (subnormal ones included): the
+    # exponent split is exact, so the bound holds there too
+    a = (_worst_points(log_err, z)[:, None] * np.exp2(np.arange(-149.0, 128.0))[None, :]).ravel()
+    want = np.log2(a.astype(np.longdouble))
+    got = codegen._float32_math_core("log2", a)
+    assert (np.abs((got - want) / want).astype(np.float64) <= 4.3e-12).all()
+
+
 def test_float32_math_is_within_one_ulp_of_the_correctly_rounded_result():
     """The generated float32 pow/exp/log: <= 1 ulp of float64 NumPy rounded to float32 over
-    the whole range, and the C library's (C99) result bit for bit on every special case."""
+    the whole range (2M points each and a sweep at the worst cases of the cores'
+    polynomials), and the C library's (C99) result bit for bit on every special case."""
     rng = np.random.default_rng(7)
-    n = 200_000
+    n = 500_000
     x = np.concatenate([np.exp(rng.uniform(-103, 88, n)), rng.uniform(0, 2, n), -np.exp(rng.uniform(-20, 20, n)),
                         np.float32(1e-41) * rng.uniform(0, 100, n)]).astype(np.float32)
     y = np.concatenate([rng.uniform(-3, 3, n), rng.standard_normal(n) * 30, rng.integers(-20, 20, n),
                         rng.uniform(-1.2, 1.2, n)]).astype(np.float32)
-    e = np.concatenate([rng.uniform(-110, 90, n), rng.standard_normal(n), _SPECIAL]).astype(np.float32)
+    e = np.concatenate([rng.uniform(-110, 90, 3 * n), rng.standard_normal(n), _SPECIAL]).astype(np.float32)
+    # The sweep: x at the log2 core's worst reduced arguments in every binade (and 1 + a few
+    # ulps), y so that y log2|x| is large (the log error times |u|), near the overflow and
+    # underflow edges and the subnormal results; exp at the exp2 core's worst r in every binade.
+    (zs, log_err), (us, exp_err) = _core_errors()
+    near = np.arange(-3, 4)
+    zw = np.concatenate([_worst_points(log_err, zs), [1.0]])
+    xw = (zw[:, None, None] * np.exp2(np.arange(-149, 128))[None, :, None]).astype(np.float32)
+    xw = (xw.view(np.int32) + near[None, None, :].astype(np.int32)).view(np.float32).ravel()
+    xw = xw[np.isfinite(xw) & (xw > 0)]
+    edge = rng.choice([127.99, 127.5, -126.0, -149.0, -149.9, 100.0, -100.0, 1e-3], xw.size) + rng.uniform(-1e-3, 1e-3, xw.size)
+    lx = np.log2(xw.astype(np.float64))
+    yw = np.where(lx == 0, 1.0, edge / np.where(lx == 0, 1.0, lx)).astype(np.float32)
+    rw = np.concatenate([_worst_points(exp_err, us - np.round(us)), [-0.5, 0.5]])
+    ew = ((np.arange(-150, 128)[:, None] + np.unique(rw)[None, :]) * np.log(2)).astype(np.float32)
+    ew = (ew[..., None].view(np.int32) + near.astype(np.int32)).view(np.float32).ravel()
+    x, y = np.concatenate([x, xw, -xw]), np.concatenate([y, yw, np.round(yw)])
+    e = np.concatenate([e, ew])
     with np.errstate(all="ignore"):
         exact = {"pow": np.power(x.astype(np.float64), y.astype(np.float64)).astype(np.float32),
                  "exp": np.exp(e.astype(np.float64)).astype(np.float32),
@@ -278,6 +335,34 @@ def test_float32_math_is_within_one_ulp_of_the_correctly_rounded_result():
         assert close.all(), (name, [a[~close][:5] for a in args])
         assert (mine.view(np.int32) == want.view(np.int32))[special & ~np.isnan(want)].all(), name
         assert (np.isnan(mine) == np.isnan(want)).all(), name
+
+
+def _libm_rows(xp, params, grads, slots, *, lr, c):
+    return params + 0 * lr, type(slots)(xp.pow(slots.a, c), xp.exp(slots.b), xp.log(slots.d))
+
+
+# (a constant 1/2 is recorded as NumPy's sqrt fast path, not as pow: run-time only)
+@pytest.mark.parametrize("c, static", [(c, s) for c in (2.5, -0.7, 0.5, -0.5, 3.0) for s in (True, False)
+                                       if not (s and c == 0.5)])
+def test_kernels_compute_float32_math_bit_for_bit_at_every_position(c, static):
+    """A kernel's pow (exponent a compile-time constant GCC folds, or a run-time value), exp
+    and log are float32_math's bits in the vector body and in the remainder alike."""
+    opt = CustomOptimizer(_libm_rows, ("a", "b", "d"), (0.0,) * 3, hyperparameters={"c": c})
+    rule = UpdateRule(math=get_math(opt), slot_names=("a", "b", "d"), static=(("c", c),) if static else (),
+                      dynamic=("lr",) if static else ("lr", "c"), dtype="float32")
+    kernel = codegen.row_kernel(rule, 4)
+    rng = np.random.default_rng(5)
+    n = 4099  # not a multiple of any vector width
+    a = np.concatenate([mixture(rng, (n - len(_SPECIAL),), "float32") * 30, _SPECIAL])
+    b = np.concatenate([rng.uniform(-110, 90, n - len(_SPECIAL)).astype(np.float32), _SPECIAL])
+    d = np.concatenate([np.exp(rng.uniform(-103, 88, n - len(_SPECIAL))).astype(np.float32), _SPECIAL])
+    arrays = [np.zeros(n, np.float32), a.copy(), b.copy(), d.copy()]
+    kernel.apply(arrays, np.zeros(n, np.float32), (0.1,) if static else (0.1, c))
+    with np.errstate(all="ignore"):
+        want = [codegen.float32_math("pow", a, np.float32(c)), codegen.float32_math("exp", b),
+                codegen.float32_math("log", d)]
+    for got, ref in zip(arrays[1:], want):
+        assert_same(got, ref, 0, f"c={c} static={static}")
 
 
 def test_float32_pow_of_one_half_is_a_correctly_rounded_square_root():
