@@ -34,7 +34,7 @@ from meshembed.sharding.placement import Placement
 from meshembed_jax.dense import JaxDenseMixin
 from meshembed_jax.distributed import JaxProcesses
 from meshembed_jax.layout import ShardLayout
-from meshembed_jax.table import JaxShardedTable, JaxTables, bucket
+from meshembed_jax.table import JaxShardedTable, JaxTables, ReleasedRows, bucket
 
 #: Fused updates run in this process (tests check the path was taken).
 fused_calls = [0]
@@ -99,6 +99,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         self._auto_capacity: dict[tuple[Any, int], int] = {}
         self._prepared: collections.OrderedDict[Any, tuple[Any, Any]] = collections.OrderedDict()
         self._no_weight_arrays: dict[tuple, Any] = {}
+        self._released = ReleasedRows()  # per-id lookup results to write over again
         self._hp_arrays: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
     @classmethod

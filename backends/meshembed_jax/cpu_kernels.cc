@@ -577,9 +577,9 @@ void AdviseHugePages(void* p, int64_t bytes) {
 #endif
 }
 
-// rows[j] = table[idx[j]], zeros where idx[j] is outside [0, m).
-ffi::Error GatherRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyBuffer idx,
-                          ffi::Result<ffi::AnyBuffer> rows) {
+// rows[j] = table[idx[j]] on the pool's threads, zeros where idx[j] is outside [0, m).
+ffi::Error GatherRows(ffi::ThreadPool& pool, ffi::AnyBuffer table, ffi::AnyBuffer idx,
+                      ffi::Result<ffi::AnyBuffer>& rows) {
   if (rows->element_type() != table.element_type()) return Unsupported("row dtype");
   return Dispatch(table.element_type(), idx.element_type(), [&](auto t, auto i) {
     using T = decltype(t);
@@ -598,6 +598,21 @@ ffi::Error GatherRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyBu
       }
     });
   });
+}
+
+ffi::Error GatherRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyBuffer idx,
+                          ffi::Result<ffi::AnyBuffer> rows) {
+  return GatherRows(pool, table, idx, rows);
+}
+
+// The same into `dst`, a released earlier result the caller donates (the output aliases
+// it): every row is written, so nothing of its old content survives; a 32 MiB per-id
+// lookup then touches no fresh page (docs/benchmarks.md, "The per-id step").
+ffi::Error GatherRowsIntoImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyBuffer idx, ffi::AnyBuffer dst,
+                              ffi::Result<ffi::AnyBuffer> rows) {
+  if (dst.element_type() != rows->element_type() || dst.element_count() != rows->element_count())
+    return Unsupported("destination shape");
+  return GatherRows(pool, table, idx, rows);
 }
 
 // table[idx[j]] = rows[j] in place (the output aliases the donated table); idx[j] outside
@@ -682,6 +697,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedAllFinite, AllFiniteImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedGatherRows, GatherRowsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedGatherRowsInto, GatherRowsIntoImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());

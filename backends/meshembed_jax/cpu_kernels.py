@@ -31,6 +31,7 @@ _TARGETS = {
     "meshembed_gather_combine": "MeshembedGatherCombine",
     "meshembed_dedup_sum": "MeshembedDedupSum",
     "meshembed_gather_rows": "MeshembedGatherRows",
+    "meshembed_gather_rows_into": "MeshembedGatherRowsInto",
     "meshembed_scatter_rows": "MeshembedScatterRows",
     "meshembed_fused_update": "MeshembedFusedUpdate",
     "meshembed_dense_update": "MeshembedDenseUpdate",
@@ -155,6 +156,15 @@ def gather_rows(table: Any, idx: Any, shape: tuple[int, ...] | None = None) -> A
 
     out = jax.ShapeDtypeStruct(shape or (idx.shape[0], table.shape[1]), table.dtype)
     return _vary_like(jax.ffi.ffi_call("meshembed_gather_rows", out)(table, idx), table, idx)
+
+
+def gather_rows_into(table: Any, idx: Any, dst: Any) -> Any:
+    """:func:`gather_rows` written over ``dst`` (the result aliases it: donate it), in its shape."""
+    import jax
+
+    out = jax.ShapeDtypeStruct(dst.shape, table.dtype)
+    call = jax.ffi.ffi_call("meshembed_gather_rows_into", out, input_output_aliases={2: 0})
+    return _vary_like(call(table, idx, dst), table, idx)
 
 
 def scatter_rows(table: Any, idx: Any, rows: Any) -> Any:

@@ -188,6 +188,21 @@ def make_lookup(layout: ShardLayout, dim: int, shape: tuple[int, ...] | None = N
     return jax.jit(lookup)
 
 
+def make_lookup_into(layout: ShardLayout, dim: int, shape: tuple[int, ...]) -> Callable:
+    """``lookup(data, ids, dst) -> rows``: :func:`make_lookup` with ``shape`` for a one-device
+    layout, written over ``dst`` (donated: an earlier result of the same shape nobody holds)."""
+    m = layout.rows_per_device
+    out = shape + (dim,)
+
+    def per_device(block: jax.Array, ids: jax.Array, dst: jax.Array) -> jax.Array:
+        flat, table = local_rows(layout, ids), block.reshape(m, dim)
+        return on_platform(layout, lambda: cpu_kernels.gather_rows_into(table, flat, dst),
+                           lambda: table.at[flat].get(mode="fill", fill_value=0).reshape(out), table.dtype)
+
+    fn = device_map(layout, per_device, in_specs=(P(AXIS), P(), P()), out_specs=P())
+    return jax.jit(fn, donate_argnums=(2,))
+
+
 def make_scatter(layout: ShardLayout, dim: int) -> Callable:
     """``scatter(data, ids, rows) -> data``: each device writes the unique ids it owns."""
     m = layout.rows_per_device

@@ -12,6 +12,7 @@ Importing this module never imports jax (the backend imports it on instantiation
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import numpy as np
@@ -108,6 +109,41 @@ def unpad_shards(padded: np.ndarray, placement: Placement) -> np.ndarray:
     for s in range(placement.num_shards):
         out[placement.global_ids(s)] = padded[s, : placement.rows_in_shard(s)]
     return out
+
+
+class ReleasedRows:
+    """Lookup results of >= 32 MiB (a per-id lookup's rows at W1: 131,072 × 64 float32) kept
+    so that, once nobody holds one, the next lookup of its shape writes over it (donated).
+
+    XLA maps every such result fresh, so each lookup paid a first touch of 32 MiB of pages
+    (docs/benchmarks.md, "The per-id step"). A result is reused only while this cache holds
+    the one Python reference to it; a NumPy view or DLPack export of it makes XLA decline the
+    donation (a fresh buffer then, the old one intact). ``keep`` results per shape cover
+    ``acts = emb.dequeue()`` loops, where the previous step's are still bound."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._results: dict[Any, list[Any]] = {}
+        probe = [object()]
+        self._own_refs = sys.getrefcount(probe[0])  # the list's and the argument's, as in take()
+
+    @staticmethod
+    def large(nbytes: int) -> bool:
+        return nbytes >= HUGE_PAGE_MIN_BYTES
+
+    def take(self, key: Any) -> Any | None:
+        """A kept result of ``key`` nobody else holds (removed from the cache), or None."""
+        results = self._results.get(key, [])
+        for i in range(len(results)):
+            if sys.getrefcount(results[i]) <= self._own_refs and not results[i].is_deleted():
+                return results.pop(i)
+        return None
+
+    def keep_result(self, key: Any, out: Any) -> Any:
+        results = self._results.setdefault(key, [])
+        results.append(out)
+        del results[:-self.keep]
+        return out
 
 
 def collapse_to_huge_pages(array: Any) -> None:
@@ -280,7 +316,16 @@ class JaxTables:
         if self._jax.process_count() == 1 and (len(shape) != 1 or gids.shape[0] == n):
             # ids.shape + (D,) from inside the program (no eager slice/reshape: a copy of
             # every row); compiled per shape, so only for unpadded or N-d (per-id) ids
-            lookup = self._kernel(("lookup", layout, dim, shape), lambda: kernels.make_lookup(layout, dim, shape))
+            key = ("lookup", layout, dim, shape)
+            if layout.n_dev == 1 and kernels.use_cpu_kernels(layout, table.dtype) and self._released.large(
+                    n * dim * np.dtype(table.dtype).itemsize):
+                dst = self._released.take(key)
+                if dst is not None:
+                    into = self._kernel(key + ("into",), lambda: kernels.make_lookup_into(layout, dim, shape))
+                    return self._released.keep_result(key, into(table.data, gids, dst))
+                lookup = self._kernel(key, lambda: kernels.make_lookup(layout, dim, shape))
+                return self._released.keep_result(key, lookup(table.data, gids))
+            lookup = self._kernel(key, lambda: kernels.make_lookup(layout, dim, shape))
             return lookup(table.data, gids)
         lookup = self._kernel(("lookup", layout, dim), lambda: kernels.make_lookup(layout, dim))
         rows = self._local_result(lookup(table.data, gids), n, offset)

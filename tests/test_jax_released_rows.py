@@ -1,0 +1,113 @@
+"""The JAX backend writes a per-id lookup of >= 32 MiB over an earlier result nobody holds
+(``meshembed_jax.table.ReleasedRows``, the FFI gather into a donated buffer): the values are
+the table's rows every step, and a result the user still holds, or viewed through NumPy,
+is never written over."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax", reason="the JAX backend needs jax: pip install 'meshembed[jax]'")
+
+import jax  # noqa: E402
+
+import meshembed as me  # noqa: E402
+from meshembed_jax import cpu_kernels  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.usable("cpu", np.float32),
+                                reason="the JAX CPU FFI kernels did not build here")
+
+VOCAB, DIM, N = 1000, 64, 131072  # [131072, 1, 64] float32: 32 MiB, the size that is recycled
+
+
+def _engine() -> me.TPUEmbedding:
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig(name="t", vocabulary_size=VOCAB, dimension=DIM,
+                               optimizer=me.embedding.SGD(0.5), combiner="sum")],
+        features=[me.FeatureConfig(table="t", input_shape=(N, 1), name="f")],
+    )
+    return me.TPUEmbedding(cfg, backend="jax", num_shards=1)
+
+
+def _ids(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, size=(N, 1))
+
+
+def _table(emb: me.TPUEmbedding) -> np.ndarray:
+    return np.asarray(emb.backend.to_numpy(emb._state[0][0]))
+
+
+def _step(emb: me.TPUEmbedding, seed: int, grad: np.ndarray) -> jax.Array:
+    """One training step; returns the activations and checks them against the table."""
+    ids = _ids(seed)
+    want = _table(emb)[ids[:, 0]].reshape(N, 1, DIM)
+    emb.enqueue([ids])
+    acts = emb.dequeue()[0]
+    np.testing.assert_array_equal(np.asarray(acts), want)
+    emb.apply_gradients([grad])
+    return acts
+
+
+def test_released_results_are_written_over_and_every_lookup_is_exact():
+    emb = _engine()
+    grad = np.full((N, 1, DIM), 1e-3, np.float32)
+    taken = []
+    take = emb.backend._released.take
+    emb.backend._released.take = lambda key: taken.append(take(key)) or taken[-1]
+    for seed in range(6):
+        acts = _step(emb, seed, grad)
+        del acts
+        gc.collect()
+    # after the first results are released, the lookups write over them: no fresh 32 MiB
+    reused = [t for t in taken if t is not None]
+    assert len(reused) >= 4 and all(t.is_deleted() for t in reused), taken  # donated
+
+
+def test_results_still_held_are_never_written_over():
+    emb = _engine()
+    grad = np.full((N, 1, DIM), 1e-3, np.float32)
+    held, copies = [], []
+    for seed in range(5):
+        acts = _step(emb, seed, grad)
+        held.append(acts)
+        copies.append(np.array(acts))  # a copy, not a view
+    assert len({a.unsafe_buffer_pointer() for a in held}) == len(held)
+    for acts, copy in zip(held, copies):
+        assert not acts.is_deleted()
+        np.testing.assert_array_equal(np.asarray(acts), copy)
+
+
+def test_a_numpy_view_of_a_released_result_stays_intact():
+    emb = _engine()
+    grad = np.full((N, 1, DIM), 1e-3, np.float32)
+    views, copies = [], []
+    for seed in range(5):
+        acts = _step(emb, seed, grad)
+        view = np.asarray(acts)  # zero-copy on CPU: XLA declines to donate the buffer
+        views.append(view)
+        copies.append(view.copy())
+        del acts
+        gc.collect()
+    for view, copy in zip(views, copies):
+        np.testing.assert_array_equal(view, copy)
+
+
+def test_the_loop_idiom_keeps_the_previous_step_valid():
+    """``acts = emb.dequeue()`` rebinds only after the next lookup: that one must survive it."""
+    emb = _engine()
+    grad = np.full((N, 1, DIM), 1e-3, np.float32)
+    previous = None
+    for seed in range(5):
+        ids = _ids(seed)
+        want = _table(emb)[ids[:, 0]].reshape(N, 1, DIM)
+        emb.enqueue([ids])
+        before = None if previous is None else np.array(previous)
+        acts = emb.dequeue()[0]
+        if before is not None:
+            np.testing.assert_array_equal(np.asarray(previous), before)
+        np.testing.assert_array_equal(np.asarray(acts), want)
+        emb.apply_gradients([grad])
+        previous = acts
