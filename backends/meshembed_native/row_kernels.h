@@ -10,6 +10,9 @@
 #include <cstdint>
 #include <type_traits>
 #include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace meshembed {
 
@@ -143,6 +146,91 @@ inline std::vector<int64_t> BalancedCuts(const int32_t* slot_of, int64_t n, int6
   for (int64_t t = 1; t < parts; ++t)
     cut[t] = std::lower_bound(count.begin(), count.end() - 1, count[unique] * t / parts) - count.begin();
   return cut;
+}
+
+// Whether StreamRow may copy rows of `row_bytes` to `out`: row starts 64-byte aligned.
+inline bool Streamable(const void* out, int64_t row_bytes) {
+  return reinterpret_cast<uintptr_t>(out) % 64 == 0 && row_bytes % 64 == 0;
+}
+
+// out[0, bytes) = src[0, bytes) with non-temporal (streaming) stores: the destination's cache
+// lines are written whole, not read first, and do not evict the caches — faster for an output
+// larger than the caches (docs/benchmarks.md, "The per-id step"). Requires Streamable; the
+// caller runs StreamFence() after its last StreamRow.
+inline void StreamRow(void* __restrict out, const void* __restrict src, int64_t bytes) {
+  char* o = static_cast<char*>(out);
+  const char* s = static_cast<const char*>(src);
+#if defined(__AVX512F__)
+  for (int64_t b = 0; b < bytes; b += 64)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(o + b), _mm512_loadu_si512(s + b));
+#elif defined(__AVX__)
+  for (int64_t b = 0; b < bytes; b += 32)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(o + b), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + b)));
+#elif defined(__SSE2__)
+  for (int64_t b = 0; b < bytes; b += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(o + b), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b)));
+#else
+  std::copy(s, s + bytes, o);
+#endif
+}
+
+// Orders this thread's streaming stores before what follows (they are weakly ordered).
+inline void StreamFence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+// SumInBatchOrder that also checks every element of every gradient row it reads: returns
+// false if one is NaN or +-Inf (the sums are then meaningless and must not be used). The
+// check adds row[j] * 0 — 0 for a finite element, NaN otherwise — into lanes of its own, so
+// it costs no extra pass over the gradients and is not fooled by finite sums that overflow.
+template <bool Scaled, class T, class Src, class Scale>
+bool SumCheckedInBatchOrder(const int32_t* slot_of, int64_t n, int64_t lo, int64_t hi, int64_t d, T* sums,
+                            const Src& src, const Scale& scale) {
+  constexpr int kLanes = 64 / sizeof(T);
+  std::fill(sums + lo * d, sums + hi * d, T(0));
+  bool finite = true;
+  WithWidth(d, [&](auto width) {
+    // the whole loop inside one width (not a dispatch per row), so `check` stays in registers
+    // a row of checks (D known: in registers, one add per element and no chain across a
+    // row's vectors); kLanes of them otherwise
+    constexpr int D = decltype(width)::value;
+    constexpr int C = D > 0 ? D : kLanes;
+    const int64_t w = D > 0 ? D : d;
+    T check[C] = {};
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = slot_of[i];
+      if (r < lo || r >= hi) continue;
+      const T* __restrict row = src(i);
+      T* __restrict out = sums + r * w;
+      const T a = Scaled ? scale(i) : T(1);
+      for (int64_t j = 0; j < w; ++j) {
+        out[j] += Scaled ? a * row[j] : row[j];
+        check[D > 0 ? j : j % C] += row[j] * T(0);
+      }
+    }
+    T all = T(0);
+    for (int l = 0; l < C; ++l) all += check[l];
+    finite = all == T(0);
+  });
+  return finite;
+}
+
+// Whether every element of rows [lo, hi) of the `d`-wide `rows` is finite (see above).
+template <class T>
+bool RowsFinite(const T* rows, int64_t lo, int64_t hi, int64_t d) {
+  constexpr int C = 4 * 64 / sizeof(T);  // four vectors of checks: four independent chains
+  T check[C] = {};
+  const T* __restrict p = rows + lo * d;
+  const int64_t count = (hi - lo) * d;
+  int64_t j = 0;
+  for (; j + C <= count; j += C)
+    for (int l = 0; l < C; ++l) check[l] += p[j + l] * T(0);
+  for (; j < count; ++j) check[0] += p[j] * T(0);
+  T all = T(0);
+  for (int l = 0; l < C; ++l) all += check[l];
+  return all == T(0);
 }
 
 }  // namespace meshembed

@@ -42,17 +42,26 @@ struct Problem {
   const T* weights;           // ... and its weight (nullptr: 1)
   const int64_t* uniq;        // unique rows, ascending
   T* sums;                    // [unique, dim] gradient sums
+  bool check;                 // check every element of grads (see fused_update)
 };
 
-// Sums of unique rows [lo, hi), in batch order (row_kernels.h).
+// Sums of unique rows [lo, hi), in batch order (row_kernels.h). Returns false if p.check
+// and a gradient row read here holds a NaN or Inf. Without grad_index every row of grads is
+// read exactly once (by the owner of its row), so checking the rows read checks them all.
 template <class T>
-void sum_range(const Problem<T>& p, int64_t lo, int64_t hi) {
+bool sum_range(const Problem<T>& p, int64_t lo, int64_t hi) {
   auto src = [&](int64_t i) { return p.grads + (p.grad_index ? p.grad_index[i] : i) * p.dim; };
+  const bool check = p.check && !p.grad_index;
   if (p.weights) {
-    meshembed::SumInBatchOrder<true>(p.rank, p.n, lo, hi, p.dim, p.sums, src, [&](int64_t i) { return p.weights[i]; });
+    auto w = [&](int64_t i) { return p.weights[i]; };
+    if (check) return meshembed::SumCheckedInBatchOrder<true>(p.rank, p.n, lo, hi, p.dim, p.sums, src, w);
+    meshembed::SumInBatchOrder<true>(p.rank, p.n, lo, hi, p.dim, p.sums, src, w);
   } else {
-    meshembed::SumInBatchOrder<false>(p.rank, p.n, lo, hi, p.dim, p.sums, src, [](int64_t) { return T(1); });
+    auto one = [](int64_t) { return T(1); };
+    if (check) return meshembed::SumCheckedInBatchOrder<false>(p.rank, p.n, lo, hi, p.dim, p.sums, src, one);
+    meshembed::SumInBatchOrder<false>(p.rank, p.n, lo, hi, p.dim, p.sums, src, one);
   }
+  return true;
 }
 
 // The optimizer on unique rows [lo, hi). They ascend but lie far apart in the table:
@@ -71,12 +80,15 @@ void update_range(const Problem<T>& p, int64_t lo, int64_t hi) {
 
 // Returns the number of unique rows updated, or (before writing anything) -1 if a row is
 // outside [0, num_rows), -2 if a gradient index is outside [0, grad_rows), -3 if n_arrays is
-// outside [1, kMaxArrays].
+// outside [1, kMaxArrays], -4 if `check` and an element of grads is NaN or Inf — any of its
+// grad_rows rows, whether a contribution reads it or not (the engine's NaN/Inf policy, checked
+// here in the sum phase, which ends before the first write, instead of in a pass of its own).
+// Without grad_index, grad_rows must equal n.
 template <class T>
 int64_t fused_update(void* kernel, const double* hp, int n_arrays, T* const* arrays, int64_t num_rows,
                      const int64_t* rows, int64_t n, const int64_t* grad_index, const T* weights, const T* grads,
-                     int64_t grad_rows, int64_t dim, int threads) {
-  if (n_arrays < 1 || n_arrays > kMaxArrays) return -3;
+                     int64_t grad_rows, int64_t dim, int threads, int check) {
+  if (n_arrays < 1 || n_arrays > kMaxArrays || (!grad_index && grad_rows != n)) return -3;
   // Unique rows ascending (so the updates walk the table in address order) and the rank of
   // each contribution's row among them: the bitmap dedup the JAX kernels use too.
   thread_local std::vector<int64_t> uniq;
@@ -92,19 +104,29 @@ int64_t fused_update(void* kernel, const double* hp, int n_arrays, T* const* arr
   sums.resize(unique * dim);
 
   Problem<T> p{reinterpret_cast<RowKernel<T>>(kernel), hp, n_arrays, arrays, dim, grads, n, rank.data(),
-               grad_index, weights, uniq.data(), sums.data()};
+               grad_index, weights, uniq.data(), sums.data(), check != 0};
   // Sums: the unique rows split into ranges of about equal contribution counts;
   // updates: ranges of equal row counts.
   const int t_count = int(std::max<int64_t>(1, std::min<int64_t>(threads, unique / 256)));
   const std::vector<int64_t> cut = meshembed::BalancedCuts(rank.data(), n, unique, t_count);
+  // finite[t]: thread t's share of the check; with grad_index (rows may be read many times,
+  // or never) each thread also scans a range of grads' rows in a pass of its own
+  std::vector<char> finite(t_count, 1);
 #pragma omp parallel num_threads(t_count)
   {
 #pragma omp for schedule(static, 1)
-    for (int t = 0; t < t_count; ++t) sum_range(p, cut[t], cut[t + 1]);
+    for (int t = 0; t < t_count; ++t) {
+      finite[t] = sum_range(p, cut[t], cut[t + 1]);
+      if (check && grad_index)
+        finite[t] &= meshembed::RowsFinite(grads, grad_rows * t / t_count, grad_rows * (t + 1) / t_count, dim);
+    }
+    // the barrier closing the loop above publishes every finite[t]: all threads agree
+    const bool ok = std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; });
 #pragma omp for schedule(static, 1)
-    for (int t = 0; t < t_count; ++t) update_range(p, unique * t / t_count, unique * (t + 1) / t_count);
+    for (int t = 0; t < t_count; ++t)
+      if (ok) update_range(p, unique * t / t_count, unique * (t + 1) / t_count);
   }
-  return unique;
+  return std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; }) ? unique : -4;
 }
 
 }  // namespace
@@ -113,9 +135,36 @@ int64_t fused_update(void* kernel, const double* hp, int n_arrays, T* const* arr
 #define MESHEMBED_FUSED_UPDATE(T, NAME)                                                                        \
   extern "C" int64_t NAME(void* kernel, const double* hp, int n_arrays, T* const* arrays, int64_t num_rows,     \
                           const int64_t* rows, int64_t n, const int64_t* grad_index, const T* weights,         \
-                          const T* grads, int64_t grad_rows, int64_t dim, int threads) {                       \
+                          const T* grads, int64_t grad_rows, int64_t dim, int threads, int check) {            \
     return fused_update<T>(kernel, hp, n_arrays, arrays, num_rows, rows, n, grad_index, weights, grads,        \
-                           grad_rows, dim, threads);                                                          \
+                           grad_rows, dim, threads, check);                                                   \
   }
 MESHEMBED_FUSED_UPDATE(float, meshembed_fused_update_float32)
 MESHEMBED_FUSED_UPDATE(double, meshembed_fused_update_float64)
+
+// out[i] = table[ids[i]] for rows of `row_bytes` bytes (any dtype: a copy of bits), or -1 if
+// an id is outside [0, num_rows) (out is then partly written). Threads take contiguous ranges
+// of ids; with 64-byte aligned rows the stores stream past the caches (row_kernels.h), for
+// outputs larger than the caches (the caller decides: fused_cpu.gather_rows).
+extern "C" int64_t meshembed_gather_rows(const char* table, int64_t num_rows, const int64_t* ids, int64_t n,
+                                         int64_t row_bytes, char* out, int threads) {
+  const bool stream = meshembed::Streamable(out, row_bytes);
+  int64_t bad = 0;
+#pragma omp parallel num_threads(std::max(1, threads)) reduction(+ : bad)
+  {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kAhead < n && ids[i + kAhead] >= 0 && ids[i + kAhead] < num_rows)
+        meshembed::PrefetchBytes(table + ids[i + kAhead] * row_bytes, row_bytes, false);
+      const int64_t r = ids[i];
+      if (r < 0 || r >= num_rows) {
+        ++bad;
+        continue;
+      }
+      if (stream) meshembed::StreamRow(out + i * row_bytes, table + r * row_bytes, row_bytes);
+      else std::copy(table + r * row_bytes, table + (r + 1) * row_bytes, out + i * row_bytes);
+    }
+    if (stream) meshembed::StreamFence();
+  }
+  return bad ? -1 : n;
+}

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from meshembed_native import build as native
 from meshembed_native import codegen
 from meshembed.backend.env import env_flag
-from meshembed.errors import InputError
+from meshembed.errors import InputError, NonFiniteError
 from meshembed.math.rule import UpdateRule
 
 _SOURCE = Path(__file__).with_name("fused_cpu.cc")
@@ -32,7 +32,13 @@ calls = [0]  # fused updates run in this process (tests check the path was taken
 
 _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
          ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-         ctypes.c_int]
+         ctypes.c_int, ctypes.c_int]
+_GATHER_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                ctypes.c_int]
+
+#: Outputs of :func:`gather_rows` from this size on are written with streaming stores: measured
+#: faster from 16 MiB (2x at 32 MiB), slower at 8 MiB, even when read right after (docs/benchmarks.md).
+STREAM_MIN_BYTES = 16 << 20
 
 
 def enabled() -> bool:
@@ -42,6 +48,7 @@ def enabled() -> bool:
 def _library() -> Any:
     """The loaded driver library, or None (with one warning) where it cannot be built."""
     signatures = {f"meshembed_fused_update_{dtype}": (ctypes.c_int64, _ARGS) for dtype in ("float32", "float64")}
+    signatures["meshembed_gather_rows"] = (ctypes.c_int64, _GATHER_ARGS)
     return native.load_once(_state, _SOURCE, "torch_fused_cpu", signatures,
                             "the torch backend's fused CPU updates are", flags=(*native.FLAGS, "-fopenmp"),
                             hint=" Set MESHEMBED_TORCH_FUSED=0 to silence this.")
@@ -76,9 +83,12 @@ def kernel_for(rule: Any, values: Sequence[float], datas: Sequence[Any], grads: 
 
 
 def update(kernel: tuple[codegen.RowKernel, tuple[float, ...]], rows: Any, grads: Any, grad_index: Any,
-           weights: Any, datas: Sequence[Any], threads: int) -> None:
+           weights: Any, datas: Sequence[Any], threads: int, check_finite: bool = False) -> None:
     """Run the kernel in place on ``datas`` (the table, then its slots): contribution ``i``
-    adds ``weights[i] * grads[grad_index[i]]`` (defaults: 1 and ``i``) to row ``rows[i]``."""
+    adds ``weights[i] * grads[grad_index[i]]`` (defaults: 1 and ``i``) to row ``rows[i]``.
+
+    ``check_finite``: raise :class:`~meshembed.errors.NonFiniteError`, with nothing written, if any element of
+    ``grads`` is NaN or Inf; checked while the gradients are summed (no pass of its own)."""
     import torch
 
     row_kernel, hp = kernel
@@ -90,10 +100,33 @@ def update(kernel: tuple[codegen.RowKernel, tuple[float, ...]], rows: Any, grads
     done = getattr(_library(), f"meshembed_fused_update_{row_kernel.dtype}")(
         row_kernel.address, params, len(datas), arrays, datas[0].shape[0], rows.data_ptr(), rows.numel(),
         None if index is None else index.data_ptr(), None if w is None else w.data_ptr(), grads.data_ptr(),
-        grads.shape[0], grads.shape[1], int(threads))
+        grads.shape[0], grads.shape[1], int(threads), int(bool(check_finite)))
+    if done == -4:
+        raise NonFiniteError("Invalid `grads`: they contain NaN or Inf. Nothing was updated.")
     if done == -2:
         raise InputError(f"Invalid `grad_index`: expected every index in [0, {grads.shape[0]}) (a row of "
                          "`grads`). Nothing was updated.")
     if done < 0:  # the backend checked the ids and the kernel: an internal error, not a user's
         raise RuntimeError(f"meshembed fused update: internal error {done} (a row outside the table or a bad kernel)")
     calls[0] += 1
+
+
+def gather_rows(data: Any, index: Any, out: Any) -> bool:
+    """``torch.index_select(data, 0, index, out=out)`` for a CPU ``out`` of at least
+    :data:`STREAM_MIN_BYTES`, with streaming stores (row_kernels.h ``StreamRow``); returns False,
+    having done nothing, where it does not apply (the caller then runs ``index_select``).
+    ``index``: int64 rows of ``data``, already checked against its row count."""
+    import torch
+
+    if (not enabled() or out.device.type != "cpu" or data.device.type != "cpu" or data.dim() != 2
+            or out.dtype != data.dtype or tuple(out.shape) != (index.numel(), data.shape[1])
+            or index.dtype != torch.int64 or not (data.is_contiguous() and out.is_contiguous())
+            or out.numel() * out.element_size() < STREAM_MIN_BYTES or _library() is None):
+        return False
+    index = index.contiguous()
+    done = _library().meshembed_gather_rows(data.data_ptr(), data.shape[0], index.data_ptr(), index.numel(),
+                                            data.shape[1] * data.element_size(), out.data_ptr(),
+                                            torch.get_num_threads())
+    if done < 0:  # the backend checked the ids: an internal error, not a user's
+        raise RuntimeError("meshembed gather_rows: internal error (a row outside the table)")
+    return True

@@ -26,6 +26,10 @@ class StateError(MeshembedError, RuntimeError):
     """An engine call came in the wrong order (e.g. apply_gradients without dequeue)."""
 
 
+class NonFiniteError(InputError):
+    """Gradients hold NaN or Inf (``update_rows(check_finite=True)``); nothing was written."""
+
+
 class CapacityError(InputError):
     """A batch has more unique ids than a static-shape backend was compiled for."""
 

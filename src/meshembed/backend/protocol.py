@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from meshembed.errors import InputError
+from meshembed.errors import InputError, NonFiniteError
 from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.sharding.placement import Placement
 
@@ -48,6 +48,12 @@ class Capabilities:
     #: passes per-id (sequence) features in their own shape. Where an eager reshape copies
     #: (JAX), that saves two copies of every row per step.
     shaped_rows: bool = False
+    #: ``update_rows`` takes ``check_finite=True``: it then raises
+    #: :class:`~meshembed.errors.NonFiniteError`, having written nothing, when any element of
+    #: ``grads`` is NaN or Inf (every row, whether an id reads it or not). The engine then
+    #: leaves the check of the gradients it passes unchanged to that call (torch: done while
+    #: the fused kernel sums them, saving a pass over the gradients). Single process only.
+    checked_updates: bool = False
 
 
 class ShardedTable(abc.ABC):
@@ -195,6 +201,7 @@ class Backend(abc.ABC):
         grad_index: Array | None = None,
         grad_weights: Array | None = None,
         guard: Array | None = None,
+        check_finite: bool = False,
     ) -> list[ShardedTable]:
         """Apply the table's update rule once per unique id: ``apply_rule(xp, fn, values,
         grad_rows, *table_rows) -> new table_rows``.
@@ -209,8 +216,14 @@ class Backend(abc.ABC):
         (the combiner's backward pass), so a backend can sum it without building one row per id.
 
         With ``guard`` (a boolean scalar from ``finite_guard``) false, nothing is written.
+
+        With ``check_finite`` (passed only where ``capabilities.checked_updates``), any NaN or
+        Inf element of ``grads`` raises :class:`~meshembed.errors.NonFiniteError` before
+        anything is written.
         """
         values = check_rule(fn, values, self.name)
+        if check_finite and not self.all_finite(grads):
+            raise NonFiniteError("Invalid `grads`: they contain NaN or Inf. Nothing was updated.")
         if guard is not None and not bool(guard):
             return list(tables)
         if grad_index is not None:

@@ -25,7 +25,7 @@ from meshembed.embedding.agreement import agreed, validated
 from meshembed.embedding.initializers import Constant, default_initializer, initial_blocks, table_rng
 from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec, build_layout
 from meshembed.embedding.updates import apply_table, is_non_lazy, make_rule, rule_values, uses_accumulation
-from meshembed.errors import CapacityError, ConfigError, InputError, StateError
+from meshembed.errors import CapacityError, ConfigError, InputError, NonFiniteError, StateError
 from meshembed.sharding.placement import Placement
 
 
@@ -543,9 +543,10 @@ class TPUEmbedding:
             out.append(float(arr))
         return out
 
-    def _check_gradients(self, gradients: Any, check_now: bool) -> list[Any]:
+    def _check_gradients(self, gradients: Any, check_now: bool, unchecked: int | None = None) -> list[Any]:
         """The gradients as backend arrays of their activation's shape (the update flattens
-        them, or not: see ``shaped_rows``); with ``check_now``, NaN/Inf raise."""
+        them, or not: see ``shaped_rows``); with ``check_now``, NaN/Inf raise — but for the
+        features of table ``unchecked``, whose update checks them (``checked_updates``)."""
         xp = self.backend.xp
         grads = self._by_feature(gradients, "gradients")
         out = []
@@ -579,7 +580,7 @@ class TPUEmbedding:
                 g = self.backend.asarray(g, dtype="float32")
             if self.backend.is_traced(g):
                 raise _traced_call_error("apply_gradients")
-            if check_now and not self.backend.all_finite(g):
+            if check_now and f.table != unchecked and not self.backend.all_finite(g):
                 raise self._nonfinite_error(f)
             out.append(g)
         return out
@@ -625,12 +626,20 @@ class TPUEmbedding:
         # A backend with guarded updates checks NaN/Inf on its devices while the updates
         # run (each writes nothing unless the guard holds); the others check first.
         deferred = not allow and self.backend.capabilities.guarded_updates
-        grads = self._check_gradients(gradients, check_now=not allow and not deferred)
+        # A backend with checked updates checks one table's gradients (the largest) while it
+        # sums them, instead of a pass of their own; that table is updated first, so a NaN/Inf
+        # in it raises before any table is written.
+        in_update = None
+        if not allow and not deferred and self.backend.capabilities.checked_updates and self.layout.tables:
+            sizes = [0] * len(self.layout.tables)
+            for f in self.layout.features:
+                sizes[f.table] += int(np.prod(f.output_shape)) * self.layout.tables[f.table].dimension
+            in_update = self.layout.tables[int(np.argmax(sizes))].index
+        grads = self._check_gradients(gradients, check_now=not allow and not deferred, unchecked=in_update)
         lrs = self._check_learning_rates(learning_rates)
         self._refuse_if_tracing("apply_gradients")  # e.g. concrete gradients inside jax.jit
         guard = self.backend.finite_guard(grads) if deferred and grads else None
         guarded = {} if guard is None else {"guard": guard}
-        xp = self.backend.xp
         # Build every table's update first: an unusable optimizer or learning rate raises
         # before any table is touched (update_rows may donate buffers).
         # An UpdateRule per table (built once) and this step's values.
@@ -652,8 +661,29 @@ class TPUEmbedding:
                     raise CapacityError(f"Table {t.name!r}: {exc}") from None
         validated(self.backend)  # every process's input is valid: now the row exchange
         new_state = {}
-        for t in self.layout.tables:
+        try:
+            self._update_tables(p, per_table, fns, values, lrs, guard, guarded, in_update, new_state)
+        except NonFiniteError:  # from the update of table in_update, which wrote nothing
+            bad = [f for f, g in zip(self.layout.features, grads)
+                   if f.table == in_update and not self.backend.all_finite(g)]
+            raise self._nonfinite_error(bad[0] if bad else self.layout.features[0]) from None
+        if guard is not None and not bool(guard):  # every update wrote nothing
+            bad = [f for f, g in zip(self.layout.features, grads) if not self.backend.all_finite(g)]
+            raise self._nonfinite_error(bad[0] if bad else self.layout.features[0])
+        self._state.update(new_state)
+        self._pending = None
+        self.step += 1
+
+    def _update_tables(self, p: Any, per_table: dict, fns: dict, values: dict, lrs: Any, guard: Any,
+                       guarded: dict, in_update: int | None, new_state: dict) -> None:
+        """Every table's update into ``new_state`` (table ``in_update`` first: see
+        ``apply_gradients``); the tables themselves are not touched."""
+        xp = self.backend.xp
+        for t in sorted(self.layout.tables, key=lambda t: t.index != in_update):
             parts = per_table[t.index]
+            # table in_update: its update_rows checks gradients passed as they are; any other
+            # form of them is checked here, still before anything is written
+            check = {"check_finite": True} if t.index == in_update else {}
             n_ids = sum(int(d.host_ids.shape[0]) for d, _ in parts)
             identity = n_ids and all(d.identity for d, _ in parts) and uses_accumulation(t) and not is_non_lazy(t)
             if not (identity and len(parts) == 1 and self.backend.capabilities.shaped_rows):
@@ -665,9 +695,12 @@ class TPUEmbedding:
                 ids = parts[0][0].ids if len(parts) == 1 else self.backend.asarray(
                     np.concatenate([d.host_ids for d, _ in parts]), dtype="int64")
                 source = rows[0] if len(rows) == 1 else xp.concat(rows, axis=0)
+                if check and not all(d.unit_scale for d, _ in parts):
+                    self._check_now(parts)
+                    check = {}
                 new_state[t.index] = list(self.backend.update_rows(
                     self._state[t.index], ids, source, fns[t.index],
-                    **guarded, **({"values": values[t.index]} if values else {})))
+                    **guarded, **check, **({"values": values[t.index]} if values else {})))
                 continue
             if n_ids and self._backward_in_update and uses_accumulation(t) and not is_non_lazy(t):
                 # Combiner backward fused into the update: the backend sums
@@ -689,8 +722,10 @@ class TPUEmbedding:
                 source = parts[0][1] if one else xp.concat([g for _, g in parts], axis=0)
                 new_state[t.index] = list(self.backend.update_rows(
                     self._state[t.index], ids, source, fns[t.index], grad_index=index, grad_weights=weights,
-                    **guarded, **({"values": values[t.index]} if values else {})))
+                    **guarded, **check, **({"values": values[t.index]} if values else {})))
                 continue
+            if check:
+                self._check_now(parts)
             host_ids = np.concatenate([d.host_ids for d, _ in parts]) if parts else np.zeros(0, np.int64)
             rows = [combiners.backward(self.backend, g, xp.reshape(d.scale, (-1, 1)), d.slots, d.unit_scale,
                                        d.identity) for d, g in parts]
@@ -701,12 +736,11 @@ class TPUEmbedding:
                                              fns[t.index], guard=guard,
                                              part_sizes=[int(d.host_ids.shape[0]) for d, _ in parts],
                                              values=values.get(t.index, ()))
-        if guard is not None and not bool(guard):  # every update wrote nothing
-            bad = [f for f, g in zip(self.layout.features, grads) if not self.backend.all_finite(g)]
-            raise self._nonfinite_error(bad[0] if bad else self.layout.features[0])
-        self._state.update(new_state)
-        self._pending = None
-        self.step += 1
+
+    def _check_now(self, parts: Any) -> None:
+        """NaN/Inf in one table's gradients (``(feature, gradient)`` pairs) raise NonFiniteError."""
+        if not all(self.backend.all_finite(g) for _, g in parts):
+            raise NonFiniteError("a gradient contains NaN or Inf")
 
     # -- parameters --------------------------------------------------------------------------
     def _shard_ids(self, table: TableSpec, num_shards: int | None, shard_id: int | None) -> np.ndarray | None:
