@@ -365,6 +365,34 @@ def test_kernels_compute_float32_math_bit_for_bit_at_every_position(c, static):
         assert_same(got, ref, 0, f"c={c} static={static}")
 
 
+@pytest.mark.parametrize("extra", [("-fno-tree-vectorize", "-fno-tree-slp-vectorize", "-mno-avx512f", "-mno-fma"),
+                                   ("-mno-avx512f",)],
+                         ids=["scalar-no-fma", "avx2"])
+def test_float32_math_bits_do_not_depend_on_the_vector_width(monkeypatch, tmp_path, extra):
+    """The same source built without vectorization and FMA instructions (the C library's fma)
+    or with 256-bit vectors only computes the same bits: no lane- or width-dependent step."""
+    monkeypatch.setenv("MESHEMBED_CACHE", str(tmp_path))
+    src = tmp_path / "math.cc"
+    src.write_text(codegen.PREAMBLE + codegen._MATH_SOURCE)
+    try:
+        lib = ctypes.CDLL(str(codegen.native.build_library(src, "math_other", flags=(*codegen.FLAGS, *extra))))
+    except codegen.native.BuildError as exc:
+        pytest.skip(f"this compiler / CPU does not take {extra}: {str(exc)[:200]}")
+    rng = np.random.default_rng(3)
+    n = 100_003
+    x = np.concatenate([mixture(rng, (n,), "float32") * 30, _SPECIAL])
+    y = np.concatenate([rng.uniform(-4, 4, n).astype(np.float32), _SPECIAL[::-1]])
+    e = np.concatenate([rng.uniform(-110, 90, n).astype(np.float32), _SPECIAL])
+    ptr = ctypes.POINTER(ctypes.c_float)
+    for name, a, b in (("pow", x, y), ("exp", e, e), ("log", np.abs(x), x)):
+        out = np.empty_like(a)
+        fn = getattr(lib, f"me_math_{name}")
+        fn.restype, fn.argtypes = None, [ptr, ptr, ptr, ctypes.c_int64]
+        fn(a.ctypes.data_as(ptr), b.ctypes.data_as(ptr), out.ctypes.data_as(ptr), a.size)
+        want = codegen.float32_math(name, a, b) if name == "pow" else codegen.float32_math(name, a)
+        assert_same(out, want, 0, f"{name} {extra}")
+
+
 def test_float32_pow_of_one_half_is_a_correctly_rounded_square_root():
     """pow(x, ±1/2) takes the square-root path (AdagradMomentum's default exponent): +1/2 is
     sqrtf bit for bit, -1/2 within 1 ulp of the correctly rounded 1/sqrt(x), C99's special
