@@ -505,14 +505,16 @@ inline float me_logf(float x) {
 }
 inline float me_powf_any(float x, float y) {
   const float ax = std::fabs(x);
-  const double lx = me_sel((ax > 0.0f) & (ax < __builtin_inff()), me_log2_core(ax),
-                           (static_cast<double>(ax) - 1.0) * __builtin_inf());  // 0, inf, NaN: -inf, inf, NaN
-  float r = static_cast<float>(me_exp2_core(static_cast<double>(y) * lx));
+  // |x| = 0, inf or NaN gives the log2 core a finite value, put right below in float (cheaper
+  // than a select in double): C99's 0 / inf by the sign of y (y NaN stays NaN), then NaN, sign, 1
+  float r = static_cast<float>(me_exp2_core(static_cast<double>(y) * me_log2_core(ax)));
+  r = me_sel(((ax == 0.0f) | (ax == __builtin_inff())) & (y == y),
+             me_sel((ax == 0.0f) == (y > 0.0f), 0.0f, __builtin_inff()), r);
   const float yr = std::rint(y), hr = std::rint(y * 0.5f);
   const bool integer = yr == y, odd = integer & (std::fabs(y) < 0x1p24f) & (hr != y * 0.5f);
   uint32_t xb; __builtin_memcpy(&xb, &x, 4);
   r = me_sel(((xb >> 31) != 0u) & odd, -r, r);
-  r = me_sel((x < 0.0f) & (x > -__builtin_inff()) & !integer, __builtin_nanf(""), r);
+  r = me_sel((ax != ax) | ((x < 0.0f) & (x > -__builtin_inff()) & !integer), __builtin_nanf(""), r);
   return me_sel((y == 0.0f) | (x == 1.0f) | ((x == -1.0f) & (std::fabs(y) == __builtin_inff())), 1.0f, r);
 }
 // pow(x, 1/2) and pow(x, -1/2) (AdagradMomentum's default exponent, typical probability
