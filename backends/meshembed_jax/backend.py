@@ -28,7 +28,7 @@ import numpy as np
 
 from meshembed.backend.env import env_choice, env_int
 from meshembed.backend.protocol import Backend, Capabilities, check_rule
-from meshembed.errors import CapacityError, ConfigError, InputError
+from meshembed.errors import CapacityError, ConfigError, InputError, NonFiniteError
 from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.sharding.placement import Placement
 from meshembed_jax.dense import JaxDenseMixin
@@ -138,6 +138,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
             update_rules=True,
             # with several processes each one holds its own gradients: check before updating
             guarded_updates=jax.process_count() == 1,
+            checked_updates=jax.process_count() == 1,  # the fused kernel checks while it sums
         )
 
     def hlo_program(self, table_name: str, program: bytes, num_slots: int) -> dict[str, Any]:
@@ -288,6 +289,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         grad_index: Any = None,
         grad_weights: Any = None,
         guard: Any = None,
+        check_finite: bool = False,
     ) -> list[JaxShardedTable]:
         """One compiled step: route, dedup + segment-sum, gather rows, the rule ``fn`` with
         ``values`` (traced arguments: a new learning rate compiles nothing), scatter back.
@@ -304,7 +306,9 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         ``CapacityError`` with every table unchanged; with ``guard`` (a device boolean) false
         the step writes nothing. With automatic capacity (one process) it returns without
         waiting for the step; an overflow is found and the step redone with a larger
-        capacity before the tables are next read.
+        capacity before the tables are next read. ``check_finite``: NaN/Inf in ``grads``
+        raise ``NonFiniteError`` with nothing written (checked by the fused kernel while it
+        sums the rows, on one device; elsewhere by a pass of its own first).
         """
         tables = list(tables)
         layout, dim = self._check_tables(tables)
@@ -320,7 +324,8 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         if grad_index is None:
             gids, ggrads, _, _ = self._global_batch(layout, ids, grads, keep_shape=True)  # [..., D]: flattened in the step
             nb = int(gids.shape[0])
-            return self._update(tables, layout, dim, fn, nb, (gids, ggrads, guard), values=values)
+            return self._update(tables, layout, dim, fn, nb, (gids, ggrads, guard), values=values,
+                                check_finite=check_finite)
         from meshembed_jax.kernels import index_dtype
 
         n = int(np.prod(ids.shape))
@@ -334,7 +339,14 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         w = (self._replicated_1d(layout, grad_weights, nb, 0, tables[0].dtype) if weighted
              else self._no_weights(layout, tables[0].dtype))
         g = self._jax.device_put(source, layout.replicated)
-        return self._update(tables, layout, dim, fn, nb, (gids, g, segs, w, guard), weighted, values=values)
+        return self._update(tables, layout, dim, fn, nb, (gids, g, segs, w, guard), weighted, values=values,
+                            check_finite=check_finite)
+
+    @staticmethod
+    def _refuse_nonfinite(finite: Any) -> None:
+        """NonFiniteError where ``finite`` (a device boolean, None: not checked) is false."""
+        if finite is not None and not bool(finite):
+            raise NonFiniteError("Invalid `grads`: they contain NaN or Inf. Nothing was updated.")
 
     def _guard(self, layout: ShardLayout, guard: Any) -> Any:
         """``guard`` replicated on the layout's mesh (a constant true one when None)."""
@@ -387,7 +399,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
                             lambda: kernels.make_update(layout, dim, n_tables, capacity, dedup, call, combined, weighted))
 
     def fused_program(self, layout: ShardLayout, dim: int, rule: UpdateRule, dtypes: Sequence[Any], combined: bool,
-                      weighted: bool) -> tuple[Callable, Any] | None:
+                      weighted: bool, checked: bool = False) -> tuple[Callable, Any] | None:
         """``(step, kernel)``: the compiled fused step (``kernels.make_fused_update``) over the
         rule's generated row kernel, for tables of ``dtypes`` (the table, then its slots), or
         None where the XLA step must run: a fixed capacity (a promise the capacity-bounded
@@ -402,16 +414,17 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         kernel = cpu_kernels.row_kernel(rule, len(dtypes), dtypes[0])
         if kernel is None:
             return None
-        step = self._kernel(("fused_update", layout, dim, len(dtypes), kernel.symbol, combined, weighted),
+        step = self._kernel(("fused_update", layout, dim, len(dtypes), kernel.symbol, combined, weighted, checked),
                             lambda: kernels.make_fused_update(layout, dim, len(dtypes), kernel.address, combined,
-                                                              weighted))
+                                                              weighted, checked))
         return step, kernel
 
     def _fused_update(self, tables: list[JaxShardedTable], layout: ShardLayout, dim: int, rule: UpdateRule,
-                      args: tuple, weighted: bool | None, values: tuple[float, ...]) -> bool:
+                      args: tuple, weighted: bool | None, values: tuple[float, ...], checked: bool = False) -> bool:
         """Run the rule's generated row kernel (:meth:`fused_program`); False where the XLA
         step must run. One in-place pass per device with buffers sized by the batch: no
-        capacity to check, nothing for the host to wait for."""
+        capacity to check, nothing for the host to wait for — but with ``checked`` (one
+        device), whose NaN/Inf test of the gradients is waited for (NonFiniteError)."""
         from meshembed_jax import cpu_kernels
 
         grads = args[1]
@@ -421,7 +434,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         if grads.shape[-1] != dim or (weighted is None and rows != args[0].shape[0]):
             return False  # the XLA path reports the shape error before anything is written
         combined = weighted is not None
-        found = self.fused_program(layout, dim, rule, [t.dtype for t in tables], combined, bool(weighted))
+        found = self.fused_program(layout, dim, rule, [t.dtype for t in tables], combined, bool(weighted), checked)
         if found is None:
             return False
         step, kernel = found
@@ -436,15 +449,27 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
             hp = self._hp_arrays[key] = self._jax.device_put(cpu_kernels.hp_block(params), layout.replicated)
             while len(self._hp_arrays) > 8:
                 self._hp_arrays.popitem(last=False)
-        for t, d in zip(tables, step(tuple(t.data for t in tables), ids, grads, segs, w, guard, hp)):
-            t.data = d
+        out = step(tuple(t.data for t in tables), ids, grads, segs, w, guard, hp)
+        new, ok = out if checked else (out, None)
+        for t, d in zip(tables, new):
+            t.data = d  # (unchanged when the check failed: the old buffers were donated)
         fused_calls[0] += 1
+        self._refuse_nonfinite(ok)
         return True
 
-    def _update(self, tables, layout, dim, rule, nb, args, weighted=None, defer=True, values=()) -> list[JaxShardedTable]:
+    def _update(self, tables, layout, dim, rule, nb, args, weighted=None, defer=True, values=(),
+                check_finite=False) -> list[JaxShardedTable]:
         """Run the fused or the XLA update step; ``args`` are its batch arguments (with
-        ``weighted`` not None: the combiner's backward form)."""
+        ``weighted`` not None: the combiner's backward form); ``check_finite``: see update_rows."""
+        if check_finite and layout.n_dev == 1 and self._fused_update(
+                tables, layout, dim, rule, args, weighted, values, checked=True):
+            return tables  # checked while the kernel summed the rows
+        finite = None
+        if check_finite:  # a guard of its own, waited for once the step is dispatched
+            finite = self.finite_guard([args[1]])
+            args = (*args[:-1], self._jax.numpy.logical_and(args[-1], finite))
         if self._fused_update(tables, layout, dim, rule, args, weighted, values):
+            self._refuse_nonfinite(finite)
             return tables
         jax = self._jax
         capacity = self._capacity_for(layout, nb)
@@ -455,6 +480,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
             new, count = step(tuple(t.data for t in tables), *args, values)
         for t, d in zip(tables, new):
             t.data = d
+        self._refuse_nonfinite(finite)
 
         fixed = self.capacity is not None
 

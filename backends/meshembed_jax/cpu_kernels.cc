@@ -401,17 +401,64 @@ void FusedRows(const GeneratedUpdate<T>& upd, const Groups& gr, const I* uniq, i
   }
 }
 
+// Checked form, phase 1: the sums of unique rows [lo, hi) into sums (row s at s * d), in
+// FusedRows' order (so the same bits), and whether they are all finite. A contribution's
+// NaN/Inf always reaches its sum (Inf + x, NaN + x, 0 * Inf stay non-finite); a non-finite sum
+// of finite contributions (an overflow) is told apart by the caller.
+template <int D, bool Scaled, class T, class Src, class Scale>
+bool SumRowsChecked(const Groups& gr, int64_t lo, int64_t hi, int64_t d, T* sums, const Src& src,
+                    const Scale& scale) {
+  constexpr int C = D > 0 ? D : 64 / int(sizeof(T));
+  const int64_t w = D > 0 ? D : d;
+  const int64_t end = gr.start[hi], row_bytes = int64_t(sizeof(T)) * w;
+  T check[C] = {};
+  for (int64_t s = lo; s < hi; ++s) {
+    T* __restrict out = sums + s * w;
+    for (int64_t j = 0; j < w; ++j) out[j] = T(0);
+    for (int64_t p = gr.start[s], e = gr.start[s + 1]; p < e; ++p) {
+      if (p + kAhead < end) meshembed::PrefetchBytes(src(gr.order[p + kAhead]), row_bytes, false);
+      const int32_t k = gr.order[p];
+      const T* __restrict row = src(k);
+      const T a = Scaled ? scale(k) : T(1);
+      for (int64_t j = 0; j < w; ++j) out[j] += Scaled ? a * row[j] : row[j];
+    }
+    for (int64_t j = 0; j < w; ++j) check[D > 0 ? j : j % C] += out[j] * T(0);
+  }
+  T all = T(0);
+  for (int l = 0; l < C; ++l) all += check[l];
+  return all == T(0);
+}
+
+// Phase 2: the kernel on unique rows [lo, hi) with their sums from phase 1.
+template <class T, class I>
+void ApplyRows(const GeneratedUpdate<T>& upd, const I* uniq, int64_t lo, int64_t hi, const T* sums) {
+  for (int64_t s = lo; s < hi; ++s) {
+    if (s + kTableAhead < hi) upd.Prefetch(int64_t(uniq[s + kTableAhead]));
+    upd.Apply(int64_t(uniq[s]), sums + s * upd.dim);
+  }
+}
+
 // The fused update of a table and its slots (1..8 arrays, all float32 or all float64), in
 // place: dedup of the owned rows, then for each unique row its gradient summed in batch order
 // and the rule's generated kernel (attribute `fn`: its address) applied at once. Contribution
 // k adds w[k] * grads[segs[k]] (combined) or grads[k] (plain); ids outside [0, m) and
 // segments outside the gradient rows add nothing. hp: the kernel's parameter block.
+// `checked`: one more result, an int32 scalar: 1, or 0 when an element of `grads` (any row,
+// read or not) is NaN/Inf, and then nothing is written (the sums come first, then the kernel).
 ffi::Error FusedUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::AnyBuffer ids,
                            ffi::AnyBuffer grads, ffi::AnyBuffer segs, ffi::AnyBuffer w, ffi::RemainingArgs tables,
-                           ffi::RemainingRets outs, int64_t fn, bool combined, bool weighted) {
+                           ffi::RemainingRets outs, int64_t fn, bool combined, bool weighted, bool checked) {
   const size_t n_tables = tables.size();
-  if (n_tables < 1 || n_tables > kMaxArrays || outs.size() != n_tables)
+  if (n_tables < 1 || n_tables > kMaxArrays || outs.size() != n_tables + (checked ? 1 : 0))
     return ffi::Error::InvalidArgument("meshembed fused update: expected 1-8 tables and as many results");
+  int32_t* ok = nullptr;
+  if (checked) {
+    auto flag = outs.get<ffi::AnyBuffer>(n_tables);
+    if (!flag.has_value() || (*flag)->element_type() != ffi::DataType::S32 || (*flag)->element_count() != 1)
+      return ffi::Error::InvalidArgument("meshembed fused update: the checked form's last result is an int32 scalar");
+    ok = static_cast<int32_t*>((*flag)->untyped_data());
+    *ok = 1;
+  }
   if (fn == 0) return ffi::Error::InvalidArgument("meshembed fused update: no kernel address");
   const ffi::DataType type = grads.element_type();
   std::vector<double> params;
@@ -458,13 +505,52 @@ ffi::Error FusedUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::AnyBuff
     auto src = [&](int64_t k) { return gr + (combined ? int64_t(sg[k]) : k) * d; };
     const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(64, count / 256));
     const std::vector<int64_t> cut = WorkCuts(groups, count, parts);
+    if (!checked) {
+      ParallelFor(pool, parts, [&](int64_t p) {
+        const int64_t lo = cut[p], hi = cut[p + 1];
+        if (lo >= hi) return;
+        meshembed::WithWidth(d, [&](auto width) {
+          if (weighted) FusedRows<width.value, true>(upd, groups, u, lo, hi, src, [&](int64_t k) { return wt[k]; });
+          else FusedRows<width.value, false>(upd, groups, u, lo, hi, src, [](int64_t) { return T(1); });
+        });
+      });
+      return;
+    }
+    thread_local std::vector<T> sum_store;
+    sum_store.resize(count * d);
+    T* sums = sum_store.data();
+    std::vector<char> part_ok(parts, 1);
     ParallelFor(pool, parts, [&](int64_t p) {
       const int64_t lo = cut[p], hi = cut[p + 1];
       if (lo >= hi) return;
       meshembed::WithWidth(d, [&](auto width) {
-        if (weighted) FusedRows<width.value, true>(upd, groups, u, lo, hi, src, [&](int64_t k) { return wt[k]; });
-        else FusedRows<width.value, false>(upd, groups, u, lo, hi, src, [](int64_t) { return T(1); });
+        part_ok[p] = weighted
+            ? SumRowsChecked<width.value, true>(groups, lo, hi, d, sums, src, [&](int64_t k) { return wt[k]; })
+            : SumRowsChecked<width.value, false>(groups, lo, hi, d, sums, src, [](int64_t) { return T(1); });
       });
+    });
+    // Rows no sum read (no in-range contribution), and, where a sum was not finite, the
+    // rows it read (an overflow of finite values is not a NaN/Inf gradient): element-wise.
+    thread_local std::vector<char> read_store;
+    read_store.assign(s_all, 0);
+    char* read = read_store.data();
+    for (int64_t p = 0; p < parts; ++p)
+      for (int64_t q = groups.start[cut[p]], e = groups.start[cut[p + 1]]; q < e; ++q) {
+        const int32_t k = groups.order[q];
+        const int64_t r = combined ? int64_t(sg[k]) : int64_t(k);
+        if (!part_ok[p] && !meshembed::RowsFinite(gr, r, r + 1, d)) {
+          *ok = 0;
+          return;
+        }
+        read[r] = 1;
+      }
+    for (int64_t r = 0; r < s_all; ++r)
+      if (!read[r] && !meshembed::RowsFinite(gr, r, r + 1, d)) {
+        *ok = 0;
+        return;
+      }
+    ParallelFor(pool, parts, [&](int64_t p) {
+      if (cut[p] < cut[p + 1]) ApplyRows(upd, u, cut[p], cut[p + 1], sums);
     });
   });
 }
@@ -677,7 +763,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedFusedUpdate, FusedUpdateImpl,
                                   .RemainingRets()
                                   .Attr<int64_t>("fn")
                                   .Attr<bool>("combined")
-                                  .Attr<bool>("weighted"));
+                                  .Attr<bool>("weighted")
+                                  .Attr<bool>("checked"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedDenseUpdate, DenseUpdateImpl,
                               ffi::Ffi::Bind()
