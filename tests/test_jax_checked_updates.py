@@ -2,10 +2,11 @@
 step): on one CPU device the fused kernel tests the gradients for NaN/Inf while it sums them,
 instead of a separate pass over them.
 
-* ``update_rows(check_finite=True)``, plain (per-id) and combined (pooled) forms: a NaN/Inf in a
-  row some id reads, or in one none reads, raises NonFiniteError with the table and its slots
-  bit-identical (the donated buffers are handed back unchanged); finite gradients give the bits
-  of the unchecked step, also when a row's sum overflows.
+* ``update_rows(check_finite=True)``, plain (per-id: checked in the kernel) and combined (pooled:
+  a guard of its own) forms: a NaN/Inf in a row some id reads, or in one none reads, raises
+  NonFiniteError with the table and its slots bit-identical (the donated buffers are handed back
+  unchanged); finite gradients give the bits of the unchecked step, also when a row's sum
+  overflows.
 * The engine: the largest table is checked in its update (updated first), the others by the
   guard; a NaN/Inf anywhere raises the error naming the feature with every table unchanged.
 """
@@ -74,15 +75,20 @@ def be():
 @pytest.mark.parametrize("form", ["plain", "combined"])
 @pytest.mark.parametrize("row", [2, 5], ids=["read-row", "last-row"])
 @pytest.mark.parametrize("bad", BAD)
-def test_checked_update_refuses_and_writes_nothing(be, optimizer, form, row, bad):
+def test_checked_update_refuses_and_writes_nothing(be, optimizer, form, row, bad, monkeypatch):
     rule, tables = _table(be, optimizer)
     before = _contents(be, tables)
     g = _grads(form)
     g[row, 3] = bad
-    calls = jax_backend.fused_calls[0]
+    calls, checked = jax_backend.fused_calls[0], []
+    real = type(be)._fused_update
+    monkeypatch.setattr(type(be), "_fused_update", lambda self, *a, **k: checked.append(k.get("checked", False))
+                        or real(self, *a, **k))
     with pytest.raises(NonFiniteError):
         _update(be, tables, rule, form, be.asarray(g), True)
-    assert jax_backend.fused_calls[0] == calls + 1  # the check ran in the fused kernel
+    assert jax_backend.fused_calls[0] == calls + 1  # the fused step ran (and wrote nothing)
+    assert checked == ([True] if form == "plain" else [False])  # per-id: in the kernel; pooled: a guard
+    monkeypatch.undo()
     for got, want in zip(_contents(be, tables), before):
         np.testing.assert_array_equal(got, want)
     g[row, 3] = 0.5  # the same tables still update afterwards

@@ -461,9 +461,11 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
                 check_finite=False) -> list[JaxShardedTable]:
         """Run the fused or the XLA update step; ``args`` are its batch arguments (with
         ``weighted`` not None: the combiner's backward form); ``check_finite``: see update_rows."""
-        if check_finite and layout.n_dev == 1 and self._fused_update(
+        # per-id gradients (one row per id: as large as the lookup) are checked while the
+        # fused kernel sums them; a pooled step's few rows cost less as a guard of their own
+        if check_finite and layout.n_dev == 1 and weighted is None and self._fused_update(
                 tables, layout, dim, rule, args, weighted, values, checked=True):
-            return tables  # checked while the kernel summed the rows
+            return tables
         finite = None
         if check_finite:  # a guard of its own, waited for once the step is dispatched
             finite = self.finite_guard([args[1]])

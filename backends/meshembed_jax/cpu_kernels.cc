@@ -531,24 +531,28 @@ ffi::Error FusedUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::AnyBuff
     });
     // Rows no sum read (no in-range contribution), and, where a sum was not finite, the
     // rows it read (an overflow of finite values is not a NaN/Inf gradient): element-wise.
-    thread_local std::vector<char> read_store;
-    read_store.assign(s_all, 0);
-    char* read = read_store.data();
-    for (int64_t p = 0; p < parts; ++p)
-      for (int64_t q = groups.start[cut[p]], e = groups.start[cut[p + 1]]; q < e; ++q) {
-        const int32_t k = groups.order[q];
-        const int64_t r = combined ? int64_t(sg[k]) : int64_t(k);
-        if (!part_ok[p] && !meshembed::RowsFinite(gr, r, r + 1, d)) {
+    const bool all_ok = std::all_of(part_ok.begin(), part_ok.end(), [](char c) { return c != 0; });
+    const bool every_row_read = !combined && s_all == n && groups.start[count] == n;  // per-id: row k for id k
+    if (!all_ok || !every_row_read) {
+      thread_local std::vector<char> read_store;
+      read_store.assign(s_all, 0);
+      char* read = read_store.data();
+      for (int64_t p = 0; p < parts; ++p)
+        for (int64_t q = groups.start[cut[p]], e = groups.start[cut[p + 1]]; q < e; ++q) {
+          const int32_t k = groups.order[q];
+          const int64_t r = combined ? int64_t(sg[k]) : int64_t(k);
+          if (!part_ok[p] && !meshembed::RowsFinite(gr, r, r + 1, d)) {
+            *ok = 0;
+            return;
+          }
+          read[r] = 1;
+        }
+      for (int64_t r = 0; r < s_all; ++r)
+        if (!read[r] && !meshembed::RowsFinite(gr, r, r + 1, d)) {
           *ok = 0;
           return;
         }
-        read[r] = 1;
-      }
-    for (int64_t r = 0; r < s_all; ++r)
-      if (!read[r] && !meshembed::RowsFinite(gr, r, r + 1, d)) {
-        *ok = 0;
-        return;
-      }
+    }
     ParallelFor(pool, parts, [&](int64_t p) {
       if (cut[p] < cut[p + 1]) ApplyRows(upd, u, cut[p], cut[p + 1], sums);
     });
