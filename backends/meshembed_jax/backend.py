@@ -100,7 +100,6 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         self._prepared: collections.OrderedDict[Any, tuple[Any, Any]] = collections.OrderedDict()
         self._no_weight_arrays: dict[tuple, Any] = {}
         self._released = ReleasedRows()  # per-id lookup results to write over again
-        self._hp_arrays: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -442,13 +441,9 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
             ids, grads, segs, w, guard = args
         else:
             (ids, grads, guard), segs, w = args, self._no_weights(layout, np.int32), self._no_weights(layout, grads.dtype)
-        params = tuple(kernel.params(values))
-        key = (layout, params)
-        hp = self._hp_arrays.get(key)
-        if hp is None:
-            hp = self._hp_arrays[key] = self._jax.device_put(cpu_kernels.hp_block(params), layout.replicated)
-            while len(self._hp_arrays) > 8:
-                self._hp_arrays.popitem(last=False)
+        # the values as a host array of the call, whatever they are: a learning rate that
+        # changes every step costs exactly what a constant one does (no cache to miss)
+        hp = cpu_kernels.hp_block(tuple(kernel.params(values)))
         out = step(tuple(t.data for t in tables), ids, grads, segs, w, guard, hp)
         new, ok = out if checked else (out, None)
         for t, d in zip(tables, new):
