@@ -181,38 +181,57 @@ inline void StreamFence() {
 #endif
 }
 
-// SumInBatchOrder that also checks every element of every gradient row it reads: returns
-// false if one is NaN or +-Inf (the sums are then meaningless and must not be used). The
-// check adds row[j] * 0 — 0 for a finite element, NaN otherwise — into lanes of its own, so
+// The contributions i (ascending) whose slot_of[i] lies in [lo, hi), written to `own` (room for
+// n); returns their count. Branch-free (always write, advance when owned): a range owner that
+// skips the others' contributions with a branch mispredicts on about every other one, which
+// cost as much as the sums themselves — the reason two threads summed no faster than one.
+inline int64_t OwnedContributions(const int32_t* slot_of, int64_t n, int64_t lo, int64_t hi, int32_t* own) {
+  const uint32_t span = uint32_t(hi - lo);
+  int64_t k = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    own[k] = int32_t(i);
+    k += uint32_t(int64_t(slot_of[i]) - lo) < span;
+  }
+  return k;
+}
+
+// SumInBatchOrder over the `count` contributions `own` (from OwnedContributions: ascending, so
+// every row's terms are added in batch order, the same sums to the last bit), with the next
+// gradient rows prefetched. With Check, also checks every element of every gradient row it
+// reads and returns false if one is NaN or +-Inf (the sums are then meaningless): it adds
+// row[j] * 0 — 0 for a finite element, NaN otherwise — into a row of checks of its own, so
 // it costs no extra pass over the gradients and is not fooled by finite sums that overflow.
-template <bool Scaled, class T, class Src, class Scale>
-bool SumCheckedInBatchOrder(const int32_t* slot_of, int64_t n, int64_t lo, int64_t hi, int64_t d, T* sums,
-                            const Src& src, const Scale& scale) {
+template <bool Scaled, bool Check, class T, class Src, class Scale>
+bool SumOwnedInBatchOrder(const int32_t* slot_of, const int32_t* own, int64_t count, int64_t lo, int64_t hi,
+                          int64_t d, T* sums, const Src& src, const Scale& scale) {
   constexpr int kLanes = 64 / sizeof(T);
+  constexpr int64_t kAhead = 8;
   std::fill(sums + lo * d, sums + hi * d, T(0));
   bool finite = true;
   WithWidth(d, [&](auto width) {
-    // the whole loop inside one width (not a dispatch per row), so `check` stays in registers
-    // a row of checks (D known: in registers, one add per element and no chain across a
-    // row's vectors); kLanes of them otherwise
+    // the whole loop inside one width (not a dispatch per row), so the checks stay in
+    // registers: a row of them when D is known (one add per element, no chain across a
+    // row's vectors), kLanes otherwise
     constexpr int D = decltype(width)::value;
     constexpr int C = D > 0 ? D : kLanes;
     const int64_t w = D > 0 ? D : d;
     T check[C] = {};
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t r = slot_of[i];
-      if (r < lo || r >= hi) continue;
+    for (int64_t k = 0; k < count; ++k) {
+      if (k + kAhead < count) PrefetchBytes(src(own[k + kAhead]), w * int64_t(sizeof(T)), false);
+      const int64_t i = own[k];
       const T* __restrict row = src(i);
-      T* __restrict out = sums + r * w;
+      T* __restrict out = sums + int64_t(slot_of[i]) * w;
       const T a = Scaled ? scale(i) : T(1);
       for (int64_t j = 0; j < w; ++j) {
         out[j] += Scaled ? a * row[j] : row[j];
-        check[D > 0 ? j : j % C] += row[j] * T(0);
+        if (Check) check[D > 0 ? j : j % C] += row[j] * T(0);
       }
     }
-    T all = T(0);
-    for (int l = 0; l < C; ++l) all += check[l];
-    finite = all == T(0);
+    if (Check) {
+      T all = T(0);
+      for (int l = 0; l < C; ++l) all += check[l];
+      finite = all == T(0);
+    }
   });
   return finite;
 }

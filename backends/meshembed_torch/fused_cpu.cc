@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "row_kernels.h"
@@ -50,18 +51,23 @@ struct Problem {
 // read exactly once (by the owner of its row), so checking the rows read checks them all.
 template <class T>
 bool sum_range(const Problem<T>& p, int64_t lo, int64_t hi) {
+  thread_local std::vector<int32_t> own;  // this thread's contributions
+  own.resize(p.n);
+  const int64_t count = meshembed::OwnedContributions(p.rank, p.n, lo, hi, own.data());
   auto src = [&](int64_t i) { return p.grads + (p.grad_index ? p.grad_index[i] : i) * p.dim; };
+  auto sum = [&](auto scaled, auto check, const auto& scale) {
+    return meshembed::SumOwnedInBatchOrder<decltype(scaled)::value, decltype(check)::value>(
+        p.rank, own.data(), count, lo, hi, p.dim, p.sums, src, scale);
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
   const bool check = p.check && !p.grad_index;
   if (p.weights) {
     auto w = [&](int64_t i) { return p.weights[i]; };
-    if (check) return meshembed::SumCheckedInBatchOrder<true>(p.rank, p.n, lo, hi, p.dim, p.sums, src, w);
-    meshembed::SumInBatchOrder<true>(p.rank, p.n, lo, hi, p.dim, p.sums, src, w);
-  } else {
-    auto one = [](int64_t) { return T(1); };
-    if (check) return meshembed::SumCheckedInBatchOrder<false>(p.rank, p.n, lo, hi, p.dim, p.sums, src, one);
-    meshembed::SumInBatchOrder<false>(p.rank, p.n, lo, hi, p.dim, p.sums, src, one);
+    return check ? sum(Yes{}, Yes{}, w) : sum(Yes{}, No{}, w);
   }
-  return true;
+  auto one = [](int64_t) { return T(1); };
+  return check ? sum(No{}, Yes{}, one) : sum(No{}, No{}, one);
 }
 
 // The optimizer on unique rows [lo, hi). They ascend but lie far apart in the table:
