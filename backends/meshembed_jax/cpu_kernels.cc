@@ -690,18 +690,18 @@ ffi::Error GatherRows(ffi::ThreadPool& pool, ffi::AnyBuffer table, ffi::AnyBuffe
   });
 }
 
-ffi::Error GatherRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyBuffer idx,
+// `dst` (optional, the one remaining argument): a released earlier result the caller donates
+// (the output aliases it). Every row is written, so nothing of its old content survives; a
+// 32 MiB per-id lookup then touches no fresh page (docs/benchmarks.md, "The per-id step").
+ffi::Error GatherRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyBuffer idx, ffi::RemainingArgs dst,
                           ffi::Result<ffi::AnyBuffer> rows) {
-  return GatherRows(pool, table, idx, rows);
-}
-
-// The same into `dst`, a released earlier result the caller donates (the output aliases
-// it): every row is written, so nothing of its old content survives; a 32 MiB per-id
-// lookup then touches no fresh page (docs/benchmarks.md, "The per-id step").
-ffi::Error GatherRowsIntoImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyBuffer idx, ffi::AnyBuffer dst,
-                              ffi::Result<ffi::AnyBuffer> rows) {
-  if (dst.element_type() != rows->element_type() || dst.element_count() != rows->element_count())
-    return Unsupported("destination shape");
+  if (dst.size() > 1) return ffi::Error::InvalidArgument("meshembed gather rows: at most one destination");
+  if (dst.size() == 1) {
+    auto into = dst.get<ffi::AnyBuffer>(0);
+    if (!into.has_value() || into->element_type() != rows->element_type() ||
+        into->element_count() != rows->element_count())
+      return Unsupported("destination shape");
+  }
   return GatherRows(pool, table, idx, rows);
 }
 
@@ -790,14 +790,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedGatherRows, GatherRowsImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedGatherRowsInto, GatherRowsIntoImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedScatterRows, ScatterRowsImpl,

@@ -31,7 +31,6 @@ _TARGETS = {
     "meshembed_gather_combine": "MeshembedGatherCombine",
     "meshembed_dedup_sum": "MeshembedDedupSum",
     "meshembed_gather_rows": "MeshembedGatherRows",
-    "meshembed_gather_rows_into": "MeshembedGatherRowsInto",
     "meshembed_scatter_rows": "MeshembedScatterRows",
     "meshembed_fused_update": "MeshembedFusedUpdate",
     "meshembed_dense_update": "MeshembedDenseUpdate",
@@ -163,7 +162,7 @@ def gather_rows_into(table: Any, idx: Any, dst: Any) -> Any:
     import jax
 
     out = jax.ShapeDtypeStruct(dst.shape, table.dtype)
-    call = jax.ffi.ffi_call("meshembed_gather_rows_into", out, input_output_aliases={2: 0})
+    call = jax.ffi.ffi_call("meshembed_gather_rows", out, input_output_aliases={2: 0})
     return _vary_like(call(table, idx, dst), table, idx)
 
 
