@@ -136,7 +136,7 @@ def _hlo_worker() -> None:
         spec = me.TPUEmbedding(cfg, backend="numpy").layout.tables[0]
         be.update_rows(tables, ids, grads, make_rule(spec), values=(0.1,))
         key = next(k for k in be._kernels if k[0] == "fused_update")
-        hp = next(iter(be._hp_arrays.values()))
+        hp = cpu_kernels.hp_block((0.1,))  # Adagrad's parameter block: the learning rate
         guard = be._guard(tables[0].layout, None)
         text = be._kernels[key].lower(tuple(t.data for t in tables), gids, ggrads, be._no_weights(tables[0].layout, np.int32),
                                       be._no_weights(tables[0].layout, np.float32), guard, hp).compile().as_text()

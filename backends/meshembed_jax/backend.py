@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from meshembed.backend.env import env_choice, env_int
-from meshembed.backend.protocol import Backend, Capabilities, check_rule
+from meshembed.backend.protocol import Backend, Capabilities, RowUpdate, check_rule
 from meshembed.errors import CapacityError, ConfigError, InputError, NonFiniteError
 from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.sharding.placement import Placement
@@ -277,19 +277,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         if worst > self.capacity:
             raise self._capacity_error(tables[0], worst, self.capacity)
 
-    def update_rows(
-        self,
-        tables: Sequence[JaxShardedTable],
-        ids: Any,
-        grads: Any,
-        fn: UpdateRule,
-        *,
-        values: Sequence[Any] = (),
-        grad_index: Any = None,
-        grad_weights: Any = None,
-        guard: Any = None,
-        check_finite: bool = False,
-    ) -> list[JaxShardedTable]:
+    def apply_update(self, u: RowUpdate) -> list[JaxShardedTable]:
         """One compiled step: route, dedup + segment-sum, gather rows, the rule ``fn`` with
         ``values`` (traced arguments: a new learning rate compiles nothing), scatter back.
 
@@ -309,10 +297,11 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         raise ``NonFiniteError`` with nothing written (checked by the fused kernel while it
         sums the rows, on one device; elsewhere by a pass of its own first).
         """
-        tables = list(tables)
+        tables, ids, grads, fn, check_finite = list(u.tables), u.ids, u.grads, u.rule, u.check_finite
+        grad_index, grad_weights = u.grad_index, u.grad_weights
         layout, dim = self._check_tables(tables)
-        values = self._check_rule(fn, values)
-        guard = self._guard(layout, guard)
+        values = self._check_rule(fn, u.values)
+        guard = self._guard(layout, u.guard)
         if grad_index is not None and self._jax.process_count() > 1:
             # each process passes its own part: expand its rows and route them as before
             xp = self.xp

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from meshembed.backend.env import env_choice
-from meshembed.backend.protocol import Backend, Capabilities, check_rule, occurrence_rounds, walk_blocks
+from meshembed.backend.protocol import Backend, Capabilities, RowUpdate, check_rule, occurrence_rounds, walk_blocks
 from meshembed.errors import InputError, NonFiniteError
 from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.sharding.placement import Placement
@@ -364,18 +364,7 @@ class TorchBackend(TorchDenseMixin, Backend):
             index = index.to(torch.int32)
         return torch.nn.functional.embedding_bag(index, source, offsets, mode="sum", per_sample_weights=w)
 
-    def update_rows(
-        self,
-        tables: Sequence[TorchShardedTable],
-        ids: Any,
-        grads: Any,
-        fn: UpdateRule,
-        *,
-        values: Sequence[Any] = (),
-        grad_index: Any = None,
-        grad_weights: Any = None,
-        check_finite: bool = False,
-    ) -> list[TorchShardedTable]:
+    def apply_update(self, u: RowUpdate) -> list[TorchShardedTable]:
         """Dedup → gather params and slots → the rule ``fn`` with ``values`` once per unique
         row → scatter. ``check_finite``: the protocol's; the fused kernel checks while it sums
         the gradients, every other path first.
@@ -385,16 +374,18 @@ class TorchBackend(TorchDenseMixin, Backend):
         own duplicates, sends (id, row-gradient) pairs to the owners (all-to-all), and each
         owner sums what every rank sent (spec §3.1: sum across replicas) before ``fn``.
 
-        Optional (not in the protocol): with ``grad_index`` the gradient of ``ids[i]`` is
-        ``grad_weights[i] * grads[grad_index[i]]`` — e.g. per-sample gradients of a combiner —
-        summed without expanding ``grads`` to one row per id.
+        With ``grad_index`` the gradient of ``ids[i]`` is ``grad_weights[i] *
+        grads[grad_index[i]]`` — e.g. per-sample gradients of a combiner — summed without
+        expanding ``grads`` to one row per id.
         """
         torch = self._torch
+        tables, ids, grads, fn, check_finite = list(u.tables), u.ids, u.grads, u.rule, u.check_finite
+        grad_index, grad_weights = u.grad_index, u.grad_weights
         if not tables:
             return []
         first = tables[0]
         try:
-            values = check_rule(fn, values, self.name)
+            values = check_rule(fn, u.values, self.name)
             ids, id_range = self._ids_in_range(ids, first)
             g_src = self.asarray(grads).to(first.data.device)
             rows_of = None if grad_index is None else self.asarray(grad_index).to(torch.int64).reshape(-1)
@@ -411,6 +402,8 @@ class TorchBackend(TorchDenseMixin, Backend):
         except Exception as exc:
             self._refuse(first, "update_rows", exc)
             raise
+        if u.guard is not None and not bool(u.guard):  # the protocol's guard: write nothing
+            return tables
         if kernel is not None:  # a fused row update generated from the rule (see fused_cpu.py)
             rows = ids if first.rowmap.identity else first.rowmap.local_index(ids)
             fused_cpu.update(kernel, rows, g_src, rows_of, w, [t.data for t in tables], torch.get_num_threads(),

@@ -73,6 +73,27 @@ class ShardedTable(abc.ABC):
     def dtype(self) -> Any: ...
 
 
+@dataclass(frozen=True)
+class RowUpdate:
+    """One :meth:`Backend.update_rows` call as data: what :meth:`Backend.apply_update` gets.
+
+    ``tables``: the table and its slots (``rule.slot_names`` order); ``ids`` (may repeat) and
+    ``grads`` (one row per id, or per sample with ``grad_index``); ``rule`` and its ``values``
+    (``rule.dynamic`` order, not yet checked); ``grad_index`` / ``grad_weights``: id ``i``'s
+    gradient is ``grad_weights[i] * grads[grad_index[i]]``; ``guard``: a device boolean,
+    false = write nothing; ``check_finite``: NaN/Inf in ``grads`` raise NonFiniteError."""
+
+    tables: tuple[ShardedTable, ...]
+    ids: Any
+    grads: Any
+    rule: UpdateRule
+    values: Sequence[Any] = ()
+    grad_index: Any = None
+    grad_weights: Any = None
+    guard: Any = None
+    check_finite: bool = False
+
+
 class Backend(abc.ABC):
     """Base class of every backend. Subclasses are registered under the entry-point group
     ``meshembed.backends`` and instantiated lazily, once per process."""
@@ -204,13 +225,13 @@ class Backend(abc.ABC):
         check_finite: bool = False,
     ) -> list[ShardedTable]:
         """Apply the table's update rule once per unique id: ``apply_rule(xp, fn, values,
-        grad_rows, *table_rows) -> new table_rows``.
+        grad_rows, *table_rows) -> new table_rows``; the call as a :class:`RowUpdate` is what
+        :meth:`apply_update` (the method backends override) receives.
 
         ``ids`` may repeat; their gradients are summed first (duplicate ids are combined
         before any scatter). ``fn`` is the core's :class:`UpdateRule` (static: cache compiled
         code on it) and ``values`` this call's dynamic hyper-parameters (``fn.dynamic``
-        order; never compile them in). Backends override this to fuse, compile or route to
-        the owning ranks.
+        order; never compile them in).
 
         With ``grad_index`` the gradient of ``ids[i]`` is ``grad_weights[i] * grads[grad_index[i]]``
         (the combiner's backward pass), so a backend can sum it without building one row per id.
@@ -221,19 +242,27 @@ class Backend(abc.ABC):
         Inf element of ``grads`` raises :class:`~meshembed.errors.NonFiniteError` before
         anything is written.
         """
-        values = check_rule(fn, values, self.name)
-        if check_finite and not self.all_finite(grads):
+        return self.apply_update(RowUpdate(tuple(tables), ids, grads, fn, values, grad_index, grad_weights, guard,
+                                           bool(check_finite)))
+
+    def apply_update(self, u: RowUpdate) -> list[ShardedTable]:
+        """:meth:`update_rows` of one call; backends override this to fuse, compile or route to
+        the owning ranks (each validates ``u.rule`` / ``u.values`` with :func:`check_rule`).
+        Default: segment sum, gather, the rule, scatter."""
+        values = check_rule(u.rule, u.values, self.name)
+        grads = u.grads
+        if u.check_finite and not self.all_finite(grads):
             raise NonFiniteError("Invalid `grads`: they contain NaN or Inf. Nothing was updated.")
-        if guard is not None and not bool(guard):
-            return list(tables)
-        if grad_index is not None:
-            grads = self.xp.take(grads, grad_index, axis=0)
-            if grad_weights is not None:
-                grads = grads * self.xp.reshape(grad_weights, (-1, 1))
-        uids, g = self.segment_sum(ids, grads)
-        rows = [self.gather(t, uids) for t in tables]
-        new_rows = apply_rule(self.xp, fn, values, g, *rows)
-        return [self.scatter(t, uids, r) for t, r in zip(tables, new_rows)]
+        if u.guard is not None and not bool(u.guard):
+            return list(u.tables)
+        if u.grad_index is not None:
+            grads = self.xp.take(grads, u.grad_index, axis=0)
+            if u.grad_weights is not None:
+                grads = grads * self.xp.reshape(u.grad_weights, (-1, 1))
+        uids, g = self.segment_sum(u.ids, grads)
+        rows = [self.gather(t, uids) for t in u.tables]
+        new_rows = apply_rule(self.xp, u.rule, values, g, *rows)
+        return [self.scatter(t, uids, r) for t, r in zip(u.tables, new_rows)]
 
     def update_rows_in_order(
         self,
