@@ -1,6 +1,6 @@
 // Row kernels shared by the backends' C++ code (the JAX backend's FFI kernels, the torch
 // backend's fused CPU updates): bitmap dedup of table rows, per-row gradient sums in batch
-// order, row prefetch. No optimizer formula: the per-row update is a kernel generated from the
+// order (with an optional NaN/Inf check), row prefetch, streaming row copies. No optimizer formula: the per-row update is a kernel generated from the
 // core's math (meshembed_native/codegen.py). Header-only; built in by meshembed_native/build.py,
 // which puts this directory on the include path.
 #pragma once
@@ -77,15 +77,6 @@ inline void WithWidth(int64_t d, F&& f) {
   }
 }
 
-// out += a * row (Scaled) or out += row over d columns.
-template <bool Scaled, class T>
-inline void AddRow(T* __restrict out, const T* __restrict row, T a, int64_t d) {
-  WithWidth(d, [&](auto width) {
-    const int64_t w = width.value > 0 ? width.value : d;
-    for (int64_t j = 0; j < w; ++j) out[j] += Scaled ? a * row[j] : row[j];
-  });
-}
-
 // A row of sums kept in vector registers when its width D is known at compile time
 // (D == 0: width d at run time, in a per-thread buffer): a sum of rows that reads and writes
 // memory instead runs markedly slower (docs/benchmarks.md).
@@ -117,22 +108,6 @@ struct LocalRow {
     for (int64_t j = 0; j < width; ++j) out[j] = acc[j];
   }
 };
-
-// Sums of unique rows [lo, hi): sums[r] = sum of scale(i) * src(i) over the contributions i
-// with slot_of[i] == r, added in batch order (the order of the core's reference, so the
-// same sums to the last bit). Whoever owns a range scans every contribution but adds only
-// to its own rows: the gradient rows are read in batch order (a sample's row stays in cache
-// for its ids) and no two threads write one row. slot_of[i] < 0: no row.
-template <bool Scaled, class T, class Src, class Scale>
-void SumInBatchOrder(const int32_t* slot_of, int64_t n, int64_t lo, int64_t hi, int64_t d, T* sums,
-                     const Src& src, const Scale& scale) {
-  std::fill(sums + lo * d, sums + hi * d, T(0));
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t r = slot_of[i];
-    if (r < lo || r >= hi) continue;
-    AddRow<Scaled, T>(sums + r * d, src(i), Scaled ? scale(i) : T(1), d);
-  }
-}
 
 // Boundaries of `parts` ranges of the `unique` rows [cut[t], cut[t + 1]) holding about equal
 // numbers of contributions (in a Zipf batch a few hot rows hold half of them).
@@ -182,9 +157,8 @@ inline void StreamFence() {
 }
 
 // The contributions i (ascending) whose slot_of[i] lies in [lo, hi), written to `own` (room for
-// n); returns their count. Branch-free (always write, advance when owned): a range owner that
-// skips the others' contributions with a branch mispredicts on about every other one, which
-// cost as much as the sums themselves — the reason two threads summed no faster than one.
+// n); returns their count. Branch-free (always write, advance when owned): with two owners, a
+// branch that skips the other's contributions mispredicts on about every other one.
 inline int64_t OwnedContributions(const int32_t* slot_of, int64_t n, int64_t lo, int64_t hi, int32_t* own) {
   const uint32_t span = uint32_t(hi - lo);
   int64_t k = 0;
@@ -195,12 +169,15 @@ inline int64_t OwnedContributions(const int32_t* slot_of, int64_t n, int64_t lo,
   return k;
 }
 
-// SumInBatchOrder over the `count` contributions `own` (from OwnedContributions: ascending, so
-// every row's terms are added in batch order, the same sums to the last bit), with the next
-// gradient rows prefetched. With Check, also checks every element of every gradient row it
-// reads and returns false if one is NaN or +-Inf (the sums are then meaningless): it adds
-// row[j] * 0 — 0 for a finite element, NaN otherwise — into a row of checks of its own, so
-// it costs no extra pass over the gradients and is not fooled by finite sums that overflow.
+// Sums of unique rows [lo, hi): sums[r] = sum of scale(i) * src(i) over the contributions i
+// with slot_of[i] == r, added in batch order (the order of the core's reference, so the same
+// sums to the last bit). Whoever owns a range sums only its `count` contributions `own` (from
+// OwnedContributions, ascending): no two threads write one row, and the gradient rows are read
+// in batch order (a sample's row stays in cache for its ids), the next ones prefetched.
+// With Check, also checks every element of every gradient row it reads and returns false if
+// one is NaN or +-Inf (the sums are then meaningless): it adds row[j] * 0 — 0 for a finite
+// element, NaN otherwise — into a row of checks of its own, so it costs no extra pass over
+// the gradients and is not fooled by finite sums that overflow.
 template <bool Scaled, bool Check, class T, class Src, class Scale>
 bool SumOwnedInBatchOrder(const int32_t* slot_of, const int32_t* own, int64_t count, int64_t lo, int64_t hi,
                           int64_t d, T* sums, const Src& src, const Scale& scale) {
