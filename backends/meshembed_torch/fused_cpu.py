@@ -7,6 +7,9 @@ call of the optimizer's row kernel — generated from the core's math by
 weight decay; the learning rate and other dynamic values are the kernel's parameters, so a
 value that changes every step compiles nothing. It is an *optimisation* of the core function:
 ``MESHEMBED_TORCH_FUSED=0`` turns it off, and tests compare it with the core function and NumPy.
+The sums can also check every gradient element for NaN/Inf before anything is written (the
+engine's policy, ``update_rows(check_finite=True)``) without a pass of its own; and
+:func:`gather_rows` is the lookup of large outputs (a per-id feature's rows) with streaming stores.
 
 Built on first use with the system compiler (see :mod:`meshembed_native.build`); where it cannot
 be built the core function runs (one RuntimeWarning).
