@@ -99,3 +99,19 @@ def test_the_loop_idiom_keeps_the_previous_step_valid():
         np.testing.assert_array_equal(np.asarray(acts), want)
         emb.apply_gradients([grad])
         previous = acts
+
+
+@pytest.mark.parametrize("n,dim", [(65600, 64), (88000, 48), (210000, 20)])
+def test_large_lookups_of_any_width_are_exact(n, dim):
+    """Outputs of >= 16 MiB are written with streaming stores where rows are whole cache
+    lines (64, 48 floats), with plain copies otherwise (20): the table's rows either way,
+    with a padded batch (n is no bucket size) too."""
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig(name="t", vocabulary_size=VOCAB, dimension=dim, optimizer=me.embedding.SGD(0.5))],
+        features=[me.FeatureConfig(table="t", input_shape=(n, 1), name="f")],
+    )
+    emb = me.TPUEmbedding(cfg, backend="jax", num_shards=1)
+    ids = np.random.default_rng(n).integers(0, VOCAB, size=(n, 1))
+    emb.enqueue([ids], training=False)
+    acts = np.asarray(emb.dequeue()[0])
+    np.testing.assert_array_equal(acts, _table(emb)[ids[:, 0]].reshape(n, 1, dim))

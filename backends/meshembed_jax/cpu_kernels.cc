@@ -121,6 +121,7 @@ struct Groups {
 // Table rows are random reads and writes (mostly cache misses): loops prefetch every line
 // of the row kAhead positions on (W1's forward on 2 threads: 1.2 ms at 8, 0.5 ms at 32).
 constexpr int64_t kAhead = 32;
+constexpr int64_t kStreamMinBytes = int64_t(16) << 20;  // outputs this large skip the caches
 
 // Prefetch every cache line of row r of a [m, d] array (for reading or writing).
 template <class T>
@@ -678,14 +679,20 @@ ffi::Error GatherRows(ffi::ThreadPool& pool, ffi::AnyBuffer table, ffi::AnyBuffe
     const T* tab = static_cast<const T*>(table.untyped_data());
     const I* ix = static_cast<const I*>(idx.untyped_data());
     T* o = static_cast<T*>(rows->untyped_data());
-    AdviseHugePages(o, int64_t(sizeof(T)) * c * d);
+    const int64_t row_bytes = int64_t(sizeof(T)) * d;
+    AdviseHugePages(o, row_bytes * c);
+    // an output beyond the caches (a per-id lookup) is written with streaming stores: its
+    // lines are not read first (as torch's gather: docs/benchmarks.md, "The per-id step")
+    const bool stream = row_bytes * c >= kStreamMinBytes && meshembed::Streamable(o, row_bytes);
     ParallelRanges(pool, c, kRowsPerTask, [&](int64_t lo, int64_t hi) {
       for (int64_t j = lo; j < hi; ++j) {
         if (j + kAhead < hi) Prefetch(tab, ix[j + kAhead], m, d, false);
         const int64_t r = ix[j];
-        if (r >= 0 && r < m) std::memcpy(o + j * d, tab + r * d, sizeof(T) * d);
-        else std::memset(o + j * d, 0, sizeof(T) * d);
+        if (r < 0 || r >= m) std::memset(o + j * d, 0, row_bytes);
+        else if (stream) meshembed::StreamRow(o + j * d, tab + r * d, row_bytes);
+        else std::memcpy(o + j * d, tab + r * d, row_bytes);
       }
+      if (stream) meshembed::StreamFence();
     });
   });
 }
