@@ -294,8 +294,8 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         the step writes nothing. With automatic capacity (one process) it returns without
         waiting for the step; an overflow is found and the step redone with a larger
         capacity before the tables are next read. ``check_finite``: NaN/Inf in ``grads``
-        raise ``NonFiniteError`` with nothing written (checked by the fused kernel while it
-        sums the rows, on one device; elsewhere by a pass of its own first).
+        raise ``NonFiniteError`` with nothing written (per-id gradients on one device: checked by
+        the fused kernel while it sums them; otherwise a device guard of their own).
         """
         tables, ids, grads, fn, check_finite = list(u.tables), u.ids, u.grads, u.rule, u.check_finite
         grad_index, grad_weights = u.grad_index, u.grad_weights
