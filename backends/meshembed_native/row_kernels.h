@@ -173,7 +173,8 @@ inline int64_t OwnedContributions(const int32_t* slot_of, int64_t n, int64_t lo,
 // with slot_of[i] == r, added in batch order (the order of the core's reference, so the same
 // sums to the last bit). Whoever owns a range sums only its `count` contributions `own` (from
 // OwnedContributions, ascending): no two threads write one row, and the gradient rows are read
-// in batch order (a sample's row stays in cache for its ids), the next ones prefetched.
+// in batch order (a sample's row stays in cache for its ids; prefetching the next ones
+// measured no faster).
 // With Check, also checks every element of every gradient row it reads and returns false if
 // one is NaN or +-Inf (the sums are then meaningless): it adds row[j] * 0 — 0 for a finite
 // element, NaN otherwise — into a row of checks of its own, so it costs no extra pass over
@@ -182,7 +183,6 @@ template <bool Scaled, bool Check, class T, class Src, class Scale>
 bool SumOwnedInBatchOrder(const int32_t* slot_of, const int32_t* own, int64_t count, int64_t lo, int64_t hi,
                           int64_t d, T* sums, const Src& src, const Scale& scale) {
   constexpr int kLanes = 64 / sizeof(T);
-  constexpr int64_t kAhead = 8;
   std::fill(sums + lo * d, sums + hi * d, T(0));
   bool finite = true;
   WithWidth(d, [&](auto width) {
@@ -194,7 +194,6 @@ bool SumOwnedInBatchOrder(const int32_t* slot_of, const int32_t* own, int64_t co
     const int64_t w = D > 0 ? D : d;
     T check[C] = {};
     for (int64_t k = 0; k < count; ++k) {
-      if (k + kAhead < count) PrefetchBytes(src(own[k + kAhead]), w * int64_t(sizeof(T)), false);
       const int64_t i = own[k];
       const T* __restrict row = src(i);
       T* __restrict out = sums + int64_t(slot_of[i]) * w;
