@@ -115,3 +115,17 @@ def test_w1_all_quick_runs_on_torch():
     assert "nn.EmbeddingBag + SparseAdam" in rows["adam"] and "nan" not in rows["adam"].split("|")[3]
     per_id = rows["sgd"].split("|")[8]
     assert per_id.strip() and "nan" not in per_id, rows["sgd"]
+
+
+def test_w1_phases_quick_runs_on_torch():
+    """The phase split's smoke run: CI sizes, pooled and per-id rows with both phases."""
+    import pytest
+
+    pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.w1_phases", "--quick", "--backend", "torch",
+                           "--optimizers", "sgd,adam"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| ") and "×" in line]
+    assert [r[1].strip() for r in rows] == ["sgd", "adam"], proc.stdout
+    for r in rows:
+        assert all(" + " in cell and "nan" not in cell for cell in r[2:4]), r
