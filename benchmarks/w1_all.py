@@ -106,9 +106,9 @@ def _learning_rates(algorithm: str, changing: bool) -> Callable[[int], list[floa
 _Data = W1Inputs  # the shared W1 inputs (benchmarks.common)
 
 
-def _engine_steps(backend: str, d: _Data, algorithm: str, per_id: bool = False) -> dict[str, Callable[[], Any]]:
-    """``{"constant": step, "changing": step}`` on one engine; with ``per_id`` one step on a
-    sequence feature ``[B*K, 1]`` instead of the pooled ``[B]`` (constant learning rate)."""
+def engine(backend: str, d: _Data, algorithm: str, per_id: bool = False) -> tuple[Any, Any, Any]:
+    """``(emb, ids, gradient)``: one W1 engine of ``algorithm`` and its fixed step inputs, on the
+    pooled feature ``[B]`` or, with ``per_id``, the sequence feature ``[B*K, 1]``."""
     import meshembed as me
 
     s = d.sizes
@@ -125,6 +125,13 @@ def _engine_steps(backend: str, d: _Data, algorithm: str, per_id: bool = False) 
         grad = emb.backend.asarray(np.repeat(d.grad, k, axis=0).reshape(b * k, 1, dim))
     else:
         feat, grad = me.RaggedIds(d.splits, d.ids), emb.backend.asarray(d.grad)
+    return emb, feat, grad
+
+
+def _engine_steps(backend: str, d: _Data, algorithm: str, per_id: bool = False) -> dict[str, Callable[[], Any]]:
+    """``{"constant": step, "changing": step}`` on one engine; with ``per_id`` one step on a
+    sequence feature ``[B*K, 1]`` instead of the pooled ``[B]`` (constant learning rate)."""
+    emb, feat, grad = engine(backend, d, algorithm, per_id)
     sync = _syncer(backend)
 
     def make(changing: bool) -> Callable[[], Any]:

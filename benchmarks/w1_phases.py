@@ -14,41 +14,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
-
-import numpy as np
 
 from benchmarks import w1_all
 from benchmarks.common import TINY_W1, W1, W1Inputs
-
-
-def _engines(backend: str, d: W1Inputs, algorithm: str) -> dict[str, tuple[Any, Any, Any]]:
-    import meshembed as me
-
-    s = d.sizes
-    b, k, dim = s["batch"], s["ids_per_sample"], s["dim"]
-    out = {}
-    for per_id in (False, True):
-        shape = (b * k, 1) if per_id else (b,)
-        cfg = me.EmbeddingConfig(
-            tables=[me.TableConfig(name="t", vocabulary_size=s["vocab"], dimension=dim,
-                                   optimizer=w1_all._spec(algorithm), combiner="sum")],
-            features=[me.FeatureConfig(table="t", input_shape=shape, name="f")])
-        emb = me.TPUEmbedding(cfg, backend=backend, num_shards=1)
-        if per_id:
-            feat = d.ids.reshape(b * k, 1)
-            grad = emb.backend.asarray(np.repeat(d.grad, k, axis=0).reshape(b * k, 1, dim))
-        else:
-            feat, grad = me.RaggedIds(d.splits, d.ids), emb.backend.asarray(d.grad)
-        out["per-id" if per_id else "pooled"] = (emb, feat, grad)
-    return out
 
 
 def run(backend: str, algorithm: str, rounds: int = 5, steps: int = 8, sizes: dict = W1
         ) -> dict[str, tuple[float, float]]:
     """``{"pooled": (forward ms, apply ms), "per-id": ...}``: medians (the first round warms up)."""
     d = W1Inputs(sizes)
-    engines = _engines(backend, d, algorithm)
+    engines = {"pooled": w1_all.engine(backend, d, algorithm), "per-id": w1_all.engine(backend, d, algorithm, True)}
     sync = w1_all._syncer(backend)
     lrs = w1_all._learning_rates(algorithm, False)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
