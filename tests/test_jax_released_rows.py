@@ -115,3 +115,21 @@ def test_large_lookups_of_any_width_are_exact(n, dim):
     emb.enqueue([ids], training=False)
     acts = np.asarray(emb.dequeue()[0])
     np.testing.assert_array_equal(acts, _table(emb)[ids[:, 0]].reshape(n, 1, dim))
+
+
+def test_a_padded_per_id_lookup_is_not_written_over_a_smaller_buffer():
+    """A per-id batch that is no bucket size (padded ids) takes the plain lookup even at
+    >= 32 MiB: the released buffer holds n rows, the padded lookup would write more."""
+    n = 140000  # bucket(140000) = 147456: padded; 140000 x 64 float32 = 34 MiB
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig(name="t", vocabulary_size=VOCAB, dimension=DIM, optimizer=me.embedding.SGD(0.5))],
+        features=[me.FeatureConfig(table="t", input_shape=(n, 1), name="f")],
+    )
+    emb = me.TPUEmbedding(cfg, backend="jax", num_shards=1)
+    for seed in range(3):
+        ids = np.random.default_rng(seed).integers(0, VOCAB, size=(n, 1))
+        emb.enqueue([ids], training=False)
+        acts = emb.dequeue()[0]
+        np.testing.assert_array_equal(np.asarray(acts), _table(emb)[ids[:, 0]].reshape(n, 1, DIM))
+        del acts
+        gc.collect()

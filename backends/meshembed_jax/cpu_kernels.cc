@@ -672,6 +672,8 @@ void AdviseHugePages(void* p, int64_t bytes) {
 ffi::Error GatherRows(ffi::ThreadPool& pool, ffi::AnyBuffer table, ffi::AnyBuffer idx,
                       ffi::Result<ffi::AnyBuffer>& rows) {
   if (rows->element_type() != table.element_type()) return Unsupported("row dtype");
+  if (rows->element_count() != idx.element_count() * Dim(table))
+    return ffi::Error::InvalidArgument("meshembed gather rows: the result needs one row per index");
   return Dispatch(table.element_type(), idx.element_type(), [&](auto t, auto i) {
     using T = decltype(t);
     using I = decltype(i);

@@ -317,8 +317,8 @@ class JaxTables:
             # ids.shape + (D,) from inside the program (no eager slice/reshape: a copy of
             # every row); compiled per shape, so only for unpadded or N-d (per-id) ids
             key = ("lookup", layout, dim, shape)
-            if layout.n_dev == 1 and kernels.use_cpu_kernels(layout, table.dtype) and self._released.large(
-                    n * dim * np.dtype(table.dtype).itemsize):
+            if gids.shape[0] == n and layout.n_dev == 1 and kernels.use_cpu_kernels(layout, table.dtype) \
+                    and self._released.large(n * dim * np.dtype(table.dtype).itemsize):  # unpadded: n rows
                 dst = self._released.take(key)
                 if dst is not None:
                     into = self._kernel(key + ("into",), lambda: kernels.make_lookup_into(layout, dim, shape))
