@@ -319,12 +319,13 @@ class JaxTables:
             key = ("lookup", layout, dim, shape)
             if gids.shape[0] == n and layout.n_dev == 1 and kernels.use_cpu_kernels(layout, table.dtype) \
                     and self._released.large(n * dim * np.dtype(table.dtype).itemsize):  # unpadded: n rows
-                dst = self._released.take(key)
+                kept = key + (np.dtype(table.dtype).str,)  # results of this shape and dtype
+                dst = self._released.take(kept)
                 if dst is not None:
                     into = self._kernel(key + ("into",), lambda: kernels.make_lookup_into(layout, dim, shape))
-                    return self._released.keep_result(key, into(table.data, gids, dst))
+                    return self._released.keep_result(kept, into(table.data, gids, dst))
                 lookup = self._kernel(key, lambda: kernels.make_lookup(layout, dim, shape))
-                return self._released.keep_result(key, lookup(table.data, gids))
+                return self._released.keep_result(kept, lookup(table.data, gids))
             lookup = self._kernel(key, lambda: kernels.make_lookup(layout, dim, shape))
             return lookup(table.data, gids)
         lookup = self._kernel(("lookup", layout, dim), lambda: kernels.make_lookup(layout, dim))
