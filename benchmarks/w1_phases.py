@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes, rounds, steps = (TINY_W1, 1, 2) if args.quick else (W1, args.rounds, 8)
     print("| optimizer | pooled forward + apply ms | per-id forward + apply ms | per-id ÷ pooled |")
     print("|---|---|---|---|")
-    for name in args.optimizers.split(","):
-        algorithm = w1_all.ALIASES.get(name.strip(), name.strip())
+    for algorithm in w1_all._names(args.optimizers, w1_all.trainable()):  # an unknown name: SystemExit
         res = run(args.backend, algorithm, rounds, steps, sizes)
         (pf, pa), (qf, qa) = res["pooled"], res["per-id"]
         print(f"| {w1_all.short(algorithm)} | {pf:.2f} + {pa:.2f} | {qf:.2f} + {qa:.2f} | {(qf + qa) / (pf + pa):.2f}× |",

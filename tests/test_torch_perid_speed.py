@@ -228,7 +228,7 @@ def test_engine_checks_largest_table_in_its_update_only(be, monkeypatch):
     assert True in checked
     for t in ("small", "big"):
         for k, v in ref.retrieve_parameters(t).items():
-            np.testing.assert_allclose(emb.retrieve_parameters(t)[k], v, rtol=2e-6, atol=1e-7)
+            np.testing.assert_array_equal(emb.retrieve_parameters(t)[k], v)  # the generated kernel's bits
 
 
 def test_engine_allow_nonfinite_applies(be):

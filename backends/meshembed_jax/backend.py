@@ -334,7 +334,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
     def _refuse_nonfinite(finite: Any) -> None:
         """NonFiniteError where ``finite`` (a device boolean, None: not checked) is false."""
         if finite is not None and not bool(finite):
-            raise NonFiniteError("Invalid `grads`: they contain NaN or Inf. Nothing was updated.")
+            raise NonFiniteError()
 
     def _guard(self, layout: ShardLayout, guard: Any) -> Any:
         """``guard`` replicated on the layout's mesh (a constant true one when None)."""

@@ -398,7 +398,7 @@ class TorchBackend(TorchDenseMixin, Backend):
             if first.group is None and ids.numel() and ids.numel() < 2**31:
                 kernel = fused_cpu.kernel_for(fn, values, [t.data for t in tables], g_src, ids.numel(), rows_of, w)
             if check_finite and kernel is None and not self.all_finite(g_src):
-                raise NonFiniteError("Invalid `grads`: they contain NaN or Inf. Nothing was updated.")
+                raise NonFiniteError()
         except Exception as exc:
             self._refuse(first, "update_rows", exc)
             raise

@@ -105,7 +105,7 @@ def update(kernel: tuple[codegen.RowKernel, tuple[float, ...]], rows: Any, grads
         None if index is None else index.data_ptr(), None if w is None else w.data_ptr(), grads.data_ptr(),
         grads.shape[0], grads.shape[1], int(threads), int(bool(check_finite)))
     if done == -4:
-        raise NonFiniteError("Invalid `grads`: they contain NaN or Inf. Nothing was updated.")
+        raise NonFiniteError()
     if done == -2:
         raise InputError(f"Invalid `grad_index`: expected every index in [0, {grads.shape[0]}) (a row of "
                          "`grads`). Nothing was updated.")

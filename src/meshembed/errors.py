@@ -29,6 +29,9 @@ class StateError(MeshembedError, RuntimeError):
 class NonFiniteError(InputError):
     """Gradients hold NaN or Inf (``update_rows(check_finite=True)``); nothing was written."""
 
+    def __init__(self, message: str = "Invalid `grads`: they contain NaN or Inf. Nothing was updated.") -> None:
+        super().__init__(message)
+
 
 class CapacityError(InputError):
     """A batch has more unique ids than a static-shape backend was compiled for."""

@@ -252,7 +252,7 @@ class Backend(abc.ABC):
         values = check_rule(u.rule, u.values, self.name)
         grads = u.grads
         if u.check_finite and not self.all_finite(grads):
-            raise NonFiniteError("Invalid `grads`: they contain NaN or Inf. Nothing was updated.")
+            raise NonFiniteError()
         if u.guard is not None and not bool(u.guard):
             return list(u.tables)
         if u.grad_index is not None:

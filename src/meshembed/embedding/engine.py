@@ -743,7 +743,7 @@ class TPUEmbedding:
     def _check_now(self, parts: Any) -> None:
         """NaN/Inf in one table's gradients (``(feature, gradient)`` pairs) raise NonFiniteError."""
         if not all(self.backend.all_finite(g) for _, g in parts):
-            raise NonFiniteError("a gradient contains NaN or Inf")
+            raise NonFiniteError()
 
     # -- parameters --------------------------------------------------------------------------
     def _shard_ids(self, table: TableSpec, num_shards: int | None, shard_id: int | None) -> np.ndarray | None:
