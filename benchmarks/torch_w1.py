@@ -194,9 +194,11 @@ def _unsupported(impl: str, optimizer: str) -> str | None:
 TARGET_SPEEDUP = {"sgd": 1.25, "adagrad": 1.25}
 
 
-def _timed_rounds(steps: dict[str, Callable[[], Any]], repeats: int, rounds: int, warmup: int
-                  ) -> dict[str, tuple[float, float, float]]:
-    """(median, min, max) ms of every step, timed in ``rounds`` interleaved rounds."""
+def _timed_rounds(steps: dict[str, Callable[[], Any]], repeats: int, rounds: int, warmup: int,
+                  alternate: tuple[str, ...] = ()) -> dict[str, tuple[float, float, float]]:
+    """(median, min, max) ms of every step, timed in ``rounds`` interleaved rounds. The steps
+    named in ``alternate`` (e.g. one engine's constant and changing learning rate) share one
+    turn and take it step by step, A B A B …: a ratio of theirs then sees the same noise."""
     import statistics
     import time
 
@@ -204,16 +206,21 @@ def _timed_rounds(steps: dict[str, Callable[[], Any]], repeats: int, rounds: int
         for _ in range(warmup + (2 if "compile" in impl else 0)):
             step()
         getattr(step, "finish", lambda: None)()
+    together = tuple(a for a in alternate if a in steps)
+    turns = [(impl,) for impl in steps if impl not in together]
+    if together:
+        turns.insert(min(list(steps).index(a) for a in together), together)
     times: dict[str, list[float]] = {impl: [] for impl in steps}
     for _ in range(rounds):
-        for impl, step in steps.items():
-            finish = getattr(step, "finish", None)  # see common.timeit
+        for turn in turns:
             for i in range(repeats):
-                t0 = time.perf_counter()
-                step()
-                if finish and i == repeats - 1:
-                    finish()
-                times[impl].append((time.perf_counter() - t0) * 1e3)
+                for impl in turn:
+                    finish = getattr(steps[impl], "finish", None)  # see common.timeit
+                    t0 = time.perf_counter()
+                    steps[impl]()
+                    if finish and i == repeats - 1:
+                        finish()
+                    times[impl].append((time.perf_counter() - t0) * 1e3)
     return {impl: (statistics.median(t), min(t), max(t)) for impl, t in times.items()}
 
 

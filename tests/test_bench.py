@@ -78,6 +78,19 @@ def test_w1_all_covers_every_trainable_optimizer():
     assert changing(0) != changing(1) and w1_all._learning_rates("adam", False)(5) == [w1_all.LR]
 
 
+def test_timed_rounds_alternates_the_named_steps_step_by_step():
+    """``alternate``: the named steps share one turn, A B A B …, in each round; the others keep
+    turns of their own; each is warmed up and timed ``repeats × rounds`` times."""
+    from benchmarks.torch_w1 import _timed_rounds
+
+    calls: list[str] = []
+    steps = {k: (lambda k=k: calls.append(k)) for k in ("sgd", "constant", "changing")}
+    times = _timed_rounds(steps, repeats=3, rounds=2, warmup=1, alternate=("constant", "changing"))
+    turn = ["sgd"] * 3 + ["constant", "changing"] * 3
+    assert calls == ["sgd", "constant", "changing"] + turn * 2
+    assert set(times) == set(steps)
+
+
 def test_w1_all_table_and_misses_judge_each_target():
     from benchmarks.w1_all import Result, misses, table
 

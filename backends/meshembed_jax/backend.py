@@ -137,7 +137,6 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
             update_rules=True,
             # with several processes each one holds its own gradients: check before updating
             guarded_updates=jax.process_count() == 1,
-            checked_updates=jax.process_count() == 1,  # the fused kernel checks while it sums
         )
 
     def hlo_program(self, table_name: str, program: bytes, num_slots: int) -> dict[str, Any]:
@@ -294,8 +293,8 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         the step writes nothing. With automatic capacity (one process) it returns without
         waiting for the step; an overflow is found and the step redone with a larger
         capacity before the tables are next read. ``check_finite``: NaN/Inf in ``grads``
-        raise ``NonFiniteError`` with nothing written (per-id gradients on one device: checked by
-        the fused kernel while it sums them; otherwise a device guard of their own).
+        raise ``NonFiniteError`` with nothing written (a device guard of their own, waited for
+        once the step is dispatched; the engine passes its own guard instead).
         """
         tables, ids, grads, fn, check_finite = list(u.tables), u.ids, u.grads, u.rule, u.check_finite
         grad_index, grad_weights = u.grad_index, u.grad_weights
@@ -387,7 +386,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
                             lambda: kernels.make_update(layout, dim, n_tables, capacity, dedup, call, combined, weighted))
 
     def fused_program(self, layout: ShardLayout, dim: int, rule: UpdateRule, dtypes: Sequence[Any], combined: bool,
-                      weighted: bool, checked: bool = False) -> tuple[Callable, Any] | None:
+                      weighted: bool) -> tuple[Callable, Any] | None:
         """``(step, kernel)``: the compiled fused step (``kernels.make_fused_update``) over the
         rule's generated row kernel, for tables of ``dtypes`` (the table, then its slots), or
         None where the XLA step must run: a fixed capacity (a promise the capacity-bounded
@@ -402,17 +401,16 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         kernel = cpu_kernels.row_kernel(rule, len(dtypes), dtypes[0])
         if kernel is None:
             return None
-        step = self._kernel(("fused_update", layout, dim, len(dtypes), kernel.symbol, combined, weighted, checked),
+        step = self._kernel(("fused_update", layout, dim, len(dtypes), kernel.symbol, combined, weighted),
                             lambda: kernels.make_fused_update(layout, dim, len(dtypes), kernel.address, combined,
-                                                              weighted, checked))
+                                                              weighted))
         return step, kernel
 
     def _fused_update(self, tables: list[JaxShardedTable], layout: ShardLayout, dim: int, rule: UpdateRule,
-                      args: tuple, weighted: bool | None, values: tuple[float, ...], checked: bool = False) -> bool:
+                      args: tuple, weighted: bool | None, values: tuple[float, ...]) -> bool:
         """Run the rule's generated row kernel (:meth:`fused_program`); False where the XLA
         step must run. One in-place pass per device with buffers sized by the batch: no
-        capacity to check, nothing for the host to wait for — but with ``checked`` (one
-        device), whose NaN/Inf test of the gradients is waited for (NonFiniteError)."""
+        capacity to check, nothing for the host to wait for."""
         from meshembed_jax import cpu_kernels
 
         grads = args[1]
@@ -422,7 +420,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         if grads.shape[-1] != dim or (weighted is None and rows != args[0].shape[0]):
             return False  # the XLA path reports the shape error before anything is written
         combined = weighted is not None
-        found = self.fused_program(layout, dim, rule, [t.dtype for t in tables], combined, bool(weighted), checked)
+        found = self.fused_program(layout, dim, rule, [t.dtype for t in tables], combined, bool(weighted))
         if found is None:
             return False
         step, kernel = found
@@ -433,23 +431,16 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         # the values as a host array of the call, whatever they are: a learning rate that
         # changes every step costs exactly what a constant one does (no cache to miss)
         hp = cpu_kernels.hp_block(tuple(kernel.params(values)))
-        out = step(tuple(t.data for t in tables), ids, grads, segs, w, guard, hp)
-        new, ok = out if checked else (out, None)
+        new = step(tuple(t.data for t in tables), ids, grads, segs, w, guard, hp)
         for t, d in zip(tables, new):
-            t.data = d  # (unchanged when the check failed: the old buffers were donated)
+            t.data = d  # (unchanged when the guard is false: the old buffers were donated)
         fused_calls[0] += 1
-        self._refuse_nonfinite(ok)
         return True
 
     def _update(self, tables, layout, dim, rule, nb, args, weighted=None, defer=True, values=(),
                 check_finite=False) -> list[JaxShardedTable]:
         """Run the fused or the XLA update step; ``args`` are its batch arguments (with
         ``weighted`` not None: the combiner's backward form); ``check_finite``: see update_rows."""
-        # per-id gradients (one row per id: as large as the lookup) are checked while the
-        # fused kernel sums them; a pooled step's few rows cost less as a guard of their own
-        if check_finite and layout.n_dev == 1 and weighted is None and self._fused_update(
-                tables, layout, dim, rule, args, weighted, values, checked=True):
-            return tables
         finite = None
         if check_finite:  # a guard of its own, waited for once the step is dispatched
             finite = self.finite_guard([args[1]])

@@ -119,15 +119,21 @@ struct Groups {
 };
 
 // Table rows are random reads and writes (mostly cache misses): loops prefetch every line
-// of the row kAhead positions on (W1's forward on 2 threads: 1.2 ms at 8, 0.5 ms at 32).
-constexpr int64_t kAhead = 32;
+// of the rows ahead (meshembed::PrefetchAhead).
 constexpr int64_t kStreamMinBytes = int64_t(16) << 20;  // outputs this large skip the caches
 
 // Prefetch every cache line of row r of a [m, d] array (for reading or writing).
-template <class T>
+template <int Locality = 3, class T>
 inline void Prefetch(const T* base, int64_t r, int64_t m, int64_t d, bool write) {
   if (r < 0 || r >= m) return;
-  meshembed::PrefetchBytes(base + r * d, int64_t(sizeof(T)) * d, write);
+  meshembed::PrefetchBytes<Locality>(base + r * d, int64_t(sizeof(T)) * d, write);
+}
+
+// Rows ix[j + kFarAhead] into L2 and ix[j + kNearAhead] into L1 (meshembed::PrefetchAhead).
+template <class T, class I>
+inline void PrefetchRowsAhead(const T* base, const I* ix, int64_t j, int64_t hi, int64_t m, int64_t d, bool write) {
+  if (j + meshembed::kFarAhead < hi) Prefetch<1>(base, int64_t(ix[j + meshembed::kFarAhead]), m, d, write);
+  if (j + meshembed::kNearAhead < hi) Prefetch<3>(base, int64_t(ix[j + meshembed::kNearAhead]), m, d, write);
 }
 
 // Row s of dst (for s in [lo, hi)) = sum over the group's positions p of scale(p) * src(p),
@@ -139,7 +145,7 @@ void SumGroupsWidth(const Groups& gr, int64_t lo, int64_t hi, int64_t d, T* dst,
   for (int64_t s = lo; s < hi; ++s) {
     sum.Zero();
     for (int64_t p = gr.start[s], e = gr.start[s + 1]; p < e; ++p) {
-      if (p + kAhead < end) meshembed::PrefetchBytes(src(gr.order[p + kAhead]), row_bytes, false);
+      meshembed::PrefetchAhead(p, end, row_bytes, false, [&](int64_t q) { return src(gr.order[q]); });
       const int32_t k = gr.order[p];
       sum.template Add<Scaled>(src(k), Scaled ? scale(k) : T(1));
     }
@@ -165,7 +171,7 @@ void SumSortedWidth(const int32_t* seg, int64_t n, int64_t lo, int64_t hi, int64
   for (int64_t s = lo; s < hi; ++s) {
     sum.Zero();
     for (; p < e && seg[p] == s; ++p) {
-      if (p + kAhead < e && keep(p + kAhead)) meshembed::PrefetchBytes(src(p + kAhead), row_bytes, false);
+      meshembed::PrefetchAhead(p, e, row_bytes, false, [&](int64_t q) { return keep(q) ? src(q) : nullptr; });
       if (keep(p)) sum.template Add<Scaled>(src(p), Scaled ? scale(p) : T(1));
     }
     sum.Store(dst + s * d);
@@ -329,8 +335,8 @@ inline std::vector<int64_t> WorkCuts(const Groups& gr, int64_t n_dest, int64_t p
 }
 
 // Unique rows ascend but lie far apart in the table; each prefetch covers the table row and
-// its slots (up to 3 rows), so fewer rows ahead than kAhead (the torch kernel's distance).
-constexpr int64_t kTableAhead = 8;
+// its slots (up to 3 rows), so fewer rows ahead than PrefetchAhead's.
+constexpr int64_t kTableAhead = 8, kTableFar = 32;
 
 // A generated row kernel (meshembed_native.codegen): the rule's formula over one row of the
 // table and of each slot, in place, with the summed gradient row g and the parameter block hp.
@@ -373,8 +379,15 @@ struct GeneratedUpdate {
   T* base[kMaxArrays];
   const double* hp;
 
+  template <int Locality>
   void Prefetch(int64_t row) const {
-    for (size_t k = 0; k < n; ++k) meshembed::PrefetchBytes(base[k] + row * dim, int64_t(sizeof(T)) * dim, true);
+    for (size_t k = 0; k < n; ++k) meshembed::PrefetchBytes<Locality>(base[k] + row * dim, int64_t(sizeof(T)) * dim, true);
+  }
+  // the rows of unique row s of uniq[0, hi): far ahead into L2, near into L1 (PrefetchAhead)
+  template <class I>
+  void PrefetchAhead(const I* uniq, int64_t s, int64_t hi) const {
+    if (s + kTableFar < hi) Prefetch<1>(int64_t(uniq[s + kTableFar]));
+    if (s + kTableAhead < hi) Prefetch<3>(int64_t(uniq[s + kTableAhead]));
   }
   void Apply(int64_t row, const T* g) const {
     T* rows[kMaxArrays];
@@ -391,51 +404,14 @@ void FusedRows(const GeneratedUpdate<T>& upd, const Groups& gr, const I* uniq, i
   meshembed::LocalRow<D, T> sum(upd.dim);
   const int64_t end = gr.start[hi], row_bytes = int64_t(sizeof(T)) * upd.dim;
   for (int64_t s = lo; s < hi; ++s) {
-    if (s + kTableAhead < hi) upd.Prefetch(int64_t(uniq[s + kTableAhead]));
+    upd.PrefetchAhead(uniq, s, hi);
     sum.Zero();
     for (int64_t p = gr.start[s], e = gr.start[s + 1]; p < e; ++p) {
-      if (p + kAhead < end) meshembed::PrefetchBytes(src(gr.order[p + kAhead]), row_bytes, false);
+      meshembed::PrefetchAhead(p, end, row_bytes, false, [&](int64_t q) { return src(gr.order[q]); });
       const int32_t k = gr.order[p];
       sum.template Add<Scaled>(src(k), Scaled ? scale(k) : T(1));
     }
     upd.Apply(int64_t(uniq[s]), sum.Data());
-  }
-}
-
-// Checked form, phase 1: the sums of unique rows [lo, hi) into sums (row s at s * d), in
-// FusedRows' order (so the same bits), and whether they are all finite. A contribution's
-// NaN/Inf always reaches its sum (Inf + x, NaN + x, 0 * Inf stay non-finite); a non-finite sum
-// of finite contributions (an overflow) is told apart by the caller.
-template <int D, bool Scaled, class T, class Src, class Scale>
-bool SumRowsChecked(const Groups& gr, int64_t lo, int64_t hi, int64_t d, T* sums, const Src& src,
-                    const Scale& scale) {
-  constexpr int C = D > 0 ? D : 64 / int(sizeof(T));
-  const int64_t w = D > 0 ? D : d;
-  const int64_t end = gr.start[hi], row_bytes = int64_t(sizeof(T)) * w;
-  T check[C] = {};
-  for (int64_t s = lo; s < hi; ++s) {
-    T* __restrict out = sums + s * w;
-    for (int64_t j = 0; j < w; ++j) out[j] = T(0);
-    for (int64_t p = gr.start[s], e = gr.start[s + 1]; p < e; ++p) {
-      if (p + kAhead < end) meshembed::PrefetchBytes(src(gr.order[p + kAhead]), row_bytes, false);
-      const int32_t k = gr.order[p];
-      const T* __restrict row = src(k);
-      const T a = Scaled ? scale(k) : T(1);
-      for (int64_t j = 0; j < w; ++j) out[j] += Scaled ? a * row[j] : row[j];
-    }
-    for (int64_t j = 0; j < w; ++j) check[D > 0 ? j : j % C] += out[j] * T(0);
-  }
-  T all = T(0);
-  for (int l = 0; l < C; ++l) all += check[l];
-  return all == T(0);
-}
-
-// Phase 2: the kernel on unique rows [lo, hi) with their sums from phase 1.
-template <class T, class I>
-void ApplyRows(const GeneratedUpdate<T>& upd, const I* uniq, int64_t lo, int64_t hi, const T* sums) {
-  for (int64_t s = lo; s < hi; ++s) {
-    if (s + kTableAhead < hi) upd.Prefetch(int64_t(uniq[s + kTableAhead]));
-    upd.Apply(int64_t(uniq[s]), sums + s * upd.dim);
   }
 }
 
@@ -444,22 +420,12 @@ void ApplyRows(const GeneratedUpdate<T>& upd, const I* uniq, int64_t lo, int64_t
 // and the rule's generated kernel (attribute `fn`: its address) applied at once. Contribution
 // k adds w[k] * grads[segs[k]] (combined) or grads[k] (plain); ids outside [0, m) and
 // segments outside the gradient rows add nothing. hp: the kernel's parameter block.
-// `checked`: one more result, an int32 scalar: 1, or 0 when an element of `grads` (any row,
-// read or not) is NaN/Inf, and then nothing is written (the sums come first, then the kernel).
 ffi::Error FusedUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::AnyBuffer ids,
                            ffi::AnyBuffer grads, ffi::AnyBuffer segs, ffi::AnyBuffer w, ffi::RemainingArgs tables,
-                           ffi::RemainingRets outs, int64_t fn, bool combined, bool weighted, bool checked) {
+                           ffi::RemainingRets outs, int64_t fn, bool combined, bool weighted) {
   const size_t n_tables = tables.size();
-  if (n_tables < 1 || n_tables > kMaxArrays || outs.size() != n_tables + (checked ? 1 : 0))
+  if (n_tables < 1 || n_tables > kMaxArrays || outs.size() != n_tables)
     return ffi::Error::InvalidArgument("meshembed fused update: expected 1-8 tables and as many results");
-  int32_t* ok = nullptr;
-  if (checked) {
-    auto flag = outs.get<ffi::AnyBuffer>(n_tables);
-    if (!flag.has_value() || (*flag)->element_type() != ffi::DataType::S32 || (*flag)->element_count() != 1)
-      return ffi::Error::InvalidArgument("meshembed fused update: the checked form's last result is an int32 scalar");
-    ok = static_cast<int32_t*>((*flag)->untyped_data());
-    *ok = 1;
-  }
   if (fn == 0) return ffi::Error::InvalidArgument("meshembed fused update: no kernel address");
   const ffi::DataType type = grads.element_type();
   std::vector<double> params;
@@ -506,56 +472,13 @@ ffi::Error FusedUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::AnyBuff
     auto src = [&](int64_t k) { return gr + (combined ? int64_t(sg[k]) : k) * d; };
     const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(64, count / 256));
     const std::vector<int64_t> cut = WorkCuts(groups, count, parts);
-    if (!checked) {
-      ParallelFor(pool, parts, [&](int64_t p) {
-        const int64_t lo = cut[p], hi = cut[p + 1];
-        if (lo >= hi) return;
-        meshembed::WithWidth(d, [&](auto width) {
-          if (weighted) FusedRows<width.value, true>(upd, groups, u, lo, hi, src, [&](int64_t k) { return wt[k]; });
-          else FusedRows<width.value, false>(upd, groups, u, lo, hi, src, [](int64_t) { return T(1); });
-        });
-      });
-      return;
-    }
-    thread_local std::vector<T> sum_store;
-    sum_store.resize(count * d);
-    T* sums = sum_store.data();
-    std::vector<char> part_ok(parts, 1);
     ParallelFor(pool, parts, [&](int64_t p) {
       const int64_t lo = cut[p], hi = cut[p + 1];
       if (lo >= hi) return;
       meshembed::WithWidth(d, [&](auto width) {
-        part_ok[p] = weighted
-            ? SumRowsChecked<width.value, true>(groups, lo, hi, d, sums, src, [&](int64_t k) { return wt[k]; })
-            : SumRowsChecked<width.value, false>(groups, lo, hi, d, sums, src, [](int64_t) { return T(1); });
+        if (weighted) FusedRows<width.value, true>(upd, groups, u, lo, hi, src, [&](int64_t k) { return wt[k]; });
+        else FusedRows<width.value, false>(upd, groups, u, lo, hi, src, [](int64_t) { return T(1); });
       });
-    });
-    // Rows no sum read (no in-range contribution), and, where a sum was not finite, the
-    // rows it read (an overflow of finite values is not a NaN/Inf gradient): element-wise.
-    const bool all_ok = std::all_of(part_ok.begin(), part_ok.end(), [](char c) { return c != 0; });
-    const bool every_row_read = !combined && s_all == n && groups.start[count] == n;  // per-id: row k for id k
-    if (!all_ok || !every_row_read) {
-      thread_local std::vector<char> read_store;
-      read_store.assign(s_all, 0);
-      char* read = read_store.data();
-      for (int64_t p = 0; p < parts; ++p)
-        for (int64_t q = groups.start[cut[p]], e = groups.start[cut[p + 1]]; q < e; ++q) {
-          const int32_t k = groups.order[q];
-          const int64_t r = combined ? int64_t(sg[k]) : int64_t(k);
-          if (!part_ok[p] && !meshembed::RowsFinite(gr, r, r + 1, d)) {
-            *ok = 0;
-            return;
-          }
-          read[r] = 1;
-        }
-      for (int64_t r = 0; r < s_all; ++r)
-        if (!read[r] && !meshembed::RowsFinite(gr, r, r + 1, d)) {
-          *ok = 0;
-          return;
-        }
-    }
-    ParallelFor(pool, parts, [&](int64_t p) {
-      if (cut[p] < cut[p + 1]) ApplyRows(upd, u, cut[p], cut[p + 1], sums);
     });
   });
 }
@@ -688,7 +611,7 @@ ffi::Error GatherRows(ffi::ThreadPool& pool, ffi::AnyBuffer table, ffi::AnyBuffe
     const bool stream = row_bytes * c >= kStreamMinBytes && meshembed::Streamable(o, row_bytes);
     ParallelRanges(pool, c, kRowsPerTask, [&](int64_t lo, int64_t hi) {
       for (int64_t j = lo; j < hi; ++j) {
-        if (j + kAhead < hi) Prefetch(tab, ix[j + kAhead], m, d, false);
+        PrefetchRowsAhead(tab, ix, j, hi, m, d, false);
         const int64_t r = ix[j];
         if (r < 0 || r >= m) std::memset(o + j * d, 0, row_bytes);
         else if (stream) meshembed::StreamRow(o + j * d, tab + r * d, row_bytes);
@@ -730,7 +653,7 @@ ffi::Error ScatterRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyB
     const T* src = static_cast<const T*>(rows.untyped_data());
     ParallelRanges(pool, c, kRowsPerTask, [&](int64_t lo, int64_t hi) {
       for (int64_t j = lo; j < hi; ++j) {
-        if (j + kAhead < hi) Prefetch(o, ix[j + kAhead], m, d, true);
+        PrefetchRowsAhead(o, ix, j, hi, m, d, true);
         const int64_t r = ix[j];
         if (r >= 0 && r < m) std::memcpy(o + r * d, src + j * d, sizeof(T) * d);
       }
@@ -776,8 +699,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedFusedUpdate, FusedUpdateImpl,
                                   .RemainingRets()
                                   .Attr<int64_t>("fn")
                                   .Attr<bool>("combined")
-                                  .Attr<bool>("weighted")
-                                  .Attr<bool>("checked"));
+                                  .Attr<bool>("weighted"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedDenseUpdate, DenseUpdateImpl,
                               ffi::Ffi::Bind()

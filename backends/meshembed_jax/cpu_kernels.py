@@ -176,21 +176,16 @@ def scatter_rows(table: Any, idx: Any, rows: Any) -> Any:
 
 
 def fused_update(tables: list, ids: Any, grads: Any, segs: Any, w: Any, hp: Any, address: int,
-                 combined: bool, weighted: bool, checked: bool = False) -> list:
+                 combined: bool, weighted: bool) -> list:
     """The generated row kernel at ``address`` over ``tables`` (the table, then its slots; 1..8,
     all float32 or all float64), in place (the results alias the donated tables); ``hp`` =
-    the kernel's parameter block (see :func:`hp_block`). ``checked``: one more result, an
-    int32 scalar, 0 when an element of ``grads`` is NaN/Inf (then nothing was written)."""
+    the kernel's parameter block (see :func:`hp_block`)."""
     import jax
-    import jax.numpy as jnp
 
     outs = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tables]
-    if checked:
-        outs.append(jax.ShapeDtypeStruct((), jnp.int32))
     aliases = {5 + k: k for k in range(len(tables))}
     res = jax.ffi.ffi_call("meshembed_fused_update", outs, input_output_aliases=aliases)(
         hp, ids, grads, segs, w, *tables, fn=np.int64(address), combined=combined, weighted=weighted,
-        checked=checked,
     )
     return list(_vary_like(list(res), *tables, ids, grads))
 

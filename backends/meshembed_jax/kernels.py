@@ -433,16 +433,12 @@ def make_update(layout: ShardLayout, dim: int, n_tables: int, capacity: int, ded
 
 
 def make_fused_update(layout: ShardLayout, dim: int, n_tables: int, address: int, combined: bool,
-                      weighted: bool, checked: bool = False) -> Callable:
+                      weighted: bool) -> Callable:
     """``update(datas, ids, grads, segs, w, guard, hp) -> datas``: the rule's generated row
     kernel (``address``, see ``cpu_kernels.row_kernel``) run by ``cpu_kernels.fused_update``
     on CPU devices: dedup, per-row sums and the kernel in one in-place pass per device. Its
     buffers are sized by the batch, so no capacity can overflow; the call is skipped when
-    ``guard`` is false. ``combined``: row ``i``'s gradient is ``w[i] * grads[segs[i]]``.
-    ``checked`` (one device): ``-> (datas, ok)``, ``ok`` false when an element of ``grads``
-    is NaN/Inf, checked while the sums are formed; then nothing was written."""
-    if checked and layout.n_dev != 1:
-        raise ValueError("the checked fused update runs on one device")
+    ``guard`` is false. ``combined``: row ``i``'s gradient is ``w[i] * grads[segs[i]]``."""
     m = layout.rows_per_device
     k, r_max = layout.shards_per_device, layout.max_rows
 
@@ -452,21 +448,17 @@ def make_fused_update(layout: ShardLayout, dim: int, n_tables: int, address: int
         if not combined:  # one row per id, [..., D]: flattened here (eagerly: a copy)
             grads = grads.reshape(-1, grads.shape[-1])
 
-        def body(_: jax.Array, carry: tuple) -> tuple:
-            res = cpu_kernels.fused_update(list(carry[0]), flat, grads, segs, w, hp, address, combined, weighted,
-                                           checked)
-            return tuple(res[:n_tables]), (res[n_tables] if checked else carry[1])
+        def body(_: jax.Array, datas: tuple) -> tuple:
+            return tuple(cpu_kernels.fused_update(list(datas), flat, grads, segs, w, hp, address, combined, weighted))
 
         # a loop of one trip (none when the guard is false): inline, XLA copies the donated
         # tables around the in-place call, as with the scatter in _apply_unique
         flats = tuple(b.reshape(m, dim) for b in blocks)
-        new, ok = lax.fori_loop(0, guard.astype(jnp.int32), body, (_varying(flats), jnp.ones((), jnp.int32)))
-        out = tuple(f.reshape(k, r_max, dim) for f in new)
-        return (out, ok != 0) if checked else out
+        new = lax.fori_loop(0, guard.astype(jnp.int32), body, _varying(flats))
+        return tuple(f.reshape(k, r_max, dim) for f in new)
 
     specs = (tuple(P(AXIS) for _ in range(n_tables)), P(), P(), P(), P(), P(), P())
-    tables_spec = tuple(P(AXIS) for _ in range(n_tables))
-    fn = device_map(layout, per_device, in_specs=specs, out_specs=(tables_spec, P()) if checked else tables_spec)
+    fn = device_map(layout, per_device, in_specs=specs, out_specs=tuple(P(AXIS) for _ in range(n_tables)))
     return jax.jit(fn, donate_argnums=(0,))
 
 

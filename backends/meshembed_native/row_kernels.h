@@ -55,13 +55,30 @@ int64_t DedupBitmap(const I* id, int64_t n, int64_t m, int64_t cap, I* uniq, int
 // Prefetch the `bytes` at p, a cache line at a time (write: for writing). The empty asm
 // keeps the loop: GCC otherwise deletes a loop whose only statements are prefetches, which
 // it treats as side-effect free (it did, silently, in every kernel here before).
+// Locality 3 fills L1; 1 stops at L2 (see PrefetchAhead).
+template <int Locality = 3>
 inline void PrefetchBytes(const void* p, int64_t bytes, bool write) {
   const char* c = static_cast<const char*>(p);
   for (int64_t b = 0; b < bytes; b += 64) {
-    if (write) __builtin_prefetch(c + b, 1);
-    else __builtin_prefetch(c + b, 0);
+    if (write) __builtin_prefetch(c + b, 1, Locality);
+    else __builtin_prefetch(c + b, 0, Locality);
     asm volatile("" : : "r"(c + b));
   }
+}
+
+// Rows read at random from beyond the caches are prefetched twice: kFarAhead positions on
+// into L2, which keeps many more misses in flight than L1's few fill buffers, and kNearAhead
+// on into L1. row_at(q): the row at position q of the loop (positions < end), or nullptr
+// for none.
+// (W1's per-id gradient sum on 2 threads: 2.2-3.2 ms with one distance of 32 into L1,
+// 1.5-1.7 ms so: docs/benchmarks.md, "Two prefetch distances".)
+constexpr int64_t kFarAhead = 64, kNearAhead = 8;
+template <class RowAt>
+inline void PrefetchAhead(int64_t p, int64_t end, int64_t bytes, bool write, const RowAt& row_at) {
+  if (p + kFarAhead < end)
+    if (const void* r = row_at(p + kFarAhead)) PrefetchBytes<1>(r, bytes, write);
+  if (p + kNearAhead < end)
+    if (const void* r = row_at(p + kNearAhead)) PrefetchBytes<3>(r, bytes, write);
 }
 
 // f(std::integral_constant<int, D>) with D = d for the common row widths (so loops over a

@@ -22,7 +22,9 @@
 namespace {
 
 constexpr int kMaxArrays = 8;  // codegen.MAX_ARRAYS: the table and up to 7 slots
-constexpr int64_t kAhead = 8;  // rows prefetched ahead of the update
+// Unique rows prefetched ahead of the update: kFar on into L2, kAhead on into L1 (as
+// meshembed::PrefetchAhead, fewer rows: each covers the table row and its slots).
+constexpr int64_t kAhead = 8, kFar = 32;
 
 // The generated kernel's C ABI (codegen.py): rows[k] = this row of array k, g = its summed
 // gradient, hp = the dynamic values.
@@ -71,12 +73,14 @@ bool sum_range(const Problem<T>& p, int64_t lo, int64_t hi) {
 }
 
 // The optimizer on unique rows [lo, hi). They ascend but lie far apart in the table:
-// prefetch the rows (table and slots) kAhead on.
+// prefetch the rows (table and slots) kFar and kAhead on.
 template <class T>
 void update_range(const Problem<T>& p, int64_t lo, int64_t hi) {
   const int64_t bytes = p.dim * int64_t(sizeof(T));
   T* rows[kMaxArrays];
   for (int64_t u = lo; u < hi; ++u) {
+    if (u + kFar < hi)
+      for (int k = 0; k < p.n_arrays; ++k) meshembed::PrefetchBytes<1>(p.arrays[k] + p.uniq[u + kFar] * p.dim, bytes, true);
     if (u + kAhead < hi)
       for (int k = 0; k < p.n_arrays; ++k) meshembed::PrefetchBytes(p.arrays[k] + p.uniq[u + kAhead] * p.dim, bytes, true);
     for (int k = 0; k < p.n_arrays; ++k) rows[k] = p.arrays[k] + p.uniq[u] * p.dim;
@@ -160,8 +164,9 @@ extern "C" int64_t meshembed_gather_rows(const char* table, int64_t num_rows, co
   {
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
-      if (i + kAhead < n && ids[i + kAhead] >= 0 && ids[i + kAhead] < num_rows)
-        meshembed::PrefetchBytes(table + ids[i + kAhead] * row_bytes, row_bytes, false);
+      meshembed::PrefetchAhead(i, n, row_bytes, false, [&](int64_t q) -> const void* {
+        return ids[q] >= 0 && ids[q] < num_rows ? table + ids[q] * row_bytes : nullptr;
+      });
       const int64_t r = ids[i];
       if (r < 0 || r >= num_rows) {
         ++bad;

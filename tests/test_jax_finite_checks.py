@@ -1,14 +1,15 @@
-"""The JAX backend's checked updates (``Capabilities.checked_updates``, issue #18's per-id W1
-step): on one CPU device the fused kernel tests the gradients for NaN/Inf while it sums them,
-instead of a separate pass over them.
+"""NaN/Inf gradients on the JAX backend: checked on the device by a guard (``finite_guard``),
+waited for once the update is dispatched, so the update itself runs behind the host's next
+work (issue #18's per-id W1 step: the guard is one sequential pass over the gradients, and a
+check inside the fused kernel would make the host wait for the whole update).
 
-* ``update_rows(check_finite=True)``, plain (per-id: checked in the kernel) and combined (pooled:
-  a guard of its own) forms: a NaN/Inf in a row some id reads, or in one none reads, raises
-  NonFiniteError with the table and its slots bit-identical (the donated buffers are handed back
+* ``update_rows(check_finite=True)``, plain (per-id) and combined (pooled) forms: a NaN/Inf in a
+  row some id reads, or in one none reads, raises NonFiniteError with the table and its slots
+  bit-identical (the fused step ran with a false guard and handed the donated buffers back
   unchanged); finite gradients give the bits of the unchecked step, also when a row's sum
   overflows.
-* The engine: the largest table is checked in its update (updated first), the others by the
-  guard; a NaN/Inf anywhere raises the error naming the feature with every table unchanged.
+* The engine: one guard over every feature's gradients; a NaN/Inf anywhere raises the error
+  naming the feature with every table unchanged.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _grads(form, seed=1):
 @pytest.fixture(scope="module")
 def be():
     b = jax_backend.JaxBackend()
-    assert b.capabilities.checked_updates
+    assert b.capabilities.guarded_updates and not b.capabilities.checked_updates
     return b
 
 
@@ -75,20 +76,15 @@ def be():
 @pytest.mark.parametrize("form", ["plain", "combined"])
 @pytest.mark.parametrize("row", [2, 5], ids=["read-row", "last-row"])
 @pytest.mark.parametrize("bad", BAD)
-def test_checked_update_refuses_and_writes_nothing(be, optimizer, form, row, bad, monkeypatch):
+def test_checked_update_refuses_and_writes_nothing(be, optimizer, form, row, bad):
     rule, tables = _table(be, optimizer)
     before = _contents(be, tables)
     g = _grads(form)
     g[row, 3] = bad
-    calls, checked = jax_backend.fused_calls[0], []
-    real = type(be)._fused_update
-    monkeypatch.setattr(type(be), "_fused_update", lambda self, *a, **k: checked.append(k.get("checked", False))
-                        or real(self, *a, **k))
+    calls = jax_backend.fused_calls[0]
     with pytest.raises(NonFiniteError):
         _update(be, tables, rule, form, be.asarray(g), True)
-    assert jax_backend.fused_calls[0] == calls + 1  # the fused step ran (and wrote nothing)
-    assert checked == ([True] if form == "plain" else [False])  # per-id: in the kernel; pooled: a guard
-    monkeypatch.undo()
+    assert jax_backend.fused_calls[0] == calls + 1  # the fused step ran (its guard false: wrote nothing)
     for got, want in zip(_contents(be, tables), before):
         np.testing.assert_array_equal(got, want)
     g[row, 3] = 0.5  # the same tables still update afterwards
@@ -149,9 +145,9 @@ def test_engine_nonfinite_names_the_feature_and_changes_nothing(where, bad):
     assert emb.step == step + 1
 
 
-def test_engine_checks_the_largest_table_in_its_update(monkeypatch):
-    """The big table's gradients reach its update unchecked (no guard over them) and the
-    result equals the NumPy backend's."""
+def test_engine_guards_every_gradient_at_once(monkeypatch):
+    """One guard over both features' gradients, no check inside an update, and the result
+    equals the NumPy backend's."""
     cfg, feats, grads = _engine_case()
     emb = me.TPUEmbedding(cfg, backend="jax", num_shards=1)
     ref = me.TPUEmbedding(cfg, backend="numpy", num_shards=1)
@@ -166,8 +162,8 @@ def test_engine_checks_the_largest_table_in_its_update(monkeypatch):
             e.enqueue(feats)
             e.dequeue()
             e.apply_gradients(grads)
-    assert guarded == [[(16, 8)], [(16, 8)]]  # only the small table's gradient
-    assert checked.count(True) == 2
+    assert guarded == [[(16, 8), (512, 1, 8)]] * 2
+    assert checked == [False] * 4
     for t in ("small", "big"):  # the generated kernels: the NumPy reference's bits
         for k, v in ref.retrieve_parameters(t).items():
             np.testing.assert_array_equal(emb.retrieve_parameters(t)[k], v)
