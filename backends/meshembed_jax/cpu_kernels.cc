@@ -122,18 +122,14 @@ struct Groups {
 // of the rows ahead (meshembed::PrefetchAhead).
 constexpr int64_t kStreamMinBytes = int64_t(16) << 20;  // outputs this large skip the caches
 
-// Prefetch every cache line of row r of a [m, d] array (for reading or writing).
-template <int Locality = 3, class T>
-inline void Prefetch(const T* base, int64_t r, int64_t m, int64_t d, bool write) {
-  if (r < 0 || r >= m) return;
-  meshembed::PrefetchBytes<Locality>(base + r * d, int64_t(sizeof(T)) * d, write);
-}
-
-// Rows ix[j + kFarAhead] into L2 and ix[j + kNearAhead] into L1 (meshembed::PrefetchAhead).
+// Rows ix[j + ...] of a [m, d] array ahead of position j (meshembed::PrefetchAhead); ids
+// outside [0, m) have none.
 template <class T, class I>
 inline void PrefetchRowsAhead(const T* base, const I* ix, int64_t j, int64_t hi, int64_t m, int64_t d, bool write) {
-  if (j + meshembed::kFarAhead < hi) Prefetch<1>(base, int64_t(ix[j + meshembed::kFarAhead]), m, d, write);
-  if (j + meshembed::kNearAhead < hi) Prefetch<3>(base, int64_t(ix[j + meshembed::kNearAhead]), m, d, write);
+  meshembed::PrefetchAhead(j, hi, int64_t(sizeof(T)) * d, write, [&](int64_t q) -> const T* {
+    const int64_t r = int64_t(ix[q]);
+    return r >= 0 && r < m ? base + r * d : nullptr;
+  });
 }
 
 // Row s of dst (for s in [lo, hi)) = sum over the group's positions p of scale(p) * src(p),
@@ -334,10 +330,6 @@ inline std::vector<int64_t> WorkCuts(const Groups& gr, int64_t n_dest, int64_t p
   return cut;
 }
 
-// Unique rows ascend but lie far apart in the table; each prefetch covers the table row and
-// its slots (up to 3 rows), so fewer rows ahead than PrefetchAhead's.
-constexpr int64_t kTableAhead = 8, kTableFar = 32;
-
 // A generated row kernel (meshembed_native.codegen): the rule's formula over one row of the
 // table and of each slot, in place, with the summed gradient row g and the parameter block hp.
 template <class T>
@@ -379,16 +371,6 @@ struct GeneratedUpdate {
   T* base[kMaxArrays];
   const double* hp;
 
-  template <int Locality>
-  void Prefetch(int64_t row) const {
-    for (size_t k = 0; k < n; ++k) meshembed::PrefetchBytes<Locality>(base[k] + row * dim, int64_t(sizeof(T)) * dim, true);
-  }
-  // the rows of unique row s of uniq[0, hi): far ahead into L2, near into L1 (PrefetchAhead)
-  template <class I>
-  void PrefetchAhead(const I* uniq, int64_t s, int64_t hi) const {
-    if (s + kTableFar < hi) Prefetch<1>(int64_t(uniq[s + kTableFar]));
-    if (s + kTableAhead < hi) Prefetch<3>(int64_t(uniq[s + kTableAhead]));
-  }
   void Apply(int64_t row, const T* g) const {
     T* rows[kMaxArrays];
     for (size_t k = 0; k < n; ++k) rows[k] = base[k] + row * dim;
@@ -404,7 +386,7 @@ void FusedRows(const GeneratedUpdate<T>& upd, const Groups& gr, const I* uniq, i
   meshembed::LocalRow<D, T> sum(upd.dim);
   const int64_t end = gr.start[hi], row_bytes = int64_t(sizeof(T)) * upd.dim;
   for (int64_t s = lo; s < hi; ++s) {
-    upd.PrefetchAhead(uniq, s, hi);
+    meshembed::PrefetchUpdateRows(upd.base, int64_t(upd.n), uniq, s, hi, upd.dim);
     sum.Zero();
     for (int64_t p = gr.start[s], e = gr.start[s + 1]; p < e; ++p) {
       meshembed::PrefetchAhead(p, end, row_bytes, false, [&](int64_t q) { return src(gr.order[q]); });

@@ -81,6 +81,19 @@ inline void PrefetchAhead(int64_t p, int64_t end, int64_t bytes, bool write, con
     if (const void* r = row_at(p + kNearAhead)) PrefetchBytes<3>(r, bytes, write);
 }
 
+// The rows of unique row u of an update (the table's and each slot's: `n` arrays of width
+// d), prefetched for writing as PrefetchAhead does, fewer positions ahead (each covers up to 8
+// rows). Unique rows ascend but lie far apart in the table.
+constexpr int64_t kRowsFarAhead = 32, kRowsNearAhead = 8;
+template <class T, class I>
+inline void PrefetchUpdateRows(T* const* arrays, int64_t n, const I* uniq, int64_t u, int64_t hi, int64_t d) {
+  const int64_t bytes = int64_t(sizeof(T)) * d;
+  if (u + kRowsFarAhead < hi)
+    for (int64_t k = 0; k < n; ++k) PrefetchBytes<1>(arrays[k] + int64_t(uniq[u + kRowsFarAhead]) * d, bytes, true);
+  if (u + kRowsNearAhead < hi)
+    for (int64_t k = 0; k < n; ++k) PrefetchBytes<3>(arrays[k] + int64_t(uniq[u + kRowsNearAhead]) * d, bytes, true);
+}
+
 // f(std::integral_constant<int, D>) with D = d for the common row widths (so loops over a
 // row unroll into vector registers) and D = 0 (width known at run time) otherwise.
 template <class F>

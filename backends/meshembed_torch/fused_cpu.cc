@@ -22,9 +22,6 @@
 namespace {
 
 constexpr int kMaxArrays = 8;  // codegen.MAX_ARRAYS: the table and up to 7 slots
-// Unique rows prefetched ahead of the update: kFar on into L2, kAhead on into L1 (as
-// meshembed::PrefetchAhead, fewer rows: each covers the table row and its slots).
-constexpr int64_t kAhead = 8, kFar = 32;
 
 // The generated kernel's C ABI (codegen.py): rows[k] = this row of array k, g = its summed
 // gradient, hp = the dynamic values.
@@ -72,17 +69,12 @@ bool sum_range(const Problem<T>& p, int64_t lo, int64_t hi) {
   return check ? sum(No{}, Yes{}, one) : sum(No{}, No{}, one);
 }
 
-// The optimizer on unique rows [lo, hi). They ascend but lie far apart in the table:
-// prefetch the rows (table and slots) kFar and kAhead on.
+// The optimizer on unique rows [lo, hi), their rows prefetched ahead (PrefetchUpdateRows).
 template <class T>
 void update_range(const Problem<T>& p, int64_t lo, int64_t hi) {
-  const int64_t bytes = p.dim * int64_t(sizeof(T));
   T* rows[kMaxArrays];
   for (int64_t u = lo; u < hi; ++u) {
-    if (u + kFar < hi)
-      for (int k = 0; k < p.n_arrays; ++k) meshembed::PrefetchBytes<1>(p.arrays[k] + p.uniq[u + kFar] * p.dim, bytes, true);
-    if (u + kAhead < hi)
-      for (int k = 0; k < p.n_arrays; ++k) meshembed::PrefetchBytes(p.arrays[k] + p.uniq[u + kAhead] * p.dim, bytes, true);
+    meshembed::PrefetchUpdateRows(p.arrays, p.n_arrays, p.uniq, u, hi, p.dim);
     for (int k = 0; k < p.n_arrays; ++k) rows[k] = p.arrays[k] + p.uniq[u] * p.dim;
     p.kernel(rows, p.sums + u * p.dim, p.dim, p.hp);
   }
