@@ -544,3 +544,43 @@ def test_torch_front_end_with_a_dict_config():
     before = ec.engine.retrieve_parameters("b")["parameters"]
     out["item"].sum().backward()
     assert not np.array_equal(ec.engine.retrieve_parameters("b")["parameters"], before)
+
+
+def test_a_guard_covers_every_gradient_even_with_checked_updates(monkeypatch):
+    """A backend with both guarded and checked updates gets one guard over every feature's
+    gradients and no ``check_finite`` (the guard already covers them); a NaN anywhere still
+    raises the error naming the feature with every table as it was."""
+    import dataclasses
+
+    from meshembed_numpy.backend import NumpyBackend
+
+    class Both(NumpyBackend):
+        @property
+        def capabilities(self):
+            return dataclasses.replace(super().capabilities, guarded_updates=True, checked_updates=True)
+
+    be = Both()
+    guarded, checked = [], []
+    real_guard, real_update = NumpyBackend.finite_guard, NumpyBackend.update_rows
+    monkeypatch.setattr(Both, "finite_guard", lambda self, xs: guarded.append(len(xs)) or real_guard(self, xs))
+    monkeypatch.setattr(Both, "update_rows",
+                        lambda self, *a, **k: checked.append(k.get("check_finite", False)) or real_update(self, *a, **k))
+    emb, ref = engine(be), engine("numpy")
+    for e in (emb, ref):
+        e.enqueue(ids())
+        acts = e.dequeue()
+        e.apply_gradients([np.ones_like(np.asarray(a)) for a in acts])
+    assert guarded == [3] and checked == [False, False]
+    for t in ("a", "b"):
+        for k, v in ref.retrieve_parameters(t).items():
+            np.testing.assert_array_equal(emb.retrieve_parameters(t)[k], v)
+    emb.enqueue(ids(1))
+    acts = emb.dequeue()
+    before = {t: {k: v.copy() for k, v in emb.retrieve_parameters(t).items()} for t in ("a", "b")}
+    g = [np.ones_like(np.asarray(a)) for a in acts]
+    g[2].reshape(-1)[0] = np.nan
+    with pytest.raises(me.InputError, match="feature 'fb'.*NaN or Inf"):
+        emb.apply_gradients(g)
+    for t in ("a", "b"):
+        for k, v in before[t].items():
+            np.testing.assert_array_equal(emb.retrieve_parameters(t)[k], v)

@@ -52,7 +52,8 @@ class Capabilities:
     #: :class:`~meshembed.errors.NonFiniteError`, having written nothing, when any element of
     #: ``grads`` is NaN or Inf (every row, whether an id reads it or not). The engine then
     #: leaves the check of the gradients it passes unchanged to that call (torch: done while
-    #: the fused kernel sums them, saving a pass over the gradients). Single process only.
+    #: the fused kernel sums them, saving a pass over the gradients). Single process only;
+    #: not used where ``guarded_updates`` (the guard covers every gradient).
     checked_updates: bool = False
 
 

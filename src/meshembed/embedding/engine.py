@@ -624,13 +624,14 @@ class TPUEmbedding:
         allow = self.allow_nonfinite if allow_nonfinite is None else _check_bool(
             allow_nonfinite, "allow_nonfinite", InputError)
         # A backend with guarded updates checks NaN/Inf on its devices while the updates
-        # run (each writes nothing unless the guard holds); the others check first.
+        # run (each writes nothing unless the one guard over every gradient holds); the
+        # others check first.
         deferred = not allow and self.backend.capabilities.guarded_updates
-        # A backend with checked updates checks one table's gradients (the largest) while it
-        # sums them, instead of a pass of their own; that table is updated first, so a NaN/Inf
-        # in it raises before any table is written.
+        # Without a guard, a backend with checked updates checks one table's gradients (the
+        # largest) while it sums them, instead of a pass of their own; that table is updated
+        # first, so a NaN/Inf in it raises before any table is written.
         in_update = None
-        if not allow and self.backend.capabilities.checked_updates and self.layout.tables:
+        if not allow and not deferred and self.backend.capabilities.checked_updates and self.layout.tables:
             sizes = [0] * len(self.layout.tables)
             for f in self.layout.features:
                 sizes[f.table] += int(np.prod(f.output_shape)) * self.layout.tables[f.table].dimension
@@ -638,10 +639,7 @@ class TPUEmbedding:
         grads = self._check_gradients(gradients, check_now=not allow and not deferred, unchecked=in_update)
         lrs = self._check_learning_rates(learning_rates)
         self._refuse_if_tracing("apply_gradients")  # e.g. concrete gradients inside jax.jit
-        # (with both, the guard covers the other tables' gradients; table in_update is updated
-        # first, writing nothing unless the guard holds, and raises on its own NaN/Inf)
-        others = [g for f, g in zip(self.layout.features, grads) if f.table != in_update]
-        guard = self.backend.finite_guard(others) if deferred and others else None
+        guard = self.backend.finite_guard(grads) if deferred and grads else None
         guarded = {} if guard is None else {"guard": guard}
         # Build every table's update first: an unusable optimizer or learning rate raises
         # before any table is touched (update_rows may donate buffers).
