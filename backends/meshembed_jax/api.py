@@ -16,10 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshembed.embedding import combiners, inputs
-from meshembed.embedding.engine import TPUEmbedding, _load_config
+from meshembed.embedding.layout import load_config
+from meshembed.embedding import batch as batches
+from meshembed.embedding import step as steps
+from meshembed.embedding.engine import TPUEmbedding
 from meshembed.embedding.layout import Layout, build_layout
-from meshembed.embedding.updates import is_non_lazy, make_rule, resolve, uses_accumulation
+from meshembed.embedding.step import EngineState as _EngineState
+from meshembed.embedding.updates import rule_values, update_kind
 from meshembed.math.rule import UpdateRule
 from meshembed.errors import CapacityError, ConfigError, InputError
 from meshembed_jax import cpu_kernels, kernels
@@ -41,6 +44,7 @@ class _Static:
         self.shard_layouts, self.num_shards = shard_layouts, num_shards
         #: per table: "parameters", then the slots in Load/Retrieve order (the update's order)
         self.names = {t.index: ("parameters",) + tuple(t.optimizer.slot_names) for t in layout.tables}
+        self.rules = steps.make_rules(backend, layout)  # the engine's rules, built once
 
 
 @jax.tree_util.register_pytree_node_class
@@ -150,7 +154,7 @@ def from_engine(emb: TPUEmbedding) -> EmbeddingState:
         raise ConfigError(f"Invalid engine: me.jax needs backend='jax'. Received: backend={emb.backend.name!r}")
     tables, layouts = {}, {}
     for t in emb.layout.tables:
-        state = emb._state[t.index]
+        state = emb.state.tables[t.index]
         layouts[t.index] = state[0].layout
         names = ("parameters",) + emb.table_slot_names(t.name)
         tables[t.name] = {n: s.data for n, s in zip(names, state)}
@@ -172,15 +176,10 @@ def init(config: Any, *, mesh: Any = None, seed: int = 0, initializers: Mapping[
 def to_engine(state: EmbeddingState) -> TPUEmbedding:
     """A ``TPUEmbedding`` holding ``state``'s arrays (for ``save``, ``retrieve_parameters``)."""
     st = state._static
-    emb = TPUEmbedding(st.config, backend=st.backend)
-    emb.num_shards = st.num_shards
-    for t in st.layout.tables:
-        sl = st.shard_layouts[t.index]
-        names = ("parameters",) + emb.table_slot_names(t.name)
-        emb._placements[t.index] = sl.placement
-        emb._state[t.index] = [JaxShardedTable(state.tables[t.name][n], sl, t.dimension) for n in names]
-    emb.step = int(state.step)
-    return emb
+    tables = {t.index: tuple(JaxShardedTable(state.tables[t.name][n], st.shard_layouts[t.index], t.dimension)
+                             for n in st.names[t.index]) for t in st.layout.tables}
+    return TPUEmbedding(st.config, backend=st.backend, num_shards=st.num_shards,
+                        state=_EngineState(tables, int(state.step)))
 
 
 def save(state: EmbeddingState, path: Any) -> Any:
@@ -197,18 +196,8 @@ def restore(path: Any, *, mesh: Any = None) -> EmbeddingState:
 def _layout_of(config: Any) -> tuple[Any, Layout]:
     if isinstance(config, EmbeddingState):
         return config.config, config._static.layout
-    config = _load_config(config)
+    config = load_config(config)
     return config, build_layout(config)
-
-
-def _shim(config: Any, layout: Layout) -> TPUEmbedding:
-    """An engine without tables: its input checks (``_by_feature``, ``_info``) give me.jax the
-    same validation and errors as ``enqueue``/``apply_gradients``."""
-    shim = TPUEmbedding.__new__(TPUEmbedding)
-    shim.config, shim.layout = config, layout
-    shim._keys = tuple(getattr(config, "feature_keys", ()) or ())
-    shim._key_index = {k: i for i, k in enumerate(sorted(shim._keys))}
-    return shim
 
 
 def prepare(config: Any, features: Any, weights: Any = None, *, capacity: int | Mapping[str, int] | None = None,
@@ -225,13 +214,10 @@ def prepare(config: Any, features: Any, weights: Any = None, *, capacity: int | 
     Raises ``CapacityError`` when a feature has more ids than its capacity, or a table more
     distinct ids than its unique capacity."""
     config, layout = _layout_of(config)
-    shim = _shim(config, layout)
-    ids_list = TPUEmbedding._by_feature(shim, features, "features")
-    weight_list = TPUEmbedding._by_feature(shim, weights, "weights", allow_none=True)
+    prepared = batches.prepare(layout, features, weights)  # the engine's checks and flattening
     ids, slots, scales, statics = [], [], [], []
-    for f, x, w in zip(layout.features, ids_list, weight_list):
+    for f, b in zip(layout.features, prepared.features):
         t = layout.tables[f.table]
-        b = inputs.normalize(x, w, TPUEmbedding._info(shim, f))
         n = int(b.ids.shape[0])
         cap = capacity.get(f.name) if isinstance(capacity, Mapping) else capacity
         cap = bucket(n) if cap is None else int(cap)
@@ -241,9 +227,7 @@ def prepare(config: Any, features: Any, weights: Any = None, *, capacity: int | 
                 f"Nothing was prepared. Fix: pass capacity >= {n} (e.g. capacity={{{f.name!r}: {bucket(n)}}}) "
                 "to me.jax.prepare, or split the batch."
             )
-        combiner = combiners.check_combiner(t.combiner)
-        unit = b.unit_weights and combiner == "sum"
-        scale = b.weights if unit else combiners.combiner_scale(b.slots, b.weights, b.num_slots, combiner)
+        unit, scale = b.unit_scale, b.scale
         idt = np.int32 if t.vocabulary_size < 2**31 - 1 else np.int64
         pid = np.full(cap, -1, idt)
         pid[:n] = b.ids
@@ -321,8 +305,7 @@ def lookup(state: EmbeddingState, batch: Batch) -> dict[str, Any]:
             w = jnp.asarray(batch.scale[k], table.dtype) if fs.weighted else jnp.zeros(1, table.dtype)
             act = fn(table, jnp.asarray(batch.ids[k]), jnp.asarray(batch.slots[k]), w)[: fs.num_slots]
         out[f.name] = act.reshape(f.output_shape + (dim,))
-    shim = _shim(st.config, layout)
-    return shim._structured([out[f.name] for f in layout.features]) if shim._keys else out
+    return batches.structured(layout, [out[f.name] for f in layout.features]) if layout.keys else out
 
 
 # -- apply_gradients -----------------------------------------------------------------------
@@ -340,37 +323,35 @@ def _weak(x: Any) -> Any:
         return jnp.asarray(x, jnp.float32)
 
 
+def _traced(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
 def _learning_rates(layout: Layout, learning_rates: Any) -> list[Any]:
-    n = layout.num_dynamic_inputs
-    lrs = [] if learning_rates is None else list(learning_rates)
-    if len(lrs) != n:
-        raise InputError(
-            f"Invalid `learning_rates`: the config uses {n} dynamic tag(s), so expected {n} value(s), "
-            f"learning_rates[k] for tag k. Received: {len(lrs)}."
-        )
+    """The engine's learning-rate checks (a dict by tag, never its keys; the count; NaN/Inf
+    and float32 overflow) on every concrete value; a traced one is checked for rank and dtype
+    only (its value is not known while tracing)."""
+    lrs = steps.learning_rate_list(layout, learning_rates)
+    if not lrs and layout.num_dynamic_inputs:
+        lrs = steps.check_learning_rates(layout, None)  # the config's callables (TF2)
+    if len(lrs) != layout.num_dynamic_inputs:
+        steps.check_learning_rates(layout, lrs)  # raises the engine's count error
     out = []
     for k, v in enumerate(lrs):
-        if jnp.ndim(v) != 0:
-            raise InputError(f"Invalid `learning_rates[{k}]`: expected a scalar (rank 0). Received: shape={jnp.shape(v)}")
-        if not jnp.issubdtype(jnp.result_type(v), jnp.number):
-            raise InputError(f"Invalid `learning_rates[{k}]`: expected a number. Received: {v!r}")
+        what = f"`learning_rates[{k}]`"
+        if not _traced(v):
+            steps.check_learning_rate(v, what)
+        elif jnp.ndim(v) != 0 or not jnp.issubdtype(jnp.result_type(v), jnp.number) \
+                or jnp.issubdtype(jnp.result_type(v), jnp.complexfloating):
+            raise InputError(f"Invalid {what}: expected a real scalar. Received: {v!r}")
         out.append(_weak(v))
     return out
 
 
-def _update_fn(t: Any, lrs: list[Any]) -> tuple[UpdateRule, tuple]:
-    """(the table's UpdateRule, this step's values with the traced learning rates): the same
-    rule, key and compiled program as ``TPUEmbedding(backend="jax")``, whose static
-    hyper-parameters stay Python constants (as in the NumPy reference)."""
-    rule = make_rule(t, "jax")
-    opt = t.optimizer
-    given = {"lr": opt.learning_rate, **dict(opt.hyperparameters())}
-    for name in rule.dynamic[1:]:
-        given.setdefault(name, getattr(opt, name, None))
-    values = tuple(resolve(given[name], lrs) for name in rule.dynamic)
-    if values[:1] == (None,):  # Assign: no learning rate
-        values = (0.0, *values[1:])
-    return rule, values
+def _update_fn(t: Any, rule: UpdateRule, lrs: list[Any]) -> tuple:
+    """This step's values of the table's rule (the engine's ``rule_values``), with the traced
+    learning rates; static hyper-parameters stay Python constants (as in the NumPy reference)."""
+    return tuple(rule_values(t, rule, lrs))
 
 
 def _runtime(values: tuple) -> tuple:
@@ -486,28 +467,39 @@ def _in_rounds(be: JaxBackend, sl: ShardLayout, dim: int, rule: UpdateRule, data
     return jax.lax.fori_loop(0, count, one, datas)
 
 
-def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learning_rates: Sequence[Any] = ()) -> EmbeddingState:
+def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learning_rates: Sequence[Any] = (),
+                    *, allow_nonfinite: bool = False) -> EmbeddingState:
     """SendTPUEmbeddingGradients as a pure function: ``gradients`` as :func:`lookup` returned
     the activations (a dict by feature name, or a list in config order), ``learning_rates[k]``
     for dynamic tag k (traced scalars: changing them never recompiles). Returns the new state.
 
-    Inside jit nothing can be checked against the values: NaN/Inf gradients are applied as on a
-    TPU (``TPUEmbedding`` refuses them). Called outside jit, the kernels donate ``state``'s
+    Called outside jit, the engine's checks hold: NaN/Inf gradients or learning rates raise
+    ``InputError`` naming the feature (unless ``allow_nonfinite=True``). Inside jit nothing can
+    be checked against the values: NaN/Inf gradients are applied as on a TPU. Called outside jit, the kernels donate ``state``'s
     buffers: use the returned state, as after a donating ``jax.jit``."""
     st = state._static
     layout, be = st.layout, st.backend
     _check_batch(layout, batch)
-    grads = TPUEmbedding._by_feature(_shim(st.config, layout), gradients, "gradients")
+    grads = batches.by_feature(layout, gradients, "gradients")
     rows = []
     for f, g in zip(layout.features, grads):
         t = layout.tables[f.table]
         shape = f.output_shape + (t.dimension,)
+        where = f"gradient for feature {f.name!r} (table {t.name!r})"
         if g is None or tuple(jnp.shape(g)) != shape:
             raise InputError(
-                f"Invalid gradient for feature {f.name!r} (table {t.name!r}): expected shape {shape} "
+                f"Invalid {where}: expected shape {shape} "
                 f"(input_shape + [dimension]). Received: {None if g is None else tuple(jnp.shape(g))}"
             )
-        rows.append(jnp.asarray(g).astype(jnp.float32).reshape(-1, t.dimension))
+        dtype = np.dtype(jnp.result_type(g)) if hasattr(g, "dtype") else np.asarray(g).dtype
+        if dtype.kind not in "fiu":
+            raise InputError(f"Invalid {where}: expected a real (float or integer) array. Received: "
+                             f"dtype={dtype}. Fix: pass float32 gradients (complex, bool, string and "
+                             "object arrays are not gradients).")
+        g = jnp.asarray(g).astype(jnp.float32)
+        if not allow_nonfinite and not _traced(g) and not bool(jnp.all(jnp.isfinite(g))):
+            raise steps.nonfinite_error(layout, f)
+        rows.append(g.reshape(-1, t.dimension))
     lrs = _learning_rates(layout, learning_rates)
     # The tables are written in place after the gradients exist: when those come from this
     # step's lookup (they do in training), the lookup's reads are done by then, so XLA need
@@ -524,15 +516,17 @@ def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learnin
         sl, dim = st.shard_layouts[t.index], t.dimension
         names = st.names[t.index]  # a dict comes back from jit with sorted keys: the order is ours
         datas = tuple(tables_in[t.name][n] for n in names)
-        rule, values = _update_fn(t, lrs)
+        rule = st.rules[t.index]
+        values = _update_fn(t, rule, lrs)
+        kind = update_kind(t)  # the engine's routing
         ids = jnp.concatenate([jnp.asarray(batch.ids[k]) for k, _ in parts])
-        if is_non_lazy(t):  # non-lazy Adam/Lion: every row, g = 0 where not looked up (as apply_table)
+        if kind == "every_row":  # non-lazy Adam/Lion: every row, g = 0 where not looked up (as apply_table)
             every = jnp.arange(t.vocabulary_size, dtype=ids.dtype)
             ids = jnp.concatenate([ids, every])
             g = jnp.concatenate([*_row_grads(batch, rows, parts), jnp.zeros((t.vocabulary_size, dim), jnp.float32)])
             cap = _every_row_cap(be, sl, int(ids.shape[0]))
             new = _step(be, sl, dim, rule, datas, values, guard, cap, ids, g)
-        elif not uses_accumulation(t):
+        elif kind == "in_order":
             new = _in_rounds(be, sl, dim, rule, datas, values, guard, ids, jnp.concatenate(_row_grads(batch, rows, parts)))
         else:  # the combiner's backward fused into the update, as the engine
             offsets = np.cumsum([0] + [batch.features[k].num_slots for k, _ in parts[:-1]])

@@ -18,12 +18,15 @@ graph), so a forward without backward leaks nothing.
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from meshembed.embedding import batch as batches
+from meshembed.embedding import step as steps
 from meshembed.embedding.engine import TPUEmbedding
 from meshembed.embedding.inputs import RaggedIds, SparseIds
 from meshembed.errors import ConfigError, InputError, StateError
@@ -277,18 +280,22 @@ class EmbeddingCollection(torch.nn.Module):
         self._nest = nest
         layout = engine.layout
         self._out_specs = [
-            (f.output_shape + (layout.tables[f.table].dimension,), engine._state[f.table][0].data.dtype)
+            (f.output_shape + (layout.tables[f.table].dimension,), engine.state.tables[f.table][0].data.dtype)
             for f in layout.features
         ]
         self._batch_sizes = [int(f.output_shape[0]) for f in layout.features]
         self._names = [f.name for f in layout.features]
-        if engine._keys:  # inputs and outputs keyed by the config's keys (engine order: sorted)
-            self._names = sorted(engine._keys)
-        self._keys = list(engine._keys) if engine._keys else list(self._names)
+        keys = engine.layout.keys
+        if keys:  # inputs and outputs keyed by the config's keys (engine order: sorted)
+            self._names = sorted(keys)
+        self._keys = list(keys) if keys else list(self._names)
         self._order = [self._names.index(k) for k in self._keys]
         self._learning_rates: list[float] | None = None
         self._batches: dict[int, Any] = {}  # token -> the engine's pending batch (+ its lrs)
         self._accumulated: list[tuple[Any, list, Any]] = []  # fused_optimizer=False
+        # one update of the tables at a time: two threads' backward passes each apply theirs
+        # (the state is read, updated and written back under it: no update is lost)
+        self._update_lock = threading.Lock()
         dev = engine.backend.device
         self.anchor = torch.zeros(0, device=dev, requires_grad=True)
         self._handle = next(_HANDLES)
@@ -306,10 +313,7 @@ class EmbeddingCollection(torch.nn.Module):
     def set_learning_rates(self, learning_rates: Sequence[Any]) -> None:
         """Values of the config's dynamic learning-rate tags, used by every following update
         (host values: a new one every step never recompiles anything)."""
-        n = self.engine.layout.num_dynamic_inputs
-        lrs = [float(torch.as_tensor(v).item()) if isinstance(v, torch.Tensor) else v for v in learning_rates]
-        self.engine._check_learning_rates(lrs)  # count, rank, finiteness; raises InputError
-        self._learning_rates = [float(v) for v in lrs][:n]
+        self._learning_rates = steps.check_learning_rates(self.engine.layout, learning_rates, self.engine.backend)
 
     def forward(self, features: Any, weights: Any = None, learning_rates: Any = None) -> Any:
         """Activations by feature name (or in the config's nest: see the class). ``learning_rates`` (optional, a 1-D tensor or a list)
@@ -396,7 +400,7 @@ class EmbeddingCollection(torch.nn.Module):
         and slot (a new backend on that device: the engine's may be shared)."""
         engine = self.engine
         here = engine.backend.device
-        tables = [t for state in engine._state.values() for t in state]
+        tables = [t for state in engine.state.tables.values() for t in state]
         target = None
         for dtype in dict.fromkeys(t.data.dtype for t in tables):
             try:
@@ -418,7 +422,7 @@ class EmbeddingCollection(torch.nn.Module):
         from meshembed_torch.backend import TorchBackend
 
         engine = self.engine
-        tables = [t for state in engine._state.values() for t in state]
+        tables = [t for state in engine.state.tables.values() for t in state]
         if device.type == "meta":
             raise ConfigError(
                 "EmbeddingCollection cannot move to the meta device: its tables are data (lookups, "
@@ -481,10 +485,11 @@ class EmbeddingCollection(torch.nn.Module):
                 table, _, name = key[len(prefix):].partition(".")
                 if name not in ("parameters",) + self.engine.table_slot_names(table):
                     unexpected_keys.append(key)
-        for table, given in loads.items():
-            if given:
-                params = given.pop("parameters", None)
-                self.engine.load_parameters(table, params, **given)
+        ours_wrong = [k for k in missing_keys + unexpected_keys if k.startswith(prefix)]
+        if strict and ours_wrong:
+            return  # torch raises for these after every module: nothing of ours is loaded
+        # every array of every table checked before any is written (all or nothing)
+        self.engine.load_tables({table: given for table, given in loads.items() if given})
 
     # -- op bodies ---------------------------------------------------------------------------
     def _by_name(self, values: Any, what: str, allow_missing: bool = False) -> list[Any]:
@@ -519,20 +524,15 @@ class EmbeddingCollection(torch.nn.Module):
             weights.append(w)
             k += n
         engine = self.engine
-        if lrs is not None:
-            lr_list = engine._check_learning_rates([float(v) for v in lrs.detach().cpu().reshape(-1).tolist()])
-        else:
-            lr_list = None
-        saved = engine._pending
-        engine._pending = None
-        try:
-            # config-order lists, in the engine's structure (a dict when the config's features were)
-            engine.enqueue(engine._structured(feats),
-                           None if all(w is None for w in weights) else engine._structured(weights), training=training)
-            acts = engine._dequeue_list()
-            pending = engine._pending
-        finally:
-            engine._pending = saved
+        layout = engine.layout
+        lr_list = None if lrs is None else steps.check_learning_rates(layout, lrs.detach().cpu().reshape(-1),
+                                                                         engine.backend)
+        # config-order lists, in the engine's structure (a dict when the config's features were);
+        # this forward's own batch: nothing of the engine's (its pending batch) is touched
+        pending = steps.prepare_on(engine.backend, layout, batches.structured(layout, feats),
+                                   None if all(w is None for w in weights) else batches.structured(layout, weights),
+                                   training=training)
+        acts = steps.lookup(engine.backend, engine.state, pending)
         token = torch.tensor(next(_TOKENS) if training else 0, dtype=torch.int64)
         if training:
             key = int(token)
@@ -558,13 +558,10 @@ class EmbeddingCollection(torch.nn.Module):
         engine = self.engine
         if lrs is None:
             lrs = self._learning_rates if self._learning_rates is not None else ()
-        saved = engine._pending
-        engine._pending = pending
-        try:
-            engine.apply_gradients(engine._structured(list(grads)), lrs)
-        finally:
-            if engine._pending is pending:  # the call failed: nothing was applied
-                engine._pending = saved
+        with self._update_lock:
+            engine.state = steps.apply_gradients(engine.backend, engine.state, pending,
+                                                 batches.structured(engine.layout, list(grads)), lrs,
+                                                 allow_nonfinite=engine.allow_nonfinite, rules=engine.rules)
 
 
 def _check_group(process_group: Any) -> Any:

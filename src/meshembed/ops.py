@@ -19,6 +19,7 @@ import numpy as np
 
 from meshembed.embedding import inputs
 from meshembed.embedding.agreement import agreed
+from meshembed.embedding.batch import feature_info, from_feature_batches, structured
 from meshembed.embedding.engine import TPUEmbedding
 from meshembed.errors import InputError, StateError
 
@@ -111,7 +112,6 @@ def _enqueue_args(engine: Any, per: str, indices: Sequence[Any], ids: Sequence[A
     weights = _count(weights, n, "aggregation_weights", per) if len(weights) else [None] * n
     mode = _mode(engine, mode_override)
     comb = _combiners(engine, combiners)
-    engine._check_can_enqueue()
     return indices, ids, weights, mode, comb
 
 
@@ -153,13 +153,13 @@ def _dense_batch(ids: np.ndarray, info: inputs.FeatureInfo, w: np.ndarray | None
 
 def _feature_batch(engine: TPUEmbedding, k: int, index: Any, ids: Any, w: Any, ragged: bool | None) -> inputs.FeatureBatch:
     """One feature of an Arbitrary/Sparse/Ragged tensor batch → FeatureBatch."""
-    info = engine._info(engine.layout.features[k])
+    info = feature_info(engine.layout, engine.layout.features[k])
     index = _host(index)
-    ids = inputs._int_array(ids, "embedding_indices", info, None).reshape(-1)
+    ids = inputs.int_array(ids, "embedding_indices", info, None).reshape(-1)
     wts = _weights(w)
     if index.size == 0:
         return _dense_batch(ids, info, wts)
-    index = inputs._int_array(index, "sample_indices_or_row_splits", info, None)
+    index = inputs.int_array(index, "sample_indices_or_row_splits", info, None)
     if ragged is None:
         ragged = index.ndim == 1
     if ragged:
@@ -177,7 +177,7 @@ def _enqueue_per_feature(engine, indices, ids, weights, combiners, mode_override
     indices, ids, weights, mode, comb = _enqueue_args(engine, "feature", indices, ids, weights, combiners,
                                                       mode_override)
     batches = [_feature_batch(engine, k, indices[k], ids[k], weights[k], ragged) for k in range(len(ids))]
-    engine._enqueue_batches(batches, mode, comb)
+    engine.enqueue_batch(from_feature_batches(engine.layout, batches, mode, comb))
 
 
 def enqueue_tpu_embedding_arbitrary_tensor_batch(
@@ -280,21 +280,21 @@ def _enqueue_sparse_batch(engine, sample_indices, embedding_indices, aggregation
         engine, "table", sample_indices, embedding_indices, aggregation_weights, combiners, mode_override)
     batches = []
     for k, f in enumerate(engine.layout.features):
-        info = engine._info(f)
-        ids = inputs._int_array(embedding_indices[k], "embedding_indices", info, None).reshape(-1)
+        info = feature_info(engine.layout, f)
+        ids = inputs.int_array(embedding_indices[k], "embedding_indices", info, None).reshape(-1)
         slots = _host(sample_indices[k]).reshape(-1)
         w = _weights(weights[k])
         if slots.size == 0:
             batches.append(_dense_batch(ids, info, w))
             continue
-        slots = inputs._int_array(slots, "sample_indices", info, None)
+        slots = inputs.int_array(slots, "sample_indices", info, None)
         if slots.shape[0] != ids.shape[0]:
             raise InputError(
                 f"Invalid `sample_indices` for table {info.table!r}: {slots.shape[0]} indices for "
                 f"{ids.shape[0]} ids."
             )
         batches.append(inputs.make_batch(ids, slots, _check_weights(w, ids, info), info))
-    engine._enqueue_batches(batches, mode, comb)
+    engine.enqueue_batch(from_feature_batches(engine.layout, batches, mode, comb))
 
 
 def enqueue_tpu_embedding_integer_batch(
@@ -309,13 +309,12 @@ def _enqueue_integer_batch(engine, batch, mode_override) -> None:
     _per_table_features(engine, "enqueue_tpu_embedding_integer_batch")
     batch = _count(batch, len(engine.layout.tables), "batch", "table")
     mode = _mode(engine, mode_override)
-    engine._check_can_enqueue()
     batches = []
     for k, f in enumerate(engine.layout.features):
-        info = engine._info(f)
-        ids = inputs._int_array(batch[k], "batch", info, None).reshape(-1)
+        info = feature_info(engine.layout, f)
+        ids = inputs.int_array(batch[k], "batch", info, None).reshape(-1)
         batches.append(_dense_batch(ids, info, None))
-    engine._enqueue_batches(batches, mode, ["sum"] * len(engine.layout.tables))
+    engine.enqueue_batch(from_feature_batches(engine.layout, batches, mode, ["sum"] * len(engine.layout.tables)))
 
 
 # -- Recv / Send -----------------------------------------------------------------------------
@@ -329,7 +328,7 @@ def recv_tpu_embedding_activations(num_outputs: int, config: Any = b"") -> list[
             f"Invalid `num_outputs`: the config has {expected} "
             f"{'tables' if engine.layout.per_table_layout else 'features'}. Received: {num_outputs}"
         )
-    return engine._dequeue_list()  # the op's positional list, even for a dict of features
+    return engine.dequeue_list()  # the op's positional list, even for a dict of features
 
 
 def send_tpu_embedding_gradients(inputs: Sequence[Any], learning_rates: Sequence[Any] = (), config: Any = b"") -> None:
@@ -342,7 +341,7 @@ def send_tpu_embedding_gradients(inputs: Sequence[Any], learning_rates: Sequence
 def _send(engine: TPUEmbedding, inputs: Sequence[Any], learning_rates: Sequence[Any]) -> None:
     per = "table" if engine.layout.per_table_layout else "feature"
     grads = _count(inputs, len(engine.layout.features), "inputs", per)
-    engine.apply_gradients(engine._structured(grads), learning_rates)
+    engine.apply_gradients(structured(engine.layout, grads), learning_rates)
 
 
 # -- Load / Retrieve -------------------------------------------------------------------------
@@ -458,7 +457,7 @@ def load_all_tpu_embedding_parameters(
     aux = [auxiliary1, auxiliary2, auxiliary3, auxiliary4, auxiliary5, auxiliary6, auxiliary7]
     parameters = _count(parameters, n, "parameters", "table")
     aux = [_count(a, n, f"auxiliary{k + 1}", "table") for k, a in enumerate(aux)]
-    plans = []
+    loads = {}
     for i, t in enumerate(engine.layout.tables):
         slots = tuple(t.optimizer.slot_names)
         given = {}
@@ -471,11 +470,9 @@ def load_all_tpu_embedding_parameters(
                     f"Invalid `auxiliary{k + 1}` for table {t.name!r}: its optimizer has "
                     f"{len(slots)} slot(s), so it must be empty. Received: shape={arr.shape}"
                 )
-        # every table's arrays are checked (shape, dtype, NaN policy) before any is written
-        plans.append(engine._plan_load(t.name, _host(parameters[i]), num_shards, shard_id, None, given))
-    new_states = [engine._loaded_state(plan) for plan in plans]
-    for index, state in new_states:
-        engine._state[index] = state
+        loads[t.name] = dict(given, parameters=_host(parameters[i]))
+    # every table's arrays are checked (shape, dtype, NaN policy) before any is written
+    engine.load_tables(loads, num_shards=num_shards, shard_id=shard_id)
 
 
 def retrieve_all_tpu_embedding_parameters(num_shards: int, shard_id: int, config: Any = b"") -> tuple[list[np.ndarray], ...]:

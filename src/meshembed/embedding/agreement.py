@@ -33,21 +33,30 @@ class _Call:
 _CURRENT: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("meshembed_agreement", default=None)
 
 
-def agreed(what: str) -> Callable[[F], F]:
-    """Decorate an engine method (``self.backend`` is its backend) whose validation ends at a
-    :func:`validated` call: an error raised before that point is agreed with the other
-    processes (they raise :func:`peer_error`), and a call that returns without reaching it
-    still takes part in the agreement. Nested decorated calls share the outer one's."""
+def _own_backend(self: Any, *args: Any, **kwargs: Any) -> Any:
+    return self.backend
+
+
+def _first_argument(backend: Any, *args: Any, **kwargs: Any) -> Any:
+    return backend
+
+
+def agreed(what: str, backend_of: Callable[..., Any] = _own_backend) -> Callable[[F], F]:
+    """Decorate a call (an engine method, whose backend is ``self.backend``; or a step function,
+    ``agreed(what, backend_of=first_argument)``) whose validation ends at a :func:`validated`
+    call: an error raised before that point is agreed with the other processes (they raise
+    :func:`peer_error`), and a call that returns without reaching it still takes part in the
+    agreement. Nested decorated calls share the outer one's."""
 
     def decorate(method: F) -> F:
         @functools.wraps(method)
-        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
             if _CURRENT.get() is not None:
-                return method(self, *args, **kwargs)
-            call = _Call(self.backend, what)
+                return method(*args, **kwargs)
+            call = _Call(backend_of(*args, **kwargs), what)
             token = _CURRENT.set(call)
             try:
-                out = method(self, *args, **kwargs)
+                out = method(*args, **kwargs)
             except Exception as exc:
                 if not call.agreed:
                     call.agreed = True
@@ -65,6 +74,9 @@ def agreed(what: str) -> Callable[[F], F]:
         return run  # type: ignore[return-value]
 
     return decorate
+
+
+first_argument = _first_argument  #: ``backend_of`` for functions whose first argument is the backend
 
 
 def validated(backend: Any) -> None:

@@ -5,107 +5,45 @@ One step is ``enqueue`` (host: validate and flatten ids, compute combiner factor
 (device: combiner backward, sum per row, one optimizer application per looked-up row), the
 semantics of TensorFlow's Enqueue / RecvTPUEmbeddingActivations / SendTPUEmbeddingGradients.
 
-The engine calls only the Backend protocol and ``backend.xp`` Array-API math, so the same
-code runs on NumPy, Torch, JAX and CuPy. Every call validates all of its inputs before it
-touches any table, slot or pending batch: a rejected call leaves the state bit-identical.
+The engine is TF's state machine (the pending batch, the order of the calls, Load/Retrieve,
+save/restore) over the step functions of :mod:`meshembed.embedding.batch` (``prepare``) and
+:mod:`meshembed.embedding.step` (``lookup``, ``apply_gradients``), which hold every check and
+the per-table routing. Every call validates all of its inputs before it touches any table,
+slot or pending batch: a rejected call leaves the state bit-identical.
 """
 
 from __future__ import annotations
 
 import operator
-import warnings
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from meshembed.backend import Backend, get_backend
-from meshembed.embedding import combiners, inputs
+from meshembed.embedding import inputs
+from meshembed.embedding import step as steps
 from meshembed.embedding.agreement import agreed, validated
+from meshembed.embedding.batch import Batch, check_bool, resolve_mode, structured
 from meshembed.embedding.initializers import Constant, default_initializer, initial_blocks, table_rng
-from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec, build_layout
-from meshembed.embedding.updates import apply_table, is_non_lazy, make_rule, rule_values, uses_accumulation
-from meshembed.errors import CapacityError, ConfigError, InputError, NonFiniteError, StateError
+from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec, build_layout, load_config
+from meshembed.embedding.step import EngineState
+from meshembed.errors import ConfigError, InputError, StateError
 from meshembed.sharding.placement import Placement
 
 
 @dataclass
-class _DeviceFeature:
-    """One feature's enqueued batch. The backend arrays are made on first use: a sum
-    combiner without weights never reads ``scale``, so it never crosses to the device."""
-
-    backend: Any
-    host_ids: np.ndarray
-    host_slots: np.ndarray
-    host_scale: np.ndarray  # [n] float32: the combiner factor w_k / N_s of every id
-    num_slots: int
-    # Every factor is exactly 1 (sum combiner, unit weights): the weighting is skipped, which
-    # changes no bit (x * 1 == x) and saves a pass over the ids on every backend.
-    unit_scale: bool = False
-    # Id k alone in slot k (a sequence feature with every position filled): the lookup is a
-    # plain gather and the activation gradient is already one row per id (no slot index).
-    identity: bool = False
-    _arrays: dict = field(default_factory=dict)
-
-    def _array(self, name: str, host: np.ndarray, dtype: str) -> Any:
-        if name in self._arrays:
-            return self._arrays[name]
-        arr = self.backend.asarray(host, dtype=dtype)
-        if self.backend.is_traced(arr):  # made inside jax.jit: never kept past the trace
-            raise _traced_call_error("dequeue")
-        self._arrays[name] = arr
-        return arr
-
-    @property
-    def ids(self) -> Any:
-        return self._array("ids", self.host_ids, "int64")
-
-    @property
-    def slots(self) -> Any:
-        return self._array("slots", self.host_slots, "int64")
-
-    @property
-    def scale(self) -> Any:
-        return self._array("scale", self.host_scale, "float32")
-
-
-@dataclass
 class _Pending:
-    mode: str
-    features: list[_DeviceFeature]
+    """The enqueued batch and whether its activations were read (TF's order: enqueue, dequeue,
+    apply_gradients)."""
+
+    batch: Batch
     dequeued: bool = False
-    extra: dict = field(default_factory=dict)
-
-
-def _load_config(config: Any) -> Any:
-    """An EmbeddingConfig (or any object with ``tables``/``features``) or proto input."""
-    if hasattr(config, "tables"):
-        return config
-    from meshembed.config import EmbeddingConfig
-
-    if isinstance(config, (bytes, bytearray, str)) or hasattr(config, "__fspath__"):
-        return EmbeddingConfig.from_proto(config)
-    raise ConfigError(
-        "Invalid `config`. Expected a me.EmbeddingConfig, serialized TPUEmbeddingConfiguration "
-        f"bytes, text format or a path. Received: {type(config).__name__}"
-    )
-
-
-def _traced_call_error(call: str) -> StateError:
-    return StateError(
-        f"Cannot call `{call}()` inside `jax.jit` (or another JAX transformation): the stateful "
-        "TPUEmbedding runs eagerly and would store tracers. Nothing was changed. Fix: call it "
-        "outside the traced function, or use the functional JAX API `me.jax` (`me.jax.init`, "
-        "`prepare`, `lookup`, `apply_gradients`), which is made for jax.jit."
-    )
 
 
 def _check_bool(value: Any, name: str, error: type = ConfigError) -> bool:
-    """``True``/``False`` only: ``bool("False")`` is True, so strings are refused."""
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    raise error(f"Invalid `{name}`. Expected True or False. Received: {name}={value!r} "
-                      f"({type(value).__name__})")
+    return check_bool(value, name, error)
 
 
 def _check_int(value: Any, name: str, minimum: int, fix: str) -> int:
@@ -145,6 +83,8 @@ class TPUEmbedding:
             FrequencyEstimator table (D) starts at its ``max_delta`` instead (spec §4.2).
         initializers: optional ``{table_name: initializer}`` overriding the config's.
         allow_nonfinite: let NaN/Inf gradients through instead of raising.
+        state: an existing :class:`EngineState` (tables made by this backend for these
+            placements, e.g. a ``me.jax`` state) to hold instead of allocating new tables.
     """
 
     def __init__(
@@ -157,8 +97,9 @@ class TPUEmbedding:
         *,
         initializers: Mapping[str, Any] | None = None,
         allow_nonfinite: bool = False,
+        state: EngineState | None = None,
     ) -> None:
-        self.config = _load_config(config)
+        self.config = load_config(config)
         allow_nonfinite = _check_bool(allow_nonfinite, "allow_nonfinite")
         seed = _check_int(seed, "seed", 0, "pass a non-negative integer seed.")
         if num_shards is not None:
@@ -176,9 +117,6 @@ class TPUEmbedding:
                 f"me.Mesh(..., backend={self.backend.name!r}), or leave `backend` out to use the mesh's."
             )
         self.layout: Layout = build_layout(self.config)
-        # The combiner's backward pass inside update_rows (grad_index/grad_weights); backends
-        # without it get one expanded gradient row per id.
-        self._backward_in_update = self.backend.capabilities.grad_index_updates
         self._rules: dict[int, Any] | None = None  # each table's UpdateRule, built on first use
         explicit = num_shards is not None
         if num_shards is None:
@@ -187,14 +125,15 @@ class TPUEmbedding:
         self.mesh = mesh
         self.seed = int(seed)
         self.allow_nonfinite = bool(allow_nonfinite)
-        self.step = 0
         self._pending: _Pending | None = None
+        self._lock = threading.Lock()  # one apply_gradients at a time (see apply_gradients)
+        self._applying: int | None = None  # the thread inside apply_gradients
         overrides = dict(initializers or {})
         unknown = set(overrides) - {t.name for t in self.layout.tables}
         if unknown:
             raise ConfigError(f"Invalid `initializers`: unknown tables {sorted(unknown)}.")
         self._placements: dict[int, Placement] = {}
-        self._state: dict[int, list[Any]] = {}
+        tables: dict[int, tuple[Any, ...]] = {}
         for t in self.layout.tables:
             shards = self.num_shards if explicit else min(self.num_shards, t.vocabulary_size)
             if t.vocabulary_size < shards:
@@ -206,20 +145,30 @@ class TPUEmbedding:
             # A default shard count (the device count) is capped per table so that every shard
             # holds a row, as TF2 pads tiny vocabularies to num_hosts; an explicit one is kept.
             self._placements[t.index] = Placement(t.vocabulary_size, shards, self.layout.strategy)
+            if state is not None:
+                continue
             init = overrides.get(t.name, t.initializer)
             if init is None:
                 init = default_initializer(t.optimizer)
             blocks = initial_blocks(init, (t.vocabulary_size, t.dimension), table_rng(self.seed, t.index), t.name)
             try:
-                self._state[t.index] = self._fresh_state(t, blocks)
+                tables[t.index] = tuple(self._fresh_state(t, blocks))
             except (MemoryError, RuntimeError) as exc:
                 if not _allocation_failed(exc):
                     raise
                 raise self._too_big(t, exc) from exc
-        # A dict of features (EmbeddingConfig(features={...})): activations come back as a dict
-        # with the same keys, and gradients are taken by key, never by position.
-        self._keys: tuple[Any, ...] = tuple(getattr(self.config, "feature_keys", ()) or ())
-        self._key_index = {k: i for i, k in enumerate(sorted(self._keys))}
+        #: the tables and slots (backend arrays) and the step counter: plain data the step
+        #: functions (meshembed.embedding.step) take and return
+        self.state = EngineState(tables, 0) if state is None else state
+
+    @property
+    def step(self) -> int:
+        """How many gradient steps were applied."""
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state = EngineState(self.state.tables, int(value))
 
     # -- construction helpers ---------------------------------------------------------------
     def _too_big(self, table: TableSpec, exc: BaseException) -> ConfigError:
@@ -259,7 +208,7 @@ class TPUEmbedding:
     @property
     def embedding_tables(self) -> dict[str, np.ndarray]:
         """The logical ``[V, D]`` parameters of every table, as NumPy (a copy)."""
-        return {t.name: self.backend.unshard(self._state[t.index][0]) for t in self.layout.tables}
+        return {t.name: self.backend.unshard(self.state.tables[t.index][0]) for t in self.layout.tables}
 
     def table_slot_names(self, table: str | int) -> tuple[str, ...]:
         """TPU slot names of a table after ``parameters``, in Load/Retrieve order."""
@@ -276,73 +225,10 @@ class TPUEmbedding:
                 return f
         raise InputError(f"Invalid feature. Expected one of {self.feature_names}. Received: {key!r}")
 
-    def _info(self, f: FeatureSpec) -> inputs.FeatureInfo:
-        t = self.layout.tables[f.table]
-        return inputs.FeatureInfo(f.name, t.name, t.vocabulary_size, f.output_shape)
-
     # -- enqueue ---------------------------------------------------------------------------
-    def _by_feature(self, values: Any, what: str, allow_none: bool = False) -> list[Any]:
-        """A list in config order from a sequence or a ``{feature_name: value}`` mapping.
-
-        A config whose features were a dict takes a dict only (by its keys, or by feature
-        name): a list would be matched by position and could silently swap features."""
-        names = self.feature_names
-        if values is None and allow_none:
-            return [None] * len(names)
-        if self._keys:
-            if not isinstance(values, Mapping):
-                raise InputError(
-                    f"Invalid `{what}`: the config's features were given as a dict, so pass a dict "
-                    f"keyed by {list(self._keys)}. Received: {type(values).__name__}. Fix: e.g. "
-                    f"{{{self._keys[0]!r}: ...}}; a list is not accepted because it would be matched by "
-                    "position, not by name."
-                )
-            if set(values) == set(self._keys):
-                return [values[k] for k in sorted(self._keys)]
-            if not set(values) <= set(names):  # by feature name otherwise (names differ from keys)
-                extra = [k for k in values if k not in self._key_index]
-                missing = [k for k in self._keys if k not in values]
-                if not allow_none or extra:
-                    raise InputError(
-                        f"Invalid `{what}`: expected one entry per feature key {list(self._keys)}. "
-                        f"Missing: {missing}; unknown: {extra}"
-                    )
-                return [values.get(k) for k in sorted(self._keys)]
-        if isinstance(values, Mapping):
-            extra = sorted(set(values) - set(names))
-            missing = [n for n in names if n not in values]
-            if extra or (missing and not allow_none):
-                raise InputError(
-                    f"Invalid `{what}`: expected one entry per feature {names}. "
-                    f"Missing: {missing}; unknown: {extra}"
-                )
-            return [values.get(n) for n in names]
-        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-            if len(names) == 1 and not isinstance(values, (str, bytes)):
-                return [values]
-            raise InputError(
-                f"Invalid `{what}`: expected a list with one entry per feature (in config order) "
-                f"or a dict keyed by feature name. Received: {type(values).__name__}"
-            )
-        values = list(values)
-        if len(values) != len(names):
-            raise InputError(
-                f"Invalid `{what}`: expected {len(names)} entries, one per feature {names}. "
-                f"Received: {len(values)} entries."
-            )
-        return values
-
-    def _resolve_mode(self, training: bool | None, mode_override: Any) -> str:
-        mode = inputs.parse_mode(mode_override)
-        if training is not None:
-            training = _check_bool(training, "training", InputError)  # "False" would train
-        if mode is None and training is not None:
-            mode = "training" if training else "inference"
-        return mode or self.layout.mode
-
     def _check_can_enqueue(self) -> None:
         p = self._pending
-        if p is not None and p.mode != "inference":
+        if p is not None and p.batch.mode != "inference":
             raise StateError(
                 "Cannot enqueue: the previous training batch has not been consumed. Fix: call "
                 "`apply_gradients(...)` for it first (after `dequeue()`), or enqueue evaluation "
@@ -365,53 +251,25 @@ class TPUEmbedding:
         ``training=False`` (or ``mode_override="inference"``) runs the forward pass only;
         ``mode_override="backward_pass_only"`` skips it.
         """
-        mode = self._resolve_mode(training, mode_override)
+        mode = resolve_mode(self.layout, training, mode_override)
         self._check_can_enqueue()
-        ids_list = self._by_feature(features, "features")
-        weight_list = self._by_feature(weights, "weights", allow_none=True)
-        batches = [
-            inputs.normalize(x, w, self._info(f), self.backend)
-            for f, x, w in zip(self.layout.features, ids_list, weight_list)
-        ]
-        self._enqueue_batches(batches, mode)
+        self.enqueue_batch(steps.prepare_on(self.backend, self.layout, features, weights, mode_override=mode))
 
     @agreed("enqueue")
-    def _enqueue_batches(
-        self, batches: Sequence[inputs.FeatureBatch], mode: str, combiners_override: Sequence[str] | None = None
-    ) -> None:
-        """Compute combiner factors and move the flat batch to the device (validated input)."""
+    def enqueue_batch(self, batch: Batch) -> None:
+        """Queue a batch made by ``meshembed.embedding.batch.prepare`` for this engine's config."""
         self._check_can_enqueue()
-        if len(batches) != len(self.layout.features):
-            raise InputError(f"Expected {len(self.layout.features)} feature batches. Received: {len(batches)}")
-        device = []
-        for f, b in zip(self.layout.features, batches):
-            table = self.layout.tables[f.table]
-            combiner = combiners_override[f.table] if combiners_override else table.combiner
-            if b.unit_weights and combiners.check_combiner(combiner) == "sum":
-                scale, unit = b.weights, True  # all ones, known without a scan (the batch's own array)
-            else:
-                scale = combiners.combiner_scale(b.slots, b.weights, b.num_slots, combiner)
-                unit = combiners.is_unit(scale)
-            device.append(
-                _DeviceFeature(
-                    self.backend,
-                    host_ids=b.ids,
-                    host_slots=b.slots,
-                    host_scale=scale.reshape(-1),
-                    num_slots=b.num_slots,
-                    unit_scale=unit,
-                    identity=combiners.is_identity(b.slots, b.num_slots),
-                )
-            )
+        if not isinstance(batch, Batch) or (batch.layout is not self.layout and batch.layout != self.layout):
+            raise InputError("Invalid `batch`: expected a Batch prepared for this engine's config "
+                             "(meshembed.embedding.batch.prepare(engine.layout, ...)).")
         validated(self.backend)  # every process's batch is valid: only then is it stored
-        self._pending = _Pending(mode, device)
+        self._pending = _Pending(batch)
 
-    def _structured(self, values: list[Any]) -> list[Any] | dict[Any, Any]:
-        """Config-order values in the structure the features were given in: a dict with the
-        config's keys (in the order given) for a dict of features, else the list."""
-        if not self._keys:
-            return values
-        return {k: values[self._key_index[k]] for k in self._keys}
+    @property
+    def pending(self) -> Batch | None:
+        """The enqueued batch not yet consumed by ``apply_gradients`` (None: nothing pending)."""
+        p = self._pending
+        return None if p is None else p.batch
 
     def discard(self) -> bool:
         """Drop the pending batch, if any, without applying anything (e.g. to recover after
@@ -424,42 +282,16 @@ class TPUEmbedding:
     def dequeue(self) -> list[Any] | dict[Any, Any]:
         """Activations, one backend array per feature, shape ``input_shape + [dimension]``:
         a list in config order, or a dict with the config's keys when its features were a dict."""
-        return self._structured(self._dequeue_list())
+        return structured(self.layout, self.dequeue_list())
 
-    def _dequeue_list(self) -> list[Any]:
+    def dequeue_list(self) -> list[Any]:
+        """The activations as a list in config order (the raw op's positional outputs)."""
         p = self._pending
         if p is None:
             raise StateError("Cannot dequeue: nothing was enqueued. Fix: call `enqueue(features)` first.")
-        if p.mode == "backward_pass_only":
-            raise StateError(
-                "Cannot dequeue in 'backward_pass_only' mode: the forward pass is not run. Fix: "
-                "call `apply_gradients(...)`, or enqueue with `mode_override='training'`."
-            )
-        xp = self.backend.xp
-        outs = []
-        for f, d in zip(self.layout.features, p.features):
-            t = self.layout.tables[f.table]
-            table = self._state[t.index][0]
-            quant = getattr(t.optimizer, "simulated_quantization", None)
-            if quant is not None and getattr(quant, "enabled", True):
-                from meshembed.math import quantize
-
-                lo = -np.inf if quant.lower is None else quant.lower
-                hi = np.inf if quant.upper is None else quant.upper
-                rows = quantize(xp, self.backend.gather(table, d.ids), lo, hi, quant.num_buckets)
-                act = combiners.forward(self.backend, rows, xp.reshape(d.scale, (-1, 1)), d.slots, d.num_slots)
-            elif d.identity:  # one id per slot: the rows themselves, no segment sum
-                # shaped_rows: the rows come in the activation's shape (no reshape: a copy on JAX)
-                shaped = self.backend.capabilities.shaped_rows and len(f.output_shape) != 1
-                act = self.backend.gather(table, xp.reshape(d.ids, f.output_shape) if shaped else d.ids)
-                act = act if d.unit_scale else act * xp.reshape(d.scale, tuple(act.shape[:-1]) + (1,))
-            else:  # fused gather + combine where the backend has one
-                weights = None if d.unit_scale else d.scale
-                act = self.backend.gather_combine(table, d.ids, d.slots, d.num_slots, weights)
-            shape = f.output_shape + (t.dimension,)
-            outs.append(act if tuple(act.shape) == shape else xp.reshape(act, shape))
+        outs = steps.lookup(self.backend, self.state, p.batch)
         if any(self.backend.is_traced(a) for a in outs):
-            raise _traced_call_error("dequeue")  # the pending batch stays as it was
+            raise steps.traced_call_error("dequeue")  # the pending batch stays as it was
         p.dequeued = True
         return outs
 
@@ -471,144 +303,13 @@ class TPUEmbedding:
                 "Cannot apply gradients: no batch is pending. Fix: call `enqueue(...)` and "
                 "`dequeue()` first; each batch takes one `apply_gradients`."
             )
-        if p.mode == "inference":
-            raise StateError(
-                "Cannot apply gradients to a batch enqueued in 'inference' mode. Fix: enqueue "
-                "with `training=True` (or mode_override='training') to train on it."
-            )
-        if p.mode == "training" and not p.dequeued:
+        if p.batch.mode == "training" and not p.dequeued:
             raise StateError(
                 "Cannot apply gradients before `dequeue()`: the activations of this batch were "
                 "never read. Fix: call `dequeue()` first, or enqueue with "
                 "mode_override='backward_pass_only'."
             )
         return p
-
-    def _learning_rate_list(self, learning_rates: Any) -> list[Any]:
-        """``learning_rates`` as a list in tag order: a sequence (or rank-1 array) with one
-        value per tag, or a mapping with exactly the tags ``0..n-1`` as keys."""
-        n = self.layout.num_dynamic_inputs
-        if learning_rates is None:
-            return []
-        if isinstance(learning_rates, Mapping):
-            keys = list(learning_rates)
-            ints = [k for k in keys if isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_))]
-            if len(ints) != len(keys) or sorted(int(k) for k in keys) != list(range(n)):
-                raise InputError(
-                    f"Invalid `learning_rates`: a mapping must have exactly the dynamic tags "
-                    f"{list(range(n))} as keys ({{tag: value}}). Received keys: {keys!r}"
-                )
-            by_tag = {int(k): v for k, v in learning_rates.items()}
-            return [by_tag[k] for k in range(n)]
-        if isinstance(learning_rates, Sequence) and not isinstance(learning_rates, (str, bytes)):
-            return list(learning_rates)
-        if not isinstance(learning_rates, (str, bytes)) and hasattr(learning_rates, "shape"):
-            arr = inputs.to_host(learning_rates, self.backend, "`learning_rates`")
-            if arr.ndim == 1:
-                return list(arr)
-        raise InputError(
-            f"Invalid `learning_rates`: expected a sequence with one value per dynamic tag (tag "
-            f"order) or a mapping {{tag: value}}. Received: {learning_rates!r} "
-            f"({type(learning_rates).__name__}). Fix: e.g. learning_rates=[0.1] for tag 0."
-        )
-
-    def _check_learning_rates(self, learning_rates: Any) -> list[float]:
-        n = self.layout.num_dynamic_inputs
-        lrs = self._learning_rate_list(learning_rates)
-        fns = getattr(self.config, "learning_rate_fns", ())
-        source = "learning_rates"
-        if not lrs and n and len(fns) >= n and all(fn is not None for fn in fns[:n]):
-            lrs = [fn() for fn in fns[:n]]  # TF2: callables are evaluated every step
-            source = "learning-rate callable of tag"
-        if len(lrs) != n:
-            raise InputError(
-                f"Invalid `learning_rates`: the config uses {n} dynamic tag(s), so expected {n} "
-                f"value(s), learning_rates[k] for tag k. Received: {len(lrs)}."
-            )
-        out = []
-        for k, v in enumerate(lrs):
-            what = f"`learning_rates[{k}]`" if source == "learning_rates" else f"the {source} {k}"
-            arr = inputs.to_host(v, self.backend, what)
-            if arr.ndim != 0:
-                raise InputError(f"Invalid {what}: expected a scalar (rank 0). Received: shape={arr.shape}")
-            if arr.dtype.kind not in "fiu":
-                raise InputError(f"Invalid {what}: expected a real number. Received: {v!r} ({type(v).__name__})")
-            with np.errstate(over="ignore"):
-                finite32 = bool(np.isfinite(arr.astype(np.float32)))
-            if not finite32:  # the update runs in float32: 1e39 would be inf there
-                raise InputError(
-                    f"Invalid {what}: expected a finite number in float32, the dtype of the update. "
-                    f"Received: {arr!r}"
-                )
-            out.append(float(arr))
-        return out
-
-    def _check_gradients(self, gradients: Any, check_now: bool, unchecked: int | None = None) -> list[Any]:
-        """The gradients as backend arrays of their activation's shape (the update flattens
-        them, or not: see ``shaped_rows``); with ``check_now``, NaN/Inf raise — but for the
-        features of table ``unchecked``, whose update checks them (``checked_updates``)."""
-        xp = self.backend.xp
-        grads = self._by_feature(gradients, "gradients")
-        out = []
-        for f, g in zip(self.layout.features, grads):
-            t = self.layout.tables[f.table]
-            shape = f.output_shape + (t.dimension,)
-            if g is None:
-                warnings.warn(
-                    f"No gradient for feature {f.name!r}; sending zeros (its looked-up rows still "
-                    "count as touched, which moves lazy Adam/Momentum state).",
-                    stacklevel=3,
-                )
-                g = np.zeros(shape, dtype=np.float32)
-            where = f"gradient for feature {f.name!r} (table {t.name!r})"
-            if self.backend.is_traced(g):
-                raise inputs.traced_error(where)
-            if not self.backend.is_native(g):
-                g = inputs.to_host(g, None, where)
-            if not self._is_real(g):
-                raise InputError(
-                    f"Invalid {where}: expected a real (float or integer) array. Received: "
-                    f"dtype={g.dtype}. Fix: pass float32 gradients (complex, bool, string and "
-                    "object arrays are not gradients)."
-                )
-            if tuple(g.shape) != shape:
-                raise InputError(
-                    f"Invalid gradient for feature {f.name!r} (table {t.name!r}): expected shape "
-                    f"{shape} (input_shape + [dimension]). Received: shape={tuple(g.shape)}"
-                )
-            with np.errstate(over="ignore"):  # float64 beyond float32's range: inf, refused below
-                g = self.backend.asarray(g, dtype="float32")
-            if self.backend.is_traced(g):
-                raise _traced_call_error("apply_gradients")
-            if check_now and f.table != unchecked and not self.backend.all_finite(g):
-                raise self._nonfinite_error(f)
-            out.append(g)
-        return out
-
-    def _is_real(self, g: Any) -> bool:
-        """A real float or integer dtype, on the host or on the backend (no cast, no copy)."""
-        if isinstance(g, np.ndarray):
-            return g.dtype.kind in "fiu"
-        try:
-            return bool(self.backend.xp.isdtype(g.dtype, ("real floating", "integral")))
-        except Exception:  # a namespace without isdtype: judge the dtype's name
-            name = str(g.dtype).lower()
-            return not any(k in name for k in ("complex", "bool", "str", "object"))
-
-    def _refuse_if_tracing(self, call: str) -> None:
-        """Under jax.jit even concrete arrays become tracers in the backend's kernels: a
-        backend that can trace is asked with one scalar (eager backends skip this)."""
-        if type(self.backend).is_traced is not Backend.is_traced:
-            if self.backend.is_traced(self.backend.xp.zeros(())):
-                raise _traced_call_error(call)
-
-    def _nonfinite_error(self, feature: Any) -> InputError:
-        t = self.layout.tables[feature.table]
-        return InputError(
-            f"Invalid gradient for feature {feature.name!r} (table {t.name!r}): it contains NaN "
-            "or Inf. Nothing was updated. Fix: check the loss, clip the gradients, or pass "
-            "`allow_nonfinite=True` to apply them anyway."
-        )
 
     @agreed("apply_gradients")
     def apply_gradients(
@@ -619,129 +320,32 @@ class TPUEmbedding:
         allow_nonfinite: bool | None = None,
     ) -> None:
         """SendTPUEmbeddingGradients: one gradient per feature (``∂loss/∂activation``, the
-        shape of its activation), and ``learning_rates[k]`` for dynamic tag k."""
-        p = self._check_can_apply()
+        shape of its activation), and ``learning_rates[k]`` for dynamic tag k.
+
+        Thread-safe: calls from several threads run one at a time, and one pending batch is
+        applied once (the second call finds no batch pending: ``StateError``)."""
         allow = self.allow_nonfinite if allow_nonfinite is None else _check_bool(
             allow_nonfinite, "allow_nonfinite", InputError)
-        # A backend with guarded updates checks NaN/Inf on its devices while the updates
-        # run (each writes nothing unless the one guard over every gradient holds); the
-        # others check first.
-        deferred = not allow and self.backend.capabilities.guarded_updates
-        # Without a guard, a backend with checked updates checks one table's gradients (the
-        # largest) while it sums them, instead of a pass of their own; that table is updated
-        # first, so a NaN/Inf in it raises before any table is written.
-        in_update = None
-        if not allow and not deferred and self.backend.capabilities.checked_updates and self.layout.tables:
-            sizes = [0] * len(self.layout.tables)
-            for f in self.layout.features:
-                sizes[f.table] += int(np.prod(f.output_shape)) * self.layout.tables[f.table].dimension
-            in_update = self.layout.tables[int(np.argmax(sizes))].index
-        grads = self._check_gradients(gradients, check_now=not allow and not deferred, unchecked=in_update)
-        lrs = self._check_learning_rates(learning_rates)
-        self._refuse_if_tracing("apply_gradients")  # e.g. concrete gradients inside jax.jit
-        guard = self.backend.finite_guard(grads) if deferred and grads else None
-        guarded = {} if guard is None else {"guard": guard}
-        # Build every table's update first: an unusable optimizer or learning rate raises
-        # before any table is touched (update_rows may donate buffers).
-        # An UpdateRule per table (built once) and this step's values.
+        if self._applying == threading.get_ident():
+            raise StateError(
+                "Cannot apply gradients from inside apply_gradients (e.g. a learning-rate callable "
+                "that calls it again): the pending batch would be applied twice. Nothing was changed.")
+        with self._lock:  # another thread's call first; then this one finds its batch consumed
+            self._applying = threading.get_ident()
+            try:
+                p = self._check_can_apply()
+                self.state = steps.apply_gradients(self.backend, self.state, p.batch, gradients, learning_rates,
+                                                   allow_nonfinite=allow, rules=self.rules)
+                self._pending = None
+            finally:
+                self._applying = None
+
+    @property
+    def rules(self) -> dict[int, Any]:
+        """Each table's UpdateRule (built on first use, once)."""
         if self._rules is None:
-            self._rules = {t.index: make_rule(t, self.backend) for t in self.layout.tables}
-        fns: dict[int, Any] = self._rules
-        values = {t.index: rule_values(t, fns[t.index], lrs) for t in self.layout.tables}
-        per_table: dict[int, list[tuple[_DeviceFeature, Any]]] = {t.index: [] for t in self.layout.tables}
-        for f, d, g in zip(self.layout.features, p.features, grads):
-            per_table[f.table].append((d, g))
-        for t in self.layout.tables:  # e.g. a fixed capacity: refuse before any table is written
-            ids = [d.host_ids for d, _ in per_table[t.index]]
-            if is_non_lazy(t):
-                ids.append(np.arange(t.vocabulary_size, dtype=np.int64))
-            if ids:
-                try:
-                    self.backend.check_update(self._state[t.index], np.concatenate(ids))
-                except CapacityError as exc:
-                    raise CapacityError(f"Table {t.name!r}: {exc}") from None
-        validated(self.backend)  # every process's input is valid: now the row exchange
-        new_state = {}
-        try:
-            self._update_tables(p, per_table, fns, values, lrs, guard, guarded, in_update, new_state)
-        except NonFiniteError:  # from the update of table in_update, which wrote nothing
-            bad = [f for f, g in zip(self.layout.features, grads)
-                   if f.table == in_update and not self.backend.all_finite(g)]
-            raise self._nonfinite_error(bad[0] if bad else self.layout.features[0]) from None
-        if guard is not None and not bool(guard):  # every update wrote nothing
-            bad = [f for f, g in zip(self.layout.features, grads) if not self.backend.all_finite(g)]
-            raise self._nonfinite_error(bad[0] if bad else self.layout.features[0])
-        self._state.update(new_state)
-        self._pending = None
-        self.step += 1
-
-    def _update_tables(self, p: Any, per_table: dict, fns: dict, values: dict, lrs: Any, guard: Any,
-                       guarded: dict, in_update: int | None, new_state: dict) -> None:
-        """Every table's update into ``new_state`` (table ``in_update`` first: see
-        ``apply_gradients``); the tables themselves are not touched."""
-        xp = self.backend.xp
-        for t in sorted(self.layout.tables, key=lambda t: t.index != in_update):
-            parts = per_table[t.index]
-            # table in_update: its update_rows checks gradients passed as they are; any other
-            # form of them is checked here, still before anything is written
-            check = {"check_finite": True} if t.index == in_update else {}
-            n_ids = sum(int(d.host_ids.shape[0]) for d, _ in parts)
-            identity = n_ids and all(d.identity for d, _ in parts) and uses_accumulation(t) and not is_non_lazy(t)
-            if not (identity and len(parts) == 1 and self.backend.capabilities.shaped_rows):
-                parts = [(d, xp.reshape(g, (-1, t.dimension))) for d, g in parts]  # [ids, D]
-            if identity:
-                # Every feature has one id per slot: the (weighted) activation gradients are
-                # the per-id gradients, in id order, so no slot index travels (see identity).
-                rows = [g if d.unit_scale else g * xp.reshape(d.scale, tuple(g.shape[:-1]) + (1,)) for d, g in parts]
-                ids = parts[0][0].ids if len(parts) == 1 else self.backend.asarray(
-                    np.concatenate([d.host_ids for d, _ in parts]), dtype="int64")
-                source = rows[0] if len(rows) == 1 else xp.concat(rows, axis=0)
-                if check and not all(d.unit_scale for d, _ in parts):
-                    self._check_now(parts)
-                    check = {}
-                new_state[t.index] = list(self.backend.update_rows(
-                    self._state[t.index], ids, source, fns[t.index],
-                    **guarded, **check, **({"values": values[t.index]} if values else {})))
-                continue
-            if n_ids and self._backward_in_update and uses_accumulation(t) and not is_non_lazy(t):
-                # Combiner backward fused into the update: the backend sums
-                # scale_k * grad[slot_k] per row without one gradient row per id.
-                one = len(parts) == 1
-                ids = parts[0][0].ids if one else self.backend.asarray(
-                    np.concatenate([d.host_ids for d, _ in parts]), dtype="int64")
-                # several features of one table: their ids, slots and weights (ragged, a new
-                # length every step) are joined on the host, so no backend compiles per length
-                offsets = np.cumsum([0] + [d.num_slots for d, _ in parts[:-1]])
-                index = parts[0][0].slots if one else self.backend.asarray(
-                    np.concatenate([d.host_slots + o for (d, _), o in zip(parts, offsets)]), dtype="int64")
-                if all(d.unit_scale for d, _ in parts):
-                    weights = None  # the sum combiner without weights: nothing to multiply
-                elif one:
-                    weights = parts[0][0].scale
-                else:
-                    weights = self.backend.asarray(np.concatenate([d.host_scale for d, _ in parts]), dtype="float32")
-                source = parts[0][1] if one else xp.concat([g for _, g in parts], axis=0)
-                new_state[t.index] = list(self.backend.update_rows(
-                    self._state[t.index], ids, source, fns[t.index], grad_index=index, grad_weights=weights,
-                    **guarded, **check, **({"values": values[t.index]} if values else {})))
-                continue
-            if check:
-                self._check_now(parts)
-            host_ids = np.concatenate([d.host_ids for d, _ in parts]) if parts else np.zeros(0, np.int64)
-            rows = [combiners.backward(self.backend, g, xp.reshape(d.scale, (-1, 1)), d.slots, d.unit_scale,
-                                       d.identity) for d, g in parts]
-            row_grads = xp.concat(rows, axis=0) if len(rows) > 1 else rows[0] if rows else None
-            if row_grads is None:
-                row_grads = self.backend.asarray(np.zeros((0, t.dimension), np.float32))
-            new_state[t.index] = apply_table(self.backend, self._state[t.index], t, host_ids, row_grads, lrs,
-                                             fns[t.index], guard=guard,
-                                             part_sizes=[int(d.host_ids.shape[0]) for d, _ in parts],
-                                             values=values.get(t.index, ()))
-
-    def _check_now(self, parts: Any) -> None:
-        """NaN/Inf in one table's gradients (``(feature, gradient)`` pairs) raise NonFiniteError."""
-        if not all(self.backend.all_finite(g) for _, g in parts):
-            raise NonFiniteError()
+            self._rules = steps.make_rules(self.backend, self.layout)
+        return self._rules
 
     # -- parameters --------------------------------------------------------------------------
     def _shard_ids(self, table: TableSpec, num_shards: int | None, shard_id: int | None) -> np.ndarray | None:
@@ -775,12 +379,12 @@ class TPUEmbedding:
         self, table: str | int, num_shards: int | None = None, shard_id: int | None = None
     ) -> dict[str, np.ndarray]:
         """``{"parameters": ..., <slot>: ...}`` as NumPy, the whole table or one host shard."""
-        self._refuse_if_tracing("retrieve_parameters")
+        steps.refuse_if_tracing(self.backend, "retrieve_parameters")
         t = self.layout.table(table)
         ids = self._shard_ids(t, num_shards, shard_id)
         names = ("parameters",) + self._slot_names(t)
         out = {}
-        for name, st in zip(names, self._state[t.index]):
+        for name, st in zip(names, self.state.tables[t.index]):
             if ids is None:
                 out[name] = self.backend.unshard(st)
             else:
@@ -801,9 +405,20 @@ class TPUEmbedding:
 
         Arrays not passed are left as they are. Every array is checked (shape, a real dtype,
         finite unless ``allow_nonfinite``, default the engine's) before any write."""
-        plan = self._plan_load(table, parameters, num_shards, shard_id, allow_nonfinite, slots)
-        index, state = self._loaded_state(plan)
-        self._state[index] = state
+        self.load_tables({table: dict(slots, parameters=parameters)}, num_shards=num_shards, shard_id=shard_id,
+                         allow_nonfinite=allow_nonfinite)
+
+    def load_tables(self, values: Mapping[str | int, Mapping[str, Any]], *, num_shards: int | None = None,
+                    shard_id: int | None = None, allow_nonfinite: bool | None = None) -> None:
+        """Load several tables at once, ``{table: {"parameters": ..., <slot>: ...}}``: every
+        array of every table is checked before anything is written (all or nothing)."""
+        plans = []
+        for table, arrays in values.items():
+            arrays = dict(arrays)
+            parameters = arrays.pop("parameters", None)
+            plans.append(self._plan_load(table, parameters, num_shards, shard_id, allow_nonfinite, arrays))
+        new = dict(self._loaded_state(plan) for plan in plans)
+        self.state = self.state.replace(new)
 
     def _plan_load(self, table: str | int, parameters: Any, num_shards: Any, shard_id: Any,
                    allow_nonfinite: Any, slots: Mapping[str, Any]) -> tuple[TableSpec, Any, dict[str, np.ndarray]]:
@@ -846,14 +461,14 @@ class TPUEmbedding:
                     "Nothing was loaded. Fix: load finite values, or pass `allow_nonfinite=True`."
                 )
             values[name] = arr
-        self._refuse_if_tracing("load_parameters")  # concrete values inside jax.jit
+        steps.refuse_if_tracing(self.backend, "load_parameters")  # concrete values inside jax.jit
         return t, ids, values
 
     def _loaded_state(self, plan: tuple[TableSpec, Any, dict[str, np.ndarray]]) -> tuple[int, list[Any]]:
         """The table's new state lists with a validated plan written (not yet committed)."""
         t, ids, values = plan
         names = ("parameters",) + self._slot_names(t)
-        state = list(self._state[t.index])
+        state = list(self.state.tables[t.index])
         for k, name in enumerate(names):
             if name not in values:
                 continue
@@ -863,7 +478,7 @@ class TPUEmbedding:
                 state[k] = self.backend.scatter(
                     state[k], self.backend.asarray(ids, dtype="int64"), self.backend.asarray(values[name], dtype="float32")
                 )
-        return t.index, state
+        return t.index, tuple(state)
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, path: Any) -> Any:

@@ -133,7 +133,7 @@ def to_host(x: Any, backend: Any = None, what: str = "input") -> np.ndarray:
         ) from None
 
 
-def _int_array(x: Any, what: str, info: FeatureInfo, backend: Any, ndim: int | None = None) -> np.ndarray:
+def int_array(x: Any, what: str, info: FeatureInfo, backend: Any, ndim: int | None = None) -> np.ndarray:
     """A private int64 copy: what was validated is what the engine uses, even if the caller
     refills its buffer after enqueue (a prefetching loader does)."""
     arr = to_host(x, backend, f"`{what}` for {_where(info)}")
@@ -217,7 +217,7 @@ def make_batch(ids: np.ndarray, slots: np.ndarray, weights: np.ndarray | None, i
 
 def from_dense(x: Any, weights: Any, info: FeatureInfo, backend: Any = None) -> FeatureBatch:
     """Dense ids: exactly one id per output slot, weight 1 (shape ``S`` or ``S + [1]``)."""
-    arr = _int_array(x, "ids", info, backend)
+    arr = int_array(x, "ids", info, backend)
     shape = info.output_shape
     if tuple(arr.shape) not in (shape, shape + (1,)):
         raise InputError(
@@ -236,9 +236,9 @@ def from_dense(x: Any, weights: Any, info: FeatureInfo, backend: Any = None) -> 
 
 def from_sparse(sp: Any, weights: Any, info: FeatureInfo, backend: Any = None) -> FeatureBatch:
     """COO ids (``SparseIds`` or anything with ``indices``/``values``/``dense_shape``)."""
-    indices = _int_array(sp.indices, "indices", info, backend)
-    ids = _int_array(sp.values, "values", info, backend).reshape(-1)
-    dense_shape = _int_array(sp.dense_shape, "dense_shape", info, backend).reshape(-1)
+    indices = int_array(sp.indices, "indices", info, backend)
+    ids = int_array(sp.values, "values", info, backend).reshape(-1)
+    dense_shape = int_array(sp.dense_shape, "dense_shape", info, backend).reshape(-1)
     if indices.ndim != 2 and indices.size == 0:
         indices = indices.reshape(0, dense_shape.shape[0])
     w = None
@@ -332,8 +332,8 @@ def check_row_splits(splits: np.ndarray, num_values: int, info: FeatureInfo) -> 
 def from_ragged(rg: Any, weights: Any, info: FeatureInfo, backend: Any = None) -> FeatureBatch:
     """Ragged ids. ``prod(S) == rows``: combine each row; ``prod(S) == rows*M``: a sequence,
     position ``p`` of row ``b`` goes to slot ``b*M + p`` and positions ``>= M`` are dropped."""
-    splits = _int_array(rg.row_splits, "row_splits", info, backend, ndim=1)
-    ids = _int_array(rg.values, "values", info, backend).reshape(-1)
+    splits = int_array(rg.row_splits, "row_splits", info, backend, ndim=1)
+    ids = int_array(rg.values, "values", info, backend).reshape(-1)
     check_row_splits(splits, ids.shape[0], info)
     nrows = splits.shape[0] - 1
     num_slots = int(np.prod(info.output_shape))
@@ -363,7 +363,7 @@ def from_ragged(rg: Any, weights: Any, info: FeatureInfo, backend: Any = None) -
             weights = weights.values
         w = _float_weights(weights, ids.shape[0], info, backend)  # a fresh array
         w = w if keep is None else w[keep]
-    # ids is already a private copy (_int_array). The slots are row numbers (or
+    # ids is already a private copy (int_array). The slots are row numbers (or
     # row * M + position < M) of the checked splits: in range by construction.
     return make_batch(ids if keep is None else ids[keep], slots, w, info, slots_in_range=True)
 

@@ -7,7 +7,7 @@ things; this is the one place that reads them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from meshembed.errors import ConfigError
@@ -61,6 +61,11 @@ class Layout:
     mode: str
     num_dynamic_inputs: int
     per_table_layout: bool  # legacy Recv/Send: one tensor per table, not per feature
+    #: a dict of features (EmbeddingConfig(features={...})): its keys, in the order given;
+    #: inputs and outputs are then dicts with these keys, never lists matched by position
+    keys: tuple[Any, ...] = ()
+    #: TF2 learning-rate callables per dynamic tag (None where the tag has none)
+    learning_rate_fns: tuple[Any, ...] = field(default=(), compare=False)
 
     def table(self, key: Any) -> TableSpec:
         """A table by name or index, with a precise error."""
@@ -103,6 +108,20 @@ def _check_quantization(name: str, optimizer: Any) -> None:
             "clipping bounds and num_buckets >= 2 when enabled (an unset bound means ±inf and "
             f"makes every activation NaN). Received: simulated_quantization={q!r}"
         )
+
+
+def load_config(config: Any) -> Any:
+    """An EmbeddingConfig (or any object with ``tables``/``features``) or proto input."""
+    if hasattr(config, "tables"):
+        return config
+    from meshembed.config import EmbeddingConfig
+
+    if isinstance(config, (bytes, bytearray, str)) or hasattr(config, "__fspath__"):
+        return EmbeddingConfig.from_proto(config)
+    raise ConfigError(
+        "Invalid `config`. Expected a me.EmbeddingConfig, serialized TPUEmbeddingConfiguration "
+        f"bytes, text format or a path. Received: {type(config).__name__}"
+    )
 
 
 def build_layout(config: Any) -> Layout:
@@ -175,4 +194,6 @@ def build_layout(config: Any) -> Layout:
         mode=_mode(config),
         num_dynamic_inputs=int(getattr(config, "num_dynamic_inputs", None) or _dynamic_tags(tables_t)),
         per_table_layout=per_table,
+        keys=tuple(getattr(config, "feature_keys", ()) or ()),
+        learning_rate_fns=tuple(getattr(config, "learning_rate_fns", ()) or ()),
     )

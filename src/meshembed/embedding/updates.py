@@ -46,7 +46,7 @@ def _algorithm(opt: Any) -> Any:
     return opt if opt.algorithm == "custom" else opt.algorithm
 
 
-def table_hyperparameters(table: TableSpec, learning_rates: Sequence[float]) -> tuple[float, dict[str, Any]]:
+def table_hyperparameters(table: TableSpec, learning_rates: Sequence[Any]) -> tuple[Any, dict[str, Any]]:
     """(lr, hyper-parameters with dynamic inputs such as ``step_counter`` resolved)."""
     from meshembed import math as me_math
 
@@ -62,7 +62,8 @@ def table_hyperparameters(table: TableSpec, learning_rates: Sequence[float]) -> 
                 "`learning_rate=` (a float, a callable or a DynamicLearningRate)."
             )
         lr = 0.0
-    return float(lr), hp
+    # a float, or a traced scalar (me.jax's learning rates under jit: never made concrete)
+    return (float(lr) if isinstance(lr, (int, float, np.number)) else lr), hp
 
 
 def _runs_hlo(backend: Any) -> Any:
@@ -147,6 +148,15 @@ def is_non_lazy(table: TableSpec) -> bool:
 def uses_accumulation(table: TableSpec) -> bool:
     """UNSPECIFIED (None) counts as enabled, as in TF."""
     return getattr(table.optimizer, "use_gradient_accumulation", True) is not False
+
+
+def update_kind(table: TableSpec) -> str:
+    """How a table's rows are updated, the one routing every front end follows:
+    ``"every_row"`` (non-lazy Adam/Lion), ``"in_order"`` (gradient accumulation off:
+    contributions one after another) or ``"accumulate"`` (summed per looked-up row)."""
+    if is_non_lazy(table):
+        return "every_row"
+    return "accumulate" if uses_accumulation(table) else "in_order"
 
 
 def apply_table(

@@ -1,0 +1,424 @@
+"""The embedding step as functions over plain data, the one place its logic lives.
+
+``lookup(backend, state, batch)`` is RecvTPUEmbeddingActivations and ``apply_gradients(backend,
+state, batch, gradients, learning_rates)`` is SendTPUEmbeddingGradients: the per-table routing
+(gradient accumulation on/off, non-lazy optimizers, the combiner's backward fused into the
+update or not) and every gradient / learning-rate check. Both take an :class:`EngineState`
+(tables and slots as backend arrays, the step counter) and a :class:`~meshembed.embedding.batch.Batch`
+and return new values; nothing is changed in place that the caller still holds, except the
+backend's donated buffers where its ``update_rows`` donates them (the returned state is the
+one to use, as after a donating ``jax.jit``). ``TPUEmbedding`` is TF's state machine over
+these functions; ``me.ops``, ``me.tpu``, ``me.torch`` and ``me.jax`` call them too.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from meshembed.backend import Backend
+from meshembed.embedding import combiners, inputs
+from meshembed.embedding.agreement import agreed, first_argument, validated
+from meshembed.embedding.batch import Batch, by_feature, prepare
+from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec
+from meshembed.embedding.updates import apply_table, is_non_lazy, make_rule, rule_values, update_kind
+from meshembed.errors import CapacityError, InputError, NonFiniteError, StateError
+from meshembed.math.rule import UpdateRule
+
+__all__ = ["EngineState", "make_rules", "prepare_on", "lookup", "apply_gradients", "check_learning_rates",
+           "check_gradients", "learning_rate_list"]
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """Every table's ``(parameters, *slots)`` backend arrays by table index (the slots in
+    Load/Retrieve order) and the number of steps applied."""
+
+    tables: Mapping[int, tuple[Any, ...]]
+    step: int = 0
+
+    def replace(self, tables: Mapping[int, Sequence[Any]], steps: int = 0) -> "EngineState":
+        """This state with some tables replaced and ``steps`` more steps counted."""
+        merged = dict(self.tables)
+        merged.update({k: tuple(v) for k, v in tables.items()})
+        return EngineState(merged, self.step + steps)
+
+
+def make_rules(backend: Any, layout: Layout) -> dict[int, UpdateRule]:
+    """Each table's UpdateRule (build once per engine: a UserDefinedProgram compiles here)."""
+    return {t.index: make_rule(t, backend) for t in layout.tables}
+
+
+def traced_call_error(call: str) -> StateError:
+    return StateError(
+        f"Cannot call `{call}()` inside `jax.jit` (or another JAX transformation): the stateful "
+        "TPUEmbedding runs eagerly and would store tracers. Nothing was changed. Fix: call it "
+        "outside the traced function, or use the functional JAX API `me.jax` (`me.jax.init`, "
+        "`prepare`, `lookup`, `apply_gradients`), which is made for jax.jit."
+    )
+
+
+def refuse_if_tracing(backend: Any, call: str) -> None:
+    """Under jax.jit even concrete arrays become tracers in the backend's kernels: a backend
+    that can trace is asked with one scalar (eager backends skip this)."""
+    if type(backend).is_traced is not Backend.is_traced and backend.is_traced(backend.xp.zeros(())):
+        raise traced_call_error(call)
+
+
+@agreed("enqueue", backend_of=first_argument)
+def prepare_on(backend: Any, layout: Layout, features: Any, weights: Any = None, **options: Any) -> Batch:
+    """``batch.prepare`` for ``backend``, agreed by every process: one rank's bad batch fails
+    the call on every rank (before any collective), so none waits for the others."""
+    prepared = prepare(layout, features, weights, backend=backend, **options)
+    validated(backend)
+    return prepared
+
+
+# -- lookup ------------------------------------------------------------------------------------
+def lookup(backend: Any, state: EngineState, batch: Batch) -> list[Any]:
+    """Activations, one backend array per feature in config order, shape ``input_shape +
+    [dimension]`` (``batch.structured`` gives the config's dict)."""
+    if batch.mode == "backward_pass_only":
+        raise StateError(
+            "Cannot look up a batch enqueued in 'backward_pass_only' mode: the forward pass is not "
+            "run. Fix: call `apply_gradients(...)`, or enqueue with `mode_override='training'`."
+        )
+    layout, xp = batch.layout, backend.xp
+    outs = []
+    for k, (f, d) in enumerate(zip(layout.features, batch.features)):
+        t = layout.tables[f.table]
+        table = state.tables[t.index][0]
+        ids = batch.device_array(backend, k, "ids")
+        quant = getattr(t.optimizer, "simulated_quantization", None)
+        if quant is not None and getattr(quant, "enabled", True):
+            from meshembed.math import quantize
+
+            lo = -np.inf if quant.lower is None else quant.lower
+            hi = np.inf if quant.upper is None else quant.upper
+            rows = quantize(xp, backend.gather(table, ids), lo, hi, quant.num_buckets)
+            scale = xp.reshape(batch.device_array(backend, k, "scale"), (-1, 1))
+            act = combiners.forward(backend, rows, scale, batch.device_array(backend, k, "slots"), d.num_slots)
+        elif d.identity:  # one id per slot: the rows themselves, no segment sum
+            # shaped_rows: the rows come in the activation's shape (no reshape: a copy on JAX)
+            shaped = backend.capabilities.shaped_rows and len(f.output_shape) != 1
+            act = backend.gather(table, xp.reshape(ids, f.output_shape) if shaped else ids)
+            if not d.unit_scale:
+                act = act * xp.reshape(batch.device_array(backend, k, "scale"), tuple(act.shape[:-1]) + (1,))
+        else:  # fused gather + combine where the backend has one
+            weights = None if d.unit_scale else batch.device_array(backend, k, "scale")
+            act = backend.gather_combine(table, ids, batch.device_array(backend, k, "slots"), d.num_slots, weights)
+        shape = f.output_shape + (t.dimension,)
+        outs.append(act if tuple(act.shape) == shape else xp.reshape(act, shape))
+    return outs
+
+
+# -- validation ----------------------------------------------------------------------------------
+def learning_rate_list(layout: Layout, learning_rates: Any, backend: Any = None) -> list[Any]:
+    """``learning_rates`` as a list in tag order: a sequence (or rank-1 array) with one value
+    per tag, or a mapping with exactly the tags ``0..n-1`` as keys (never its keys as rates)."""
+    n = layout.num_dynamic_inputs
+    if learning_rates is None:
+        return []
+    if isinstance(learning_rates, Mapping):
+        keys = list(learning_rates)
+        ints = [k for k in keys if isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_))]
+        if len(ints) != len(keys) or len(keys) != n or any(not 0 <= int(k) < n for k in keys):
+            shown = keys[:8] + (["..."] if len(keys) > 8 else [])
+            raise InputError(
+                f"Invalid `learning_rates`: a mapping must have exactly the dynamic tags 0..{n - 1} "
+                f"as keys ({{tag: value}}). Received keys: {shown!r}. Fix: e.g. learning_rates=[0.1] "
+                "or {0: 0.1} for tag 0."
+            )
+        by_tag = {int(k): v for k, v in learning_rates.items()}
+        return [by_tag[k] for k in range(n)]
+    if isinstance(learning_rates, Sequence) and not isinstance(learning_rates, (str, bytes)):
+        return list(learning_rates)
+    if not isinstance(learning_rates, (str, bytes)) and hasattr(learning_rates, "shape"):
+        arr = inputs.to_host(learning_rates, backend, "`learning_rates`")
+        if arr.ndim == 1:
+            return list(arr)
+    raise InputError(
+        f"Invalid `learning_rates`: expected a sequence with one value per dynamic tag (tag "
+        f"order) or a mapping {{tag: value}}. Received: {learning_rates!r} "
+        f"({type(learning_rates).__name__}). Fix: e.g. learning_rates=[0.1] for tag 0."
+    )
+
+
+def check_learning_rate(value: Any, what: str, backend: Any = None) -> float:
+    """One learning rate: a real scalar, finite in float32 (the dtype of the update)."""
+    arr = inputs.to_host(value, backend, what)
+    if arr.ndim != 0:
+        raise InputError(f"Invalid {what}: expected a scalar (rank 0). Received: shape={arr.shape}")
+    if arr.dtype.kind not in "fiu":
+        raise InputError(f"Invalid {what}: expected a real number. Received: {value!r} ({type(value).__name__})")
+    with np.errstate(over="ignore", invalid="ignore"):
+        finite32 = bool(np.isfinite(arr.astype(np.float32)))
+    if not finite32:  # the update runs in float32: 1e39 would be inf there
+        raise InputError(f"Invalid {what}: expected a finite number in float32, the dtype of the update. "
+                         f"Received: {arr!r}")
+    return float(arr)
+
+
+def check_learning_rates(layout: Layout, learning_rates: Any, backend: Any = None) -> list[float]:
+    """One float per dynamic tag, checked; with none given, the config's TF2 learning-rate
+    callables are evaluated (once per step, as TF2 does)."""
+    n = layout.num_dynamic_inputs
+    lrs = learning_rate_list(layout, learning_rates, backend)
+    fns = layout.learning_rate_fns
+    source = "learning_rates"
+    if not lrs and n and len(fns) >= n and all(fn is not None for fn in fns[:n]):
+        lrs = [fn() for fn in fns[:n]]
+        source = "learning-rate callable of tag"
+    if len(lrs) != n:
+        raise InputError(
+            f"Invalid `learning_rates`: the config uses {n} dynamic tag(s), so expected {n} "
+            f"value(s), learning_rates[k] for tag k. Received: {len(lrs)}."
+        )
+    return [check_learning_rate(v, f"`learning_rates[{k}]`" if source == "learning_rates" else f"the {source} {k}",
+                                backend) for k, v in enumerate(lrs)]
+
+
+def nonfinite_error(layout: Layout, feature: FeatureSpec) -> InputError:
+    t = layout.tables[feature.table]
+    return InputError(
+        f"Invalid gradient for feature {feature.name!r} (table {t.name!r}): it contains NaN "
+        "or Inf. Nothing was updated. Fix: check the loss, clip the gradients, or pass "
+        "`allow_nonfinite=True` to apply them anyway."
+    )
+
+
+def is_real(backend: Any, g: Any) -> bool:
+    """A real float or integer dtype, on the host or on the backend (no cast, no copy)."""
+    if isinstance(g, np.ndarray):
+        return g.dtype.kind in "fiu"
+    try:
+        return bool(backend.xp.isdtype(g.dtype, ("real floating", "integral")))
+    except Exception:  # a namespace without isdtype: judge the dtype's name
+        name = str(g.dtype).lower()
+        return not any(k in name for k in ("complex", "bool", "str", "object"))
+
+
+def check_gradient(backend: Any, layout: Layout, f: FeatureSpec, g: Any) -> Any:
+    """One feature's gradient as a float32 backend array of its activation's shape: a real
+    array of exactly that shape (None: zeros, with a warning)."""
+    t = layout.tables[f.table]
+    shape = f.output_shape + (t.dimension,)
+    if g is None:
+        warnings.warn(
+            f"No gradient for feature {f.name!r}; sending zeros (its looked-up rows still "
+            "count as touched, which moves lazy Adam/Momentum state).",
+            stacklevel=4,
+        )
+        g = np.zeros(shape, dtype=np.float32)
+    where = f"gradient for feature {f.name!r} (table {t.name!r})"
+    if backend.is_traced(g):
+        raise inputs.traced_error(where)
+    if not backend.is_native(g):
+        g = inputs.to_host(g, None, where)
+    if not is_real(backend, g):
+        raise InputError(
+            f"Invalid {where}: expected a real (float or integer) array. Received: "
+            f"dtype={g.dtype}. Fix: pass float32 gradients (complex, bool, string and "
+            "object arrays are not gradients)."
+        )
+    if tuple(g.shape) != shape:
+        raise InputError(f"Invalid {where}: expected shape {shape} (input_shape + [dimension]). "
+                         f"Received: shape={tuple(g.shape)}")
+    with np.errstate(over="ignore"):  # float64 beyond float32's range: inf, refused by the check
+        g = backend.asarray(g, dtype="float32")
+    if backend.is_traced(g):
+        raise traced_call_error("apply_gradients")
+    return g
+
+
+def check_gradients(backend: Any, layout: Layout, gradients: Any, check_now: bool = True,
+                    unchecked: int | None = None) -> list[Any]:
+    """The gradients (a list in config order or a dict, as the activations came) as backend
+    arrays; with ``check_now``, NaN/Inf raise — but for the features of table ``unchecked``,
+    whose update checks them (``checked_updates``)."""
+    out = []
+    for f, g in zip(layout.features, by_feature(layout, gradients, "gradients")):
+        g = check_gradient(backend, layout, f, g)
+        if check_now and f.table != unchecked and not backend.all_finite(g):
+            raise nonfinite_error(layout, f)
+        out.append(g)
+    return out
+
+
+def check_batch(state: EngineState, layout: Layout, batch: Any) -> Batch:
+    """``batch`` is a :class:`Batch` prepared for ``layout`` (ids of another config could
+    lie past this one's tables)."""
+    if not isinstance(batch, Batch):
+        raise InputError(f"Invalid `batch`. Expected a meshembed Batch (embedding.batch.prepare). "
+                         f"Received: {type(batch).__name__}")
+    if batch.layout is not layout and batch.layout != layout:
+        raise InputError(
+            "Invalid `batch`: it was prepared for another config (tables "
+            f"{[t.name for t in batch.layout.tables]}, features {[f.name for f in batch.layout.features]}). "
+            "Fix: prepare it with this engine's config."
+        )
+    if set(state.tables) != {t.index for t in layout.tables}:
+        raise InputError(f"Invalid `state`: expected tables {[t.name for t in layout.tables]}.")
+    return batch
+
+
+# -- apply_gradients -------------------------------------------------------------------------
+def _table_checked_in_update(backend: Any, layout: Layout) -> int | None:
+    """Without a guard, a backend with checked updates checks one table's gradients (the
+    largest) while it sums them instead of in a pass of their own; that table is updated
+    first, so a NaN/Inf in it raises before any table is written."""
+    if not backend.capabilities.checked_updates or not layout.tables:
+        return None
+    sizes = [0] * len(layout.tables)
+    for f in layout.features:
+        sizes[f.table] += int(np.prod(f.output_shape)) * layout.tables[f.table].dimension
+    return layout.tables[int(np.argmax(sizes))].index
+
+
+@agreed("apply_gradients", backend_of=first_argument)
+def apply_gradients(
+    backend: Any,
+    state: EngineState,
+    batch: Batch,
+    gradients: Any,
+    learning_rates: Any = (),
+    *,
+    allow_nonfinite: bool = False,
+    rules: Mapping[int, UpdateRule] | None = None,
+) -> EngineState:
+    """SendTPUEmbeddingGradients: one gradient per feature (``∂loss/∂activation``, the shape of
+    its activation; a list in config order or a dict as the activations came) and
+    ``learning_rates[k]`` for dynamic tag k. Returns the new state; a rejected call raises a
+    meshembed error before any table is written (``rules``: :func:`make_rules`, built once)."""
+    layout = batch.layout
+    check_batch(state, layout, batch)
+    if batch.mode == "inference":
+        raise StateError(
+            "Cannot apply gradients to a batch enqueued in 'inference' mode. Fix: enqueue "
+            "with `training=True` (or mode_override='training') to train on it."
+        )
+    # A backend with guarded updates checks NaN/Inf on its devices while the updates run
+    # (each writes nothing unless the one guard over every gradient holds); the others first.
+    deferred = not allow_nonfinite and backend.capabilities.guarded_updates
+    in_update = None if allow_nonfinite or deferred else _table_checked_in_update(backend, layout)
+    grads = check_gradients(backend, layout, gradients, check_now=not allow_nonfinite and not deferred,
+                            unchecked=in_update)
+    lrs = check_learning_rates(layout, learning_rates, backend)
+    refuse_if_tracing(backend, "apply_gradients")  # e.g. concrete gradients inside jax.jit
+    guard = backend.finite_guard(grads) if deferred and grads else None
+    # Every table's rule and values first: an unusable optimizer or learning rate raises
+    # before any table is touched (update_rows may donate buffers).
+    rules = make_rules(backend, layout) if rules is None else rules
+    values = {t.index: rule_values(t, rules[t.index], lrs) for t in layout.tables}
+    per_table: dict[int, list[int]] = {t.index: [] for t in layout.tables}
+    for f in layout.features:
+        per_table[f.table].append(f.index)
+    for t in layout.tables:  # e.g. a fixed capacity: refuse before any table is written
+        ids = [batch.features[k].ids for k in per_table[t.index]]
+        if is_non_lazy(t):
+            ids.append(np.arange(t.vocabulary_size, dtype=np.int64))
+        if ids:
+            try:
+                backend.check_update(state.tables[t.index], np.concatenate(ids))
+            except CapacityError as exc:
+                raise CapacityError(f"Table {t.name!r}: {exc}") from None
+    validated(backend)  # every process's input is valid: now the row exchange
+    step = _TableUpdates(backend, state, batch, grads, rules, values, lrs, guard)
+    new = {}
+    try:
+        for t in sorted(layout.tables, key=lambda t: t.index != in_update):
+            new[t.index] = step.table(t, per_table[t.index], check_finite=t.index == in_update)
+    except NonFiniteError:  # from the update of table in_update, which wrote nothing
+        bad = [f for f, g in zip(layout.features, grads) if f.table == in_update and not backend.all_finite(g)]
+        raise nonfinite_error(layout, bad[0] if bad else layout.features[0]) from None
+    if guard is not None and not bool(guard):  # every update wrote nothing
+        bad = [f for f, g in zip(layout.features, grads) if not backend.all_finite(g)]
+        raise nonfinite_error(layout, bad[0] if bad else layout.features[0])
+    return state.replace(new, steps=1)
+
+
+@dataclass
+class _TableUpdates:
+    """One step's inputs, shared by the per-table updates (:meth:`table`)."""
+
+    backend: Any
+    state: EngineState
+    batch: Batch
+    grads: list[Any]
+    rules: Mapping[int, UpdateRule]
+    values: Mapping[int, tuple]
+    lrs: list[float]
+    guard: Any
+
+    def _ids(self, features: list[int], name: str = "ids") -> Any:
+        """The features' ``ids`` (or ``slots``) on the backend: one array as it is, several
+        joined on the host (ragged: a new length every step; no backend compiles per length)."""
+        if len(features) == 1:
+            return self.batch.device_array(self.backend, features[0], name)
+        return self.backend.asarray(np.concatenate([getattr(self.batch.features[k], name) for k in features]),
+                                    dtype="int64")
+
+    def _scale(self, k: int) -> Any:
+        return self.batch.device_array(self.backend, k, "scale")
+
+    def table(self, t: TableSpec, features: list[int], check_finite: bool) -> list[Any]:
+        """Table ``t``'s new ``[params, *slots]`` from its features' gradients."""
+        be, xp, batch = self.backend, self.backend.xp, self.batch
+        prepared = [batch.features[k] for k in features]
+        grads = [self.grads[k] for k in features]
+        rule, values = self.rules[t.index], self.values[t.index]
+        extra: dict[str, Any] = {"values": values}
+        if self.guard is not None:
+            extra["guard"] = self.guard
+        if check_finite:  # the update checks the gradients passed as they are; other forms here
+            extra["check_finite"] = True
+        n_ids = sum(int(d.ids.shape[0]) for d in prepared)
+        lazy_sum = update_kind(t) == "accumulate"
+        identity = n_ids and all(d.identity for d in prepared) and lazy_sum
+        if not (identity and len(features) == 1 and be.capabilities.shaped_rows):
+            grads = [xp.reshape(g, (-1, t.dimension)) for g in grads]  # [ids, D]
+        if identity:
+            # Every feature has one id per slot: the (weighted) activation gradients are the
+            # per-id gradients, in id order, so no slot index travels.
+            rows = [g if d.unit_scale else g * xp.reshape(self._scale(k), tuple(g.shape[:-1]) + (1,))
+                    for k, d, g in zip(features, prepared, grads)]
+            source = rows[0] if len(rows) == 1 else xp.concat(rows, axis=0)
+            if check_finite and not all(d.unit_scale for d in prepared):
+                self._check_now(grads)
+                extra.pop("check_finite")
+            return list(be.update_rows(self.state.tables[t.index], self._ids(features), source, rule, **extra))
+        if n_ids and be.capabilities.grad_index_updates and lazy_sum:
+            # The combiner's backward fused into the update: the backend sums
+            # scale_k * grad[slot_k] per row without one gradient row per id.
+            if len(features) == 1:
+                index = self._ids(features, "slots")
+            else:  # each feature's slots after the previous features' slots
+                offsets = np.cumsum([0] + [d.num_slots for d in prepared[:-1]])
+                index = be.asarray(np.concatenate([d.slots + o for d, o in zip(prepared, offsets)]), dtype="int64")
+            if all(d.unit_scale for d in prepared):
+                weights = None  # the sum combiner without weights: nothing to multiply
+            elif len(features) == 1:
+                weights = self._scale(features[0])
+            else:
+                weights = be.asarray(np.concatenate([d.scale for d in prepared]), dtype="float32")
+            source = grads[0] if len(grads) == 1 else xp.concat(grads, axis=0)
+            return list(be.update_rows(self.state.tables[t.index], self._ids(features), source, rule,
+                                       grad_index=index, grad_weights=weights, **extra))
+        if check_finite:
+            self._check_now(grads)
+        host_ids = np.concatenate([d.ids for d in prepared]) if prepared else np.zeros(0, np.int64)
+        rows = [combiners.backward(be, g, xp.reshape(self._scale(k), (-1, 1)), self._ids([k], "slots"),
+                                   d.unit_scale, d.identity) for k, d, g in zip(features, prepared, grads)]
+        row_grads = xp.concat(rows, axis=0) if len(rows) > 1 else rows[0] if rows else None
+        if row_grads is None:
+            row_grads = be.asarray(np.zeros((0, t.dimension), np.float32))
+        return apply_table(be, list(self.state.tables[t.index]), t, host_ids, row_grads, self.lrs, rule,
+                           guard=self.guard, part_sizes=[int(d.ids.shape[0]) for d in prepared], values=values)
+
+    def _check_now(self, grads: list[Any]) -> None:
+        """NaN/Inf in one table's gradients raise NonFiniteError (nothing written yet)."""
+        if not all(self.backend.all_finite(g) for g in grads):
+            raise NonFiniteError()
