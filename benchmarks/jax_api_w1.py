@@ -67,7 +67,7 @@ def engine_step(sizes: dict, optimizer: str) -> Callable[[], Any]:
         emb.enqueue([ragged])
         acts = emb.dequeue()
         emb.apply_gradients([grad + 1e-3 * acts[0]])
-        return acts, emb._state[0][0].data  # reading .data waits for a deferred capacity check
+        return acts, emb.state.tables[0][0].data  # reading .data waits for a deferred capacity check
 
     return step
 
@@ -207,7 +207,7 @@ def profile(sizes: dict, repeats: int, optimizers: tuple[str, ...]) -> dict:
             t1 = time.perf_counter()
             acts = emb.dequeue()
             emb.apply_gradients([grad + 1e-3 * acts[0]])
-            jax.block_until_ready((acts, emb._state[0][0].data))
+            jax.block_until_ready((acts, emb.state.tables[0][0].data))
             times["enqueue"].append((t1 - t0) * 1e3)
             times["engine step"].append((time.perf_counter() - t0) * 1e3)
 

@@ -77,7 +77,7 @@ def _engine_step(d: _Data, optimizer: str) -> Callable[[], Any]:
         emb.apply_gradients([grad])
         return acts  # this step's update finishes before the next step's lookup reads the table
 
-    step.finish = lambda: _sync(emb._state[0][0].data)  # type: ignore[attr-defined]
+    step.finish = lambda: _sync(emb.state.tables[0][0].data)  # type: ignore[attr-defined]
     return step
 
 

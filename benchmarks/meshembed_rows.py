@@ -49,7 +49,7 @@ def w1(sizes: dict, repeats: int = 7, backend: str = "numpy", case: str = "sgd",
         return acts
 
     # the step's update may still run (JAX): reading a row of the table waits for it
-    step.finish = lambda: be.to_numpy(emb.backend.gather(emb._state[0][0], be.asarray(np.zeros(1, np.int64))))
+    step.finish = lambda: be.to_numpy(emb.backend.gather(emb.state.tables[0][0], be.asarray(np.zeros(1, np.int64))))
 
     med, lo, hi = timeit(step, repeats=repeats, sync=_sync(be))
     n_slots = len(optimizer.slot_names)

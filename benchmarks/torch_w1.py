@@ -119,7 +119,7 @@ def _make_step(impl: str, d: _Data, optimizer: str) -> Callable[[], Any]:
 
         emb, feat = _engine(d, optimizer)
         b = {"fast": TorchBackend(compile="never"), "fast+compile": TorchBackend(compile="always")}.get(impl, emb.backend)
-        state = emb._state[0]
+        state = emb.state.tables[0]
         fn = make_rule(emb.layout.tables[0])  # the update as data; its learning rate passed per call
         if impl == "update_rows":
             ids_t = b.asarray(d.ids, dtype="int64")
@@ -128,10 +128,11 @@ def _make_step(impl: str, d: _Data, optimizer: str) -> Callable[[], Any]:
 
         def step() -> Any:
             emb.enqueue([feat])  # the engine's host-side input normalisation and transfer
-            f = emb._pending.features[0]
-            emb._pending = None
-            acts = b.gather_combine(state[0], f.ids, f.slots, f.num_slots, weights=f.scale)
-            b.update_rows(state, f.ids, d.grad, fn, values=(LR,), grad_index=f.slots, grad_weights=f.scale)
+            batch = emb.pending
+            emb.discard()
+            ids, slots, scale = (batch.device_array(b, 0, name) for name in ("ids", "slots", "scale"))
+            acts = b.gather_combine(state[0], ids, slots, batch.features[0].num_slots, weights=scale)
+            b.update_rows(state, ids, d.grad, fn, values=(LR,), grad_index=slots, grad_weights=scale)
             return acts
 
         return step

@@ -146,7 +146,7 @@ def _engine_steps(backend: str, d: _Data, algorithm: str, per_id: bool = False) 
             sync(acts)  # the update may still run (JAX): the next lookup waits for it
             return acts
 
-        step.finish = lambda: sync(emb._state[0][0].data)  # type: ignore[attr-defined]
+        step.finish = lambda: sync(emb.state.tables[0][0].data)  # type: ignore[attr-defined]
         return step
 
     return {"per_id": make(False)} if per_id else {"constant": make(False), "changing": make(True)}

@@ -36,7 +36,7 @@ def run(backend: str, algorithm: str, rounds: int = 5, steps: int = 8, sizes: di
                 sync(acts)
                 t1 = time.perf_counter()
                 emb.apply_gradients([grad], learning_rates=lrs(j))
-                sync(emb._state[0][0].data)
+                sync(emb.state.tables[0][0].data)
                 t2 = time.perf_counter()
                 del acts
                 if r:

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from meshembed.embedding import step as steps
+from meshembed.embedding.batch import resolve_mode
 from meshembed.embedding.engine import TPUEmbedding
 from meshembed.errors import CapacityError, ConfigError, MeshembedError
 
@@ -103,7 +105,7 @@ class FunctionalEngine(TPUEmbedding):
             return super().enqueue(features, weights, training=training, mode_override=mode_override)
         from meshembed_jax import api
 
-        self._resolve_mode(training, mode_override)  # the engine's own mode and order errors first
+        resolve_mode(self.layout, training, mode_override)  # the engine's own mode and order errors first
         self._check_can_enqueue()
         try:
             batch, prepared = api.prepare(self.config, features, weights), None
@@ -118,7 +120,7 @@ class FunctionalEngine(TPUEmbedding):
             raise
         if prepared is not None:
             raise AssertionError(f"enqueue accepted the batch but me.jax.prepare raised {prepared!r}")
-        self._pending.extra["batch"] = self._engine_capacity(features, weights) or batch
+        self._jax_batch = (self.pending, self._engine_capacity(features, weights) or batch)
 
     def _engine_capacity(self, features: Any, weights: Any) -> Any:
         """The batch again with each table's ``unique_capacity`` set to the one the engine's
@@ -133,9 +135,9 @@ class FunctionalEngine(TPUEmbedding):
         from meshembed_jax import api
 
         sizes = {}
-        for f, d in zip(self.layout.features, self._pending.features):
-            sizes[f.table] = sizes.get(f.table, 0) + int(d.host_ids.shape[0])
-        caps = {t.name: max(1, self.backend._capacity_for(self._state[t.index][0].layout, sizes[t.index]))
+        for f, d in zip(self.layout.features, self.pending.features):
+            sizes[f.table] = sizes.get(f.table, 0) + int(d.ids.shape[0])
+        caps = {t.name: max(1, self.backend._capacity_for(self.state.tables[t.index][0].layout, sizes[t.index]))
                 for t in self.layout.tables if sizes.get(t.index)}
         try:
             return api.prepare(self.config, features, weights, unique_capacity=caps)
@@ -150,14 +152,20 @@ class FunctionalEngine(TPUEmbedding):
         return api.Batch(b.ids, b.slots, b.scale, b.features,
                          tuple(caps.get(t.name) for t in self.layout.tables))
 
+    def _batch_of_pending(self) -> Any:
+        """The me.jax batch prepared beside the engine's pending one (None: enqueued another way)."""
+        held = getattr(self, "_jax_batch", None)
+        return held[1] if held is not None and held[0] is self.pending else None
+
     def dequeue(self) -> Any:
         want = super().dequeue()  # the engine's state checks; the pending batch is marked read
         if not self._functional():
             return want
         lookup, _ = _jitted()
-        got = lookup(self._fstate(), self._pending.extra["batch"])
-        pairs = zip(self._keys, self._keys) if self._keys else enumerate(f.name for f in self.layout.features)
-        out = [None] * len(self.layout.features) if not self._keys else {}
+        got = lookup(self._fstate(), self._batch_of_pending())
+        keys = self.layout.keys
+        pairs = zip(keys, keys) if keys else enumerate(f.name for f in self.layout.features)
+        out = [None] * len(self.layout.features) if not keys else {}
         for k, name in pairs:
             _same_bits(got[name], want[k], f"the activations of {name!r}")
             out[k] = got[name]
@@ -169,13 +177,13 @@ class FunctionalEngine(TPUEmbedding):
         from meshembed_jax.table import JaxShardedTable
 
         # the engine's checks (me.jax cannot check values inside jit): they raise before anything runs
-        p = self._check_can_apply()
+        self._check_can_apply()
         allow = self.allow_nonfinite if allow_nonfinite is None else bool(allow_nonfinite)
-        grads = self._check_gradients(gradients, check_now=not allow)
-        lrs = self._check_learning_rates(learning_rates)
-        batch = p.extra.get("batch")
+        grads = steps.check_gradients(self.backend, self.layout, gradients, check_now=not allow)
+        lrs = steps.check_learning_rates(self.layout, learning_rates, self.backend)
+        batch = self._batch_of_pending()
         state = self._fstate()
-        if batch is None:  # enqueued another way (e.g. _enqueue_batches): the engine's path only
+        if batch is None:  # enqueued another way (e.g. enqueue_batch): the engine's path only
             return super().apply_gradients(gradients, learning_rates, allow_nonfinite=allow_nonfinite)
         shaped = [g.reshape(f.output_shape + (self.layout.tables[f.table].dimension,))
                   for f, g in zip(self.layout.features, grads)]
@@ -186,11 +194,13 @@ class FunctionalEngine(TPUEmbedding):
         jax.block_until_ready(new)  # done reading them before the engine's kernels donate them
         super().apply_gradients(gradients, learning_rates, allow_nonfinite=allow_nonfinite)
         st = new._static
+        tables = {}
         for t in self.layout.tables:
             names = st.names[t.index]
-            for n, old in zip(names, self._state[t.index]):
+            for n, old in zip(names, self.state.tables[t.index]):
                 _same_bits(new.tables[t.name][n], old.data, f"table {t.name!r} {n!r} after step {self.step}")
-            self._state[t.index] = [JaxShardedTable(new.tables[t.name][n], st.shard_layouts[t.index], t.dimension)
-                                    for n in names]
+            tables[t.index] = [JaxShardedTable(new.tables[t.name][n], st.shard_layouts[t.index], t.dimension)
+                               for n in names]
+        self.state = self.state.replace(tables)
         if int(new.step) != self.step:
             raise AssertionError(f"me.jax step counter {int(new.step)} != the engine's {self.step}")

@@ -234,7 +234,7 @@ def test_bad_enqueue_is_rejected_and_changes_nothing(backend, case):
         emb.enqueue(feats, weights)
     assert any(name in str(info.value) for name in ("fa", "fb", "fa_seq", "feature", "features"))
     assert_same_state(before, snapshot(emb))
-    assert emb._pending is None  # nothing half-queued: a good batch goes through next
+    assert emb.pending is None  # nothing half-queued: a good batch goes through next
     run(emb, steps=1, start=6)
 
 

@@ -51,8 +51,8 @@ def snapshot(emb: me.TPUEmbedding) -> dict:
         for name, arr in emb.retrieve_parameters(t).items():
             snap[f"{t}/{name}"] = np.asarray(arr).view(np.uint32).copy()
     p = emb._pending
-    snap["pending"] = None if p is None else (p.mode, p.dequeued, [
-        (d.host_ids.copy(), d.host_slots.copy(), d.host_scale.copy(), d.num_slots) for d in p.features])
+    snap["pending"] = None if p is None else (p.batch.mode, p.dequeued, [
+        (d.ids.copy(), d.slots.copy(), d.scale.copy(), d.num_slots) for d in p.batch.features])
     return snap
 
 
@@ -79,11 +79,11 @@ def check_recovers(emb: me.TPUEmbedding, backend: str, lrs=(), **kw) -> None:
     """The engine's next good step equals a fresh engine's with the same good history (the
     same batch pending, when one is)."""
     fresh = engine(backend, **kw)
-    if emb._pending is not None:
+    if emb.pending is not None:
         pending_step(fresh)
     for e in (emb, fresh):
-        if e._pending is not None:
-            if e._pending.mode == "training" and not e._pending.dequeued:
+        if e.pending is not None:
+            if e.pending.mode == "training" and not e._pending.dequeued:
                 e.dequeue()
             e.apply_gradients(grads(e), learning_rates=lrs)
         step(e, 2, learning_rates=lrs)
@@ -177,7 +177,7 @@ def test_pending_ids_never_alias_the_callers_buffer():
     emb = engine("numpy")
     buf = np.array([1, 2, 2, 19], np.int64)
     emb.enqueue([buf, *ids()[1:]])
-    held = emb._pending.features[0].host_ids
+    held = emb.pending.features[0].ids
     assert not np.shares_memory(held, buf)
 
 
@@ -473,7 +473,7 @@ def test_training_flag_must_be_a_bool():
     emb = engine("numpy")
     refused(emb, lambda: emb.enqueue(ids(), training="False"), me.InputError, "training")
     emb.enqueue(ids(), training=np.bool_(False))
-    assert emb._pending.mode == "inference"
+    assert emb.pending.mode == "inference"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -423,7 +423,7 @@ def test_capacity_error_in_a_later_table_changes_no_table():
         emb.apply_gradients([np.ones((8, 4), np.float32)] * 2)
     for t in "ab":
         np.testing.assert_array_equal(emb.retrieve_parameters(t)["parameters"], before[t])
-    assert emb._pending is not None  # the batch is still pending (a larger capacity could take it)
+    assert emb.pending is not None  # the batch is still pending (a larger capacity could take it)
 
 
 def test_capacity_from_env(monkeypatch):

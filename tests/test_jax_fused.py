@@ -67,7 +67,7 @@ def test_plain_update_rows_equals_numpy(algorithm):
         rule = make_rule(emb.layout.tables[0])
         lr = emb.layout.tables[0].optimizer.learning_rate
         before = jax_backend.fused_calls[0]
-        state = be.update_rows(emb._state[0], be.asarray(ids), be.asarray(grads), rule, values=(lr,))
+        state = be.update_rows(emb.state.tables[0], be.asarray(ids), be.asarray(grads), rule, values=(lr,))
         if name == "jax":
             assert jax_backend.fused_calls[0] == before + 1
         results.append([np.asarray(be.unshard(t)) for t in state])
@@ -129,7 +129,7 @@ def test_the_tables_are_updated_in_place():
     emb.dequeue()
     emb.apply_gradients([emb.backend.asarray(np.ones((4, 16), np.float32))])
     be = emb.backend
-    state = emb._state[0]
+    state = emb.state.tables[0]
     layout = state[0].layout
     key = next(k for k in be._kernels if k[:3] == ("fused_update", layout, 16))
     from meshembed_jax import cpu_kernels
@@ -220,11 +220,11 @@ def test_mismatched_gradients_raise_before_anything_is_written(shape):
     emb = _engine("jax", me.embedding.Adagrad(learning_rate=0.1), vocab=100, batch=4)
     be = emb.backend
     rule = make_rule(emb.layout.tables[0])
-    before = [np.asarray(be.unshard(t)).copy() for t in emb._state[0]]
+    before = [np.asarray(be.unshard(t)).copy() for t in emb.state.tables[0]]
     calls = jax_backend.fused_calls[0]
     with pytest.raises(TypeError):
-        be.update_rows(emb._state[0], be.asarray(np.array([1, 2, 2, 3])), be.asarray(np.ones(shape, np.float32)),
+        be.update_rows(emb.state.tables[0], be.asarray(np.array([1, 2, 2, 3])), be.asarray(np.ones(shape, np.float32)),
                        rule, values=(0.1,))
     assert jax_backend.fused_calls[0] == calls
-    for t, b in zip(emb._state[0], before):
+    for t, b in zip(emb.state.tables[0], before):
         np.testing.assert_array_equal(np.asarray(be.unshard(t)), b)

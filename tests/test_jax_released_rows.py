@@ -37,7 +37,7 @@ def _ids(seed: int) -> np.ndarray:
 
 
 def _table(emb: me.TPUEmbedding) -> np.ndarray:
-    return np.asarray(emb.backend.to_numpy(emb._state[0][0]))
+    return np.asarray(emb.backend.to_numpy(emb.state.tables[0][0]))
 
 
 def _step(emb: me.TPUEmbedding, seed: int, grad: np.ndarray) -> jax.Array:

@@ -70,7 +70,7 @@ def test_bad_gradient_index_raises_and_changes_nothing():
     cfg = me.EmbeddingConfig(tables=[me.TableConfig("t", 50, 8, optimizer=me.embedding.Adagrad(learning_rate=0.1))],
                              features=[me.FeatureConfig("t", (4,), name="f")])
     emb = me.TPUEmbedding(cfg, backend="torch")
-    be, state = emb.backend, emb._state[0]
+    be, state = emb.backend, emb.state.tables[0]
     fn = make_rule(emb.layout.tables[0])
     before = [t.data.clone() for t in state]
     ids, grads = torch.tensor([1, 2, 2, 7]), torch.ones(3, 8)

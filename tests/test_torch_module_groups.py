@@ -100,7 +100,7 @@ WORKER = textwrap.dedent('''
                 ec._move_tables(torch.device("cpu"))
             except me.ConfigError as exc:
                 (tmp / f"move{rank}.txt").write_text(str(exc))
-            rows = ec.engine._state[0][0].data.shape[0]  # this rank's rows of the one table
+            rows = ec.engine.state.tables[0][0].data.shape[0]  # this rank's rows of the one table
             (tmp / f"rows{rank}.txt").write_text(str(rows))
             dist.barrier()
         except BaseException:

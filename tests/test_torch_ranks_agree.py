@@ -364,15 +364,15 @@ def test_a_peer_failure_refuses_the_call_here_with_its_type_and_nothing_changes(
     monkeypatch.setattr(emb.backend, "agree", _Peers(statuses=(0, status_of(InputError()))))
     with pytest.raises(InputError, match=r"`enqueue` failed on rank 1 of 2 \(InputError\)"):
         emb.enqueue(_feats())
-    assert emb._pending is None
+    assert emb.pending is None
     monkeypatch.setattr(emb.backend, "agree", _Peers())
     emb.enqueue(_feats())
     emb.dequeue()
-    pending = emb._pending
+    pending = emb.pending
     monkeypatch.setattr(emb.backend, "agree", _Peers(statuses=(0, 0, status_of(CapacityError()), status_of(StateError())), rank=1))
     with pytest.raises(CapacityError, match=r"failed on rank 2, 3 of 4 \(CapacityError\).*Fix: correct the input on rank 2"):
         emb.apply_gradients(_local(2, 0, _grads(2, 0)))
-    assert emb._pending is pending and emb.step == 0
+    assert emb.pending is pending and emb.step == 0
     after = _tables(emb)
     assert all(np.array_equal(before[k], after[k]) for k in before)
     monkeypatch.setattr(emb.backend, "agree", _Peers(statuses=(0, status_of(StateError()))))
@@ -455,11 +455,11 @@ def test_raw_op_enqueue_and_send_agree_too(monkeypatch):
         ids = [np.arange(SAMPLES) % 11] * 3
         with pytest.raises(InputError, match="embedding_indices"):
             me.ops.enqueue_tpu_embedding_arbitrary_tensor_batch([[]] * 3, ids[:2], [])
-        assert peers.calls == [status_of(InputError())] and emb._pending is None
+        assert peers.calls == [status_of(InputError())] and emb.pending is None
         monkeypatch.setattr(emb.backend, "agree", _Peers(statuses=(0, status_of(InputError()))))
         with pytest.raises(InputError, match=r"`enqueue` failed on rank 1 of 2"):
             me.ops.enqueue_tpu_embedding_arbitrary_tensor_batch([[]] * 3, ids, [])
-        assert emb._pending is None
+        assert emb.pending is None
         monkeypatch.setattr(emb.backend, "agree", peers)
         me.ops.enqueue_tpu_embedding_arbitrary_tensor_batch([[]] * 3, ids, [])
         acts = me.ops.recv_tpu_embedding_activations(3)

@@ -289,6 +289,7 @@ class TPUEmbedding:
         p = self._pending
         if p is None:
             raise StateError("Cannot dequeue: nothing was enqueued. Fix: call `enqueue(features)` first.")
+        steps.refuse_if_tracing(self.backend, "dequeue")  # the pending batch stays as it was
         outs = steps.lookup(self.backend, self.state, p.batch)
         if any(self.backend.is_traced(a) for a in outs):
             raise steps.traced_call_error("dequeue")  # the pending batch stays as it was

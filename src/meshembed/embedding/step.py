@@ -116,6 +116,11 @@ def lookup(backend: Any, state: EngineState, batch: Batch) -> list[Any]:
 
 
 # -- validation ----------------------------------------------------------------------------------
+def _tags(n: int) -> str:
+    """``[0, 1, 2]``, or ``[0, ..., n-1]`` for many tags (never a list of n numbers)."""
+    return str(list(range(n))) if n <= 4 else f"[0, 1, ..., {n - 1}]"
+
+
 def learning_rate_list(layout: Layout, learning_rates: Any, backend: Any = None) -> list[Any]:
     """``learning_rates`` as a list in tag order: a sequence (or rank-1 array) with one value
     per tag, or a mapping with exactly the tags ``0..n-1`` as keys (never its keys as rates)."""
@@ -128,7 +133,7 @@ def learning_rate_list(layout: Layout, learning_rates: Any, backend: Any = None)
         if len(ints) != len(keys) or len(keys) != n or any(not 0 <= int(k) < n for k in keys):
             shown = keys[:8] + (["..."] if len(keys) > 8 else [])
             raise InputError(
-                f"Invalid `learning_rates`: a mapping must have exactly the dynamic tags 0..{n - 1} "
+                f"Invalid `learning_rates`: a mapping must have exactly the dynamic tags {_tags(n)} "
                 f"as keys ({{tag: value}}). Received keys: {shown!r}. Fix: e.g. learning_rates=[0.1] "
                 "or {0: 0.1} for tag 0."
             )
