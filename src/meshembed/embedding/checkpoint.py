@@ -11,21 +11,29 @@ A checkpoint is a directory::
 Arrays are stored unsharded, so a checkpoint written with 2 shards on NumPy restores into
 8 shards on JAX.
 
-Saving never deletes data it did not write: ``path`` may be missing, an empty directory or a
-meshembed checkpoint (a directory holding only the three files, with our manifest); anything
-else (another directory, a file, a symbolic link, ``.``, a path under a regular file) is a
-CheckpointError and nothing is touched. The new checkpoint is written into a sibling
-``<name>.tmp-<tag>`` (marked as ours by its first file, ``.meshembed-partial``) and renamed
-into place; an existing checkpoint is first renamed to ``<name>.old-<tag>`` and removed
-after, so a crash at any point leaves a complete checkpoint at ``path`` or at
-``path.old-*`` (which :func:`restore` falls back to when ``path`` is missing). Siblings a
-crashed save left behind are removed by the next successful save of the same path, only
-those named and marked as ours, and only the files we write.
+Saving never deletes or moves anything it did not write: ``path`` may be missing, an empty
+directory or a meshembed checkpoint (a directory holding only the three files, as regular
+files, with our manifest); anything else (another directory, a file, a symbolic link, ``.``, a
+path under a regular file) is a CheckpointError and nothing is touched. The new checkpoint is
+written into a sibling ``<name>.tmp-<tag>`` and renamed into place; an existing checkpoint is
+first renamed to ``<name>.old-<tag>`` and removed after, so a crash at any point leaves a
+complete checkpoint at ``path`` or at ``path.old-<tag>`` (which :func:`restore` falls back to
+when ``path`` is missing). Both siblings carry a marker file, ``.meshembed-save``: JSON naming
+meshembed, the path saved, the directory's own name, a random token and the pid. Only a
+directory whose marker names it and ``path``, holding nothing but files a save writes, counts
+as a leftover: the next successful save of ``path`` removes it (its known files, then the
+directory). A name alone proves nothing: a user's ``model.old-20261204`` is never touched.
 
 Restoring verifies everything before building an engine: the manifest schema field by field,
 its own checksum, the checksum and size of every file, that config.pb parses and matches the
 manifest's tables, and that every table and slot of the config is in arrays.npz with its
-shape and dtype. Any failure is a CheckpointError naming the file and the field.
+shape and dtype (read from each array's header before any array is loaded), and that its
+values are ones the optimizer can continue from: no NaN/Inf unless ``allow_nonfinite=True``,
+and no negative value in a slot the update takes a root or power of (Adagrad's accumulators,
+Adam's velocities, RMSProp's ``ms``, ...). ``save`` refuses the same values, so it never writes
+what ``restore`` would refuse (NaN/Inf are saved only from an engine created with
+``allow_nonfinite=True``). Any failure is a CheckpointError naming the file, table and field;
+running out of memory is one too, stating the bytes the tables need.
 
 Several processes (torch.distributed ranks): every process gathers the tables, only the
 backend's writer (``Backend.is_writer``: rank 0) writes, then all meet at ``Backend.barrier``;
@@ -47,8 +55,10 @@ import json
 import os
 import pathlib
 import re
+import stat
 import uuid
 import warnings
+import zipfile
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
@@ -60,11 +70,21 @@ from meshembed.errors import CheckpointError, ConfigError, InputError, Meshembed
 FORMAT = "meshembed.tpu_embedding.checkpoint"
 VERSION = 2
 FILES = ("arrays.npz", "config.pb", "manifest.json")
-PARTIAL = ".meshembed-partial"  # first file of a temporary directory: ours until manifest.json exists
-_PARTIAL_BYTES = f"{FORMAT} (incomplete)\n".encode()
+MARKER = ".meshembed-save"  # in every directory a save sets aside (temporary or old copy): ours to remove
+_MARKER_MAX = 8192
+_NAME_MAX = 240  # bytes of a sibling's name before ".tmp-<8 hex>": within the usual 255-byte limit
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _FIX = ("Fix: the checkpoint was changed or damaged after it was written; restore it from an intact "
         "copy, or use an earlier checkpoint.")
+# Slots the update takes a root or a power of (they accumulate squares): no training reaches a
+# negative value there, and restoring one would turn the next step into NaN.
+NON_NEGATIVE_SLOTS: dict[str, tuple[str, ...]] = {
+    "adagrad": ("accumulators",), "adagrad_momentum": ("accumulators",), "bounded_adagrad": ("accumulators",),
+    "frequency_aware_adagrad": ("accumulators",), "proximal_adagrad": ("accumulators",),
+    "mdl_adagrad_light": ("accumulators",), "ftrl": ("accumulators",), "adam": ("velocities",),
+    "rms_prop": ("ms",), "centered_rms_prop": ("ms",), "adadelta": ("accumulators", "updates"),
+    "online_yogi": ("vs",), "proximal_yogi": ("v",),
+}
 
 
 # ----------------------------------------------------------------------------- files
@@ -101,41 +121,78 @@ def _canonical(body: Mapping[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
+def _stem(name: str) -> str:
+    """``name`` cut so that its siblings' names fit the file system's name limit (the marker,
+    not the name, says which path a sibling belongs to)."""
+    while len(os.fsencode(name)) > _NAME_MAX:
+        name = name[:-1]
+    return name
+
+
 def _sibling(path: pathlib.Path, kind: str, tag: str) -> pathlib.Path:
-    return path.with_name(f"{path.name}.{kind}-{tag}")
+    return path.with_name(f"{_stem(path.name)}.{kind}-{tag}")
 
 
-def _is_ours(directory: pathlib.Path, allow_partial: bool = False) -> bool:
-    """A real directory holding only files a save writes, marked by our manifest (or, for a
-    temporary directory, by the partial marker). An empty directory is not ours."""
+def _write_marker(directory: pathlib.Path, path: pathlib.Path, kind: str, name: str, token: str) -> None:
+    """Mark ``directory`` (to be named ``name``) as set aside by this save of ``path``: one
+    small write, never through a link, fsynced."""
+    body = {"meshembed": FORMAT, "for": path.name, "kind": kind, "dir": name, "token": token, "pid": os.getpid()}
+    fd = os.open(directory / MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        os.write(fd, json.dumps(body).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _marker(directory: pathlib.Path) -> dict | None:
+    """The marker a save wrote in ``directory`` (a regular file with our JSON), else None."""
+    file = directory / MARKER
+    try:
+        st = os.lstat(file)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MARKER_MAX:
+            return None
+        body = json.loads(file.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    ok = isinstance(body, dict) and body.get("meshembed") == FORMAT and all(
+        isinstance(body.get(k), str) for k in ("for", "kind", "dir"))
+    return body if ok else None
+
+
+def _entries(directory: pathlib.Path) -> dict[str, bool] | None:
+    """``{name: is a regular file}`` of a real directory (not a link), else None."""
     try:
         if directory.is_symlink() or not directory.is_dir():
-            return False
-        entries = set(os.listdir(directory))
+            return None
+        return {e.name: e.is_file(follow_symlinks=False) for e in os.scandir(directory)}
     except OSError:
+        return None
+
+
+def _has_our_manifest(directory: pathlib.Path) -> bool:
+    try:
+        manifest = json.loads((directory / "manifest.json").read_bytes())
+    except (OSError, ValueError, RecursionError):
         return False
-    allowed = set(FILES) | ({PARTIAL} if allow_partial else set())
-    if not entries or not entries <= allowed:
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
+
+
+def _is_leftover(directory: pathlib.Path, path: pathlib.Path) -> bool:
+    """``directory`` was set aside by a save of ``path`` and left behind: its marker names
+    ``path`` and the directory itself (a copy under another name is not ours), and it holds
+    nothing but regular files a save writes."""
+    entries = _entries(directory)
+    if entries is None or not set(entries) <= {*FILES, MARKER} or not all(entries.values()):
         return False
-    if "manifest.json" in entries:
-        try:
-            manifest = json.loads((directory / "manifest.json").read_bytes())
-            if isinstance(manifest, dict) and manifest.get("format") == FORMAT:
-                return True
-        except (OSError, ValueError):
-            pass
-    if allow_partial and PARTIAL in entries:
-        try:  # a save killed while writing the marker leaves a prefix of it
-            return _PARTIAL_BYTES.startswith((directory / PARTIAL).read_bytes())
-        except OSError:
-            return False
-    return False
+    m = _marker(directory)
+    return m is not None and m["for"] == path.name and m["dir"] == directory.name
 
 
 def _remove_ours(directory: pathlib.Path) -> None:
-    """Remove a directory this module wrote: only its known files, the big one first and the
+    """Remove a directory a save set aside: only its known files, the big one first and the
     marker last (an interrupted removal stays recognisable), then the directory if empty."""
-    for name in ("arrays.npz", "config.pb", PARTIAL, "manifest.json"):
+    for name in ("arrays.npz", "config.pb", "manifest.json", MARKER):
         try:
             os.unlink(directory / name)
         except FileNotFoundError:
@@ -148,26 +205,19 @@ def _remove_ours(directory: pathlib.Path) -> None:
         pass
 
 
-def _leftovers(path: pathlib.Path) -> list[pathlib.Path]:
-    """``<name>.tmp-<tag>`` / ``<name>.old-<tag>`` siblings of ``path`` that a save wrote."""
-    pattern = re.compile(re.escape(path.name) + r"\.(tmp|old)-[0-9a-f]{8}")
+def _candidates(path: pathlib.Path) -> list[pathlib.Path]:
+    """Siblings named like a save's temporary or old directory of ``path`` (ours or not)."""
+    pattern = re.compile(re.escape(_stem(path.name)) + r"\.(tmp|old)-[0-9a-f]{8}")
     try:
         names = os.listdir(path.parent)
     except OSError:
         return []
-    out = []
-    for name in sorted(names):
-        m = pattern.fullmatch(name)
-        if m and (_is_ours(path.parent / name, allow_partial=m.group(1) == "tmp") or _is_empty_dir(path.parent / name)):
-            out.append(path.parent / name)  # (an empty one: a save killed before its first write)
-    return out
+    return [path.parent / n for n in sorted(names) if pattern.fullmatch(n)]
 
 
-def _is_empty_dir(directory: pathlib.Path) -> bool:
-    try:
-        return not directory.is_symlink() and directory.is_dir() and not os.listdir(directory)
-    except OSError:
-        return False
+def _leftovers(path: pathlib.Path) -> list[pathlib.Path]:
+    """The siblings of ``path`` an earlier save of it set aside and left behind (by marker)."""
+    return [p for p in _candidates(path) if _is_leftover(p, path)]
 
 
 # ----------------------------------------------------------------------------- save
@@ -317,13 +367,81 @@ def check_target(path: Any) -> pathlib.Path:
                      "Fix: check its permissions or choose another path.") from None
     if not entries:
         return path
-    extra = [e for e in entries if e not in FILES]
+    extra = [e for e in entries if e not in FILES and not (e == MARKER and _marker_for(path))]
     if extra:
         raise refuse(f"it is a directory holding files a meshembed checkpoint does not have ({extra[:5]}"
                      f"{' ...' if len(extra) > 5 else ''}), and save replaces the whole directory")
-    if not _is_ours(path):
+    kinds = _entries(path) or {}
+    odd = [e for e in entries if not kinds.get(e, False)]
+    if odd:
+        raise refuse(f"its {odd[0]!r} is a directory or link, not the file a meshembed checkpoint has, and "
+                     "save replaces the whole directory")
+    if not _has_our_manifest(path):
         raise refuse("it is a directory whose manifest.json does not mark it as a meshembed checkpoint")
     return path
+
+
+def _marker_for(path: pathlib.Path) -> bool:
+    """``path`` holds the marker of a save of ``path`` (left by a save killed mid-rename)."""
+    m = _marker(path)
+    return m is not None and m["for"] == path.name
+
+
+def _nbytes(tables: Sequence[Any]) -> int:
+    """Bytes of every table's float32 parameters and slots, unsharded."""
+    return sum(4 * int(t.vocabulary_size) * int(t.dimension) * (1 + len(t.optimizer.slot_names)) for t in tables)
+
+
+def _out_of_memory(what: str, where: Any, tables: Sequence[Any], nothing: str) -> CheckpointError:
+    n = _nbytes(tables)
+    return CheckpointError(
+        f"{what} {str(where)!r} ran out of memory: the {len(tables)} table(s) with their slots take {n} bytes "
+        f"({n / 2**30:.3g} GiB) as float32 [vocabulary_size, dimension] arrays, held in host memory at once, "
+        f"and that allocation failed (MemoryError). {nothing} Fix: free host memory or use a machine with "
+        "more; the tables' sizes are in the config (vocabulary_size x dimension x (1 + slots) x 4 bytes).")
+
+
+def _first(arr: np.ndarray, bad: Callable[[np.ndarray], np.ndarray]) -> tuple[int, int]:
+    """(row, column) of the first element where ``bad`` holds, scanning a block of rows at a
+    time (no full-size temporary)."""
+    rows = max(1, (1 << 20) // max(1, arr.shape[1]))
+    for start in range(0, arr.shape[0], rows):
+        hit = np.argwhere(bad(arr[start:start + rows]))
+        if hit.size:
+            return start + int(hit[0][0]), int(hit[0][1])
+    return 0, 0
+
+
+def _value_problem(algorithm: str, slot: str, arr: np.ndarray, allow_nonfinite: bool) -> tuple[bool, str] | None:
+    """(is it NaN/Inf, why) ``arr`` cannot be a table's ``slot``, or None. min/max propagate NaN
+    and fmin skips it, so no full-size temporary is made for a good array."""
+    if not allow_nonfinite and not (np.isfinite(arr.min()) and np.isfinite(arr.max())):
+        r, c = _first(arr, lambda b: ~np.isfinite(b))
+        return True, f"holds {arr[r, c]} (first at row {r}, column {c}): NaN/Inf"
+    if slot in NON_NEGATIVE_SLOTS.get(algorithm, ()) and np.fmin.reduce(arr, axis=None) < 0:
+        r, c = _first(arr, lambda b: b < 0)
+        return False, (f"holds {arr[r, c]} (first at row {r}, column {c}), but the {algorithm} update needs "
+                       f"`{slot}` >= 0 (it accumulates squares and takes their root or power)")
+    return None
+
+
+def check_values(engine: Any, path: Any, arrays: Mapping[str, np.ndarray], tables: list[dict]) -> None:
+    """CheckpointError, before anything is written, for values ``restore`` would refuse."""
+    allow = bool(getattr(engine, "allow_nonfinite", False))
+    for entry in tables:
+        for slot, key in entry["arrays"].items():
+            problem = _value_problem(entry["algorithm"], slot, arrays[key], allow)
+            if problem is None:
+                continue
+            nonfinite, why = problem
+            fix = (f"Fix: load finite values with `load_parameters({entry['name']!r}, ...)` (a NaN/Inf usually "
+                   "comes from a too-large learning rate or gradient), or create the engine with "
+                   "`allow_nonfinite=True` to save NaN/Inf tables (restore them with `allow_nonfinite=True`)."
+                   if nonfinite else
+                   f"Fix: load `{slot}` >= 0 with `load_parameters({entry['name']!r}, ...)`, e.g. "
+                   f"np.maximum({slot}, 0).")
+            raise CheckpointError(f"Cannot save a checkpoint to {str(path)!r}: table {entry['name']!r} `{slot}` "
+                                  f"{why}. Nothing was written. {fix}")
 
 
 def save(engine: Any, path: Any) -> pathlib.Path:
@@ -333,11 +451,16 @@ def save(engine: Any, path: Any) -> pathlib.Path:
     tables (a collective), only the writer process (``backend.is_writer``, rank 0 under
     torch.distributed) writes ``path``, and all wait for it at ``backend.barrier`` — so when
     ``save`` returns on any process the checkpoint is complete, and if the writer failed every
-    process raises."""
+    process raises. Every process checks the gathered values (the same on each), so a refusal
+    is raised everywhere before anyone waits."""
     check_saveable(engine)
     backend = engine.backend
     path = pathlib.Path(path) if isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes) else path
-    collected = collect(engine)  # collective: every process, before anything is written
+    try:
+        collected = collect(engine)  # collective: every process, before anything is written
+    except MemoryError:
+        raise _out_of_memory("Saving a checkpoint to", path, engine.layout.tables, "Nothing was written.") from None
+    check_values(engine, path, collected[1], collected[2])
     error: BaseException | None = None
     if getattr(backend, "is_writer", True):
         try:
@@ -346,6 +469,9 @@ def save(engine: Any, path: Any) -> pathlib.Path:
             error = exc
     barrier = getattr(backend, "barrier", None)
     everyone_ok = True if barrier is None else bool(barrier(error is None))
+    if isinstance(error, MemoryError):
+        raise _out_of_memory("Saving a checkpoint to", path, engine.layout.tables,
+                             "The previous checkpoint at that path, if any, is unchanged.") from None
     if error is not None:
         raise error
     if not everyone_ok:
@@ -364,32 +490,48 @@ def _write_atomically(engine: Any, path: Any, collected: tuple) -> None:
         raise CheckpointError(
             f"Cannot save a checkpoint to {str(path)!r}: a parent of it is not a directory ({exc}). "
             "Nothing was written. Fix: choose a path whose parents are directories.") from None
-    tag = uuid.uuid4().hex[:8]
-    tmp = _sibling(path, "tmp", tag)
+    token = uuid.uuid4().hex
+    tmp = _sibling(path, "tmp", token[:8])
     tmp.mkdir()
     old = None
+    placed = False
     try:
-        _write_file(tmp / PARTIAL, _PARTIAL_BYTES)
+        _write_marker(tmp, path, "tmp", tmp.name, token)  # ours from here on (before: an empty directory)
         write_contents(engine, tmp, collected)
-        os.unlink(tmp / PARTIAL)  # the manifest marks it from here on
         _fsync_dir(tmp)
         if os.path.lexists(path):
-            old = _sibling(path, "old", tag)
+            old = _sibling(path, "old", token[:8])
+            _write_marker(path, path, "old", old.name, token)  # the copy set aside is ours to remove
             os.replace(path, old)
         os.replace(tmp, path)
+        placed = True
+        _unlink_marker(path)  # the new checkpoint: its three files only
+        _fsync_dir(path)
         _fsync_dir(path.parent)
     except BaseException:
         if old is not None and not os.path.lexists(path):
             try:  # the second rename failed: put the previous checkpoint back at path
                 os.replace(old, path)
             except OSError:
-                pass  # restore(path) falls back to path.old-*
+                pass  # restore(path) falls back to path.old-*, whose marker names it
+        if (old is not None or placed) and os.path.lexists(path):
+            try:
+                _unlink_marker(path)
+            except OSError:
+                pass
         _remove_ours(tmp)
         raise
     if old is not None:
         _remove_ours(old)
     for leftover in _leftovers(path):  # of earlier saves of this path that crashed
         _remove_ours(leftover)
+
+
+def _unlink_marker(directory: pathlib.Path) -> None:
+    try:
+        os.unlink(directory / MARKER)
+    except FileNotFoundError:
+        pass
 
 
 # ----------------------------------------------------------------------------- read + verify
@@ -429,23 +571,29 @@ def _exact_keys(where: pathlib.Path, obj: dict, keys: set[str], ctx: str, option
 
 
 def _locate(path: pathlib.Path) -> pathlib.Path:
-    """``path`` itself, or — only when nothing is at ``path`` — the previous checkpoint an
-    interrupted save left aside (``path.old-*``), with a warning."""
+    """``path`` itself, or — only when nothing is at ``path`` — the previous checkpoint a save
+    interrupted between its renames set aside (``path.old-*`` with that save's marker), with a
+    warning. A directory only named like one is never used."""
     if os.path.lexists(path):
         if not (path / "manifest.json").is_file():
             raise CheckpointError(
                 f"No checkpoint at {str(path)!r}: manifest.json is missing. Fix: pass the directory "
                 "that TPUEmbedding.save(path) wrote.")
         return path
-    olds = [p for p in _leftovers(path) if ".old-" in p.name and (p / "manifest.json").is_file()]
+    olds = [p for p in _leftovers(path) if _marker(p)["kind"] == "old" and (p / "manifest.json").is_file()]
     if not olds:
+        others = [p.name for p in _candidates(path) if p.is_dir()]
+        note = (f" {others[:3]} next to it {'is' if len(others) == 1 else 'are'} not marked as set aside by a "
+                "meshembed save of this path, so restore does not use it: pass its path to restore it."
+                if others else "")
         raise CheckpointError(
-            f"No checkpoint at {str(path)!r}: the path does not exist. Fix: pass the directory that "
+            f"No checkpoint at {str(path)!r}: the path does not exist.{note} Fix: pass the directory that "
             "TPUEmbedding.save(path) wrote.")
     old = max(olds, key=lambda p: p.stat().st_mtime)
     warnings.warn(
         f"No checkpoint at {str(path)!r}; restoring {str(old)!r}, the previous checkpoint a save "
-        "interrupted between its two renames left aside. The next successful save of the path removes it.",
+        f"interrupted between its two renames set aside (its {MARKER} marker says so). The next successful "
+        "save of the path removes it.",
         stacklevel=5,
     )
     return old
@@ -458,6 +606,8 @@ def _read_manifest(where: pathlib.Path) -> dict:
         manifest = json.loads(raw.decode("utf-8"), parse_constant=lambda c: _reject_constant(c))
     except (UnicodeDecodeError, ValueError) as exc:
         raise _bad(where, "manifest.json", f"is not valid UTF-8 JSON ({type(exc).__name__}: {exc})") from None
+    except RecursionError:  # nesting no manifest has
+        raise _bad(where, "manifest.json", "is nested too deeply to be a meshembed manifest") from None
     if not isinstance(manifest, dict):
         raise _bad(where, "manifest.json", f"is not a JSON object. Received: {type(manifest).__name__}")
     if manifest.get("format") != FORMAT:
@@ -626,43 +776,89 @@ def _config_and_layout(where: pathlib.Path, manifest: dict, config_bytes: bytes)
     return config, layout
 
 
-def _read_arrays(where: pathlib.Path, layout: Any, manifest: dict) -> dict[str, np.ndarray]:
+def _npy_header(z: zipfile.ZipFile, member: str) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) from a .npy member's header, without reading its data."""
+    with z.open(member) as fh:
+        version = np.lib.format.read_magic(fh)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f"unsupported .npy format version {version}")
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read(fh)
+    return shape, dtype
+
+
+def _load_npy(z: zipfile.ZipFile, member: str) -> np.ndarray:
+    with z.open(member) as fh:
+        return np.lib.format.read_array(fh, allow_pickle=False)
+
+
+def _read_arrays(where: pathlib.Path, layout: Any, manifest: dict, allow_nonfinite: bool) -> dict[str, np.ndarray]:
+    """The arrays of arrays.npz: every header checked against the config before any data is
+    read (a header cannot make us allocate more than the config's tables take), then every
+    value (see :func:`_value_problem`)."""
     file = _verify_file(where, "arrays.npz", manifest)
+    wanted = {key for entry in manifest["tables"] for key in entry["arrays"].values()}
+    arrays: dict[str, np.ndarray] = {}
     try:
-        with np.load(file, allow_pickle=False) as npz:
-            stored = set(npz.files)
-            arrays = {k: np.array(npz[k]) for k in npz.files}
+        with zipfile.ZipFile(file) as z:
+            members = {n[:-4] if n.endswith(".npy") else n: n for n in z.namelist()}
+            if set(members) != wanted:
+                missing, extra = sorted(wanted - set(members)), sorted(set(members) - wanted)
+                raise _bad(where, "arrays.npz", f"does not hold the arrays manifest.json field `tables[].arrays` "
+                           f"lists (missing: {missing}, unexpected: {extra})")
+            for t, entry in zip(layout.tables, manifest["tables"]):
+                for name in ("parameters", *t.optimizer.slot_names):
+                    key = entry["arrays"][name]
+                    shape, dtype = _npy_header(z, members[key])
+                    if dtype != np.float32 or shape != (t.vocabulary_size, t.dimension):
+                        raise _bad(where, "arrays.npz", f"array {key!r} (table {t.name!r}, `{name}`) has dtype "
+                                   f"{dtype} and shape {shape}; expected float32 {(t.vocabulary_size, t.dimension)}")
+            for t, entry in zip(layout.tables, manifest["tables"]):
+                for name in ("parameters", *t.optimizer.slot_names):
+                    key = entry["arrays"][name]
+                    arrays[key] = _load_npy(z, members[key])
+                    problem = _value_problem(t.optimizer.algorithm, name, arrays[key], allow_nonfinite)
+                    if problem is not None:
+                        raise _bad_values(where, key, t.name, name, *problem)
+    except (CheckpointError, MemoryError):
+        raise
     except Exception as exc:  # noqa: BLE001 - a damaged archive fails in many ways
         raise _bad(where, "arrays.npz", f"cannot be read without pickles ({type(exc).__name__}: {exc})") from None
-    wanted = {key for entry in manifest["tables"] for key in entry["arrays"].values()}
-    if stored != wanted:
-        missing, extra = sorted(wanted - stored), sorted(stored - wanted)
-        raise _bad(where, "arrays.npz", f"does not hold the arrays manifest.json field `tables[].arrays` lists "
-                   f"(missing: {missing}, unexpected: {extra})")
-    for i, (t, entry) in enumerate(zip(layout.tables, manifest["tables"])):
-        for name, key in entry["arrays"].items():
-            a = arrays[key]
-            if a.dtype != np.float32 or a.shape != (t.vocabulary_size, t.dimension):
-                raise _bad(where, "arrays.npz", f"array {key!r} (table {t.name!r}, `{name}`) has dtype {a.dtype} "
-                           f"and shape {a.shape}; expected float32 {(t.vocabulary_size, t.dimension)}")
     return arrays
 
 
-def _verified(path: Any) -> tuple[dict, bytes, Any, Any, dict[str, np.ndarray]]:
+def _bad_values(where: pathlib.Path, key: str, table: str, slot: str, nonfinite: bool, why: str) -> CheckpointError:
+    if nonfinite:
+        fix = ("Fix: if it was saved from an engine created with allow_nonfinite=True, restore it with "
+               "`allow_nonfinite=True` (meshembed.embedding.checkpoint.restore(TPUEmbedding, path, "
+               "allow_nonfinite=True)); otherwise restore an earlier checkpoint.")
+    else:
+        fix = ("Fix: meshembed never saves such a value, so the file was changed or written by other means; "
+               "restore an intact copy, or load repaired arrays (e.g. np.maximum(a, 0)) with load_parameters.")
+    return CheckpointError(f"Invalid checkpoint at {str(where)!r}: arrays.npz array {key!r} (table {table!r}, "
+                           f"`{slot}`) {why}. Nothing was restored. {fix}")
+
+
+def _verified(path: Any, allow_nonfinite: bool = False) -> tuple[dict, bytes, Any, Any, dict[str, np.ndarray]]:
     """(manifest, config bytes, config, layout, arrays), every check passed."""
     if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
         raise CheckpointError(f"Invalid checkpoint `path`: expected a str or os.PathLike. Received: {type(path).__name__}")
+    if not isinstance(allow_nonfinite, bool):
+        raise InputError(f"Invalid `allow_nonfinite`: expected True or False. Received: {allow_nonfinite!r}")
     where = _locate(pathlib.Path(path))
     manifest = _read_manifest(where)
     config_bytes = _verify_file(where, "config.pb", manifest).read_bytes()
     config, layout = _config_and_layout(where, manifest, config_bytes)
-    arrays = _read_arrays(where, layout, manifest)
+    try:
+        arrays = _read_arrays(where, layout, manifest, allow_nonfinite)
+    except MemoryError:
+        raise _out_of_memory("Restoring the checkpoint at", where, layout.tables, "Nothing was restored.") from None
     return manifest, config_bytes, config, layout, arrays
 
 
-def read(path: Any) -> tuple[dict, bytes, dict[str, np.ndarray]]:
+def read(path: Any, allow_nonfinite: bool = False) -> tuple[dict, bytes, dict[str, np.ndarray]]:
     """(manifest, config bytes, arrays) of a checkpoint, after every check :func:`restore` makes."""
-    manifest, config_bytes, _, _, arrays = _verified(path)
+    manifest, config_bytes, _, _, arrays = _verified(path, allow_nonfinite)
     return manifest, config_bytes, arrays
 
 
@@ -715,11 +911,13 @@ def _learning_rate_fns(manifest: dict, layout: Any, learning_rates: Any,
 
 
 def restore(cls: Any, path: Any, backend: Any = None, num_shards: int | None = None, mesh: Any = None,
-            learning_rates: Any = None) -> Any:
+            learning_rates: Any = None, allow_nonfinite: bool = False) -> Any:
     """Build a ``cls`` engine from the checkpoint at ``path`` and load every table and slot.
 
-    Everything is verified before the engine is built (see the module docstring)."""
-    manifest, _, config, layout, arrays = _verified(path)
+    Everything is verified before the engine is built (see the module docstring).
+    ``allow_nonfinite``: accept NaN/Inf values (saved from an engine created with it), and
+    build the engine with it."""
+    manifest, _, config, layout, arrays = _verified(path, allow_nonfinite)
     fns = _learning_rate_fns(manifest, layout, learning_rates, str(path))
     if fns is not None:
         object.__setattr__(config, "learning_rate_fns", fns)  # as EmbeddingConfig itself sets them
@@ -729,11 +927,15 @@ def restore(cls: Any, path: Any, backend: Any = None, num_shards: int | None = N
             raise _bad(pathlib.Path(path), "manifest.json", f"field `feature_keys` has {len(keys)} keys, but "
                        f"config.pb has {len(config.features)} features")
         object.__setattr__(config, "feature_keys", tuple(keys))  # as EmbeddingConfig sets them
-    engine = cls(config, backend=backend, num_shards=num_shards, mesh=mesh, seed=manifest["seed"],
-                 initializers={t["name"]: "zeros" for t in manifest["tables"]})
-    for entry in manifest["tables"]:
-        values = {name: arrays[key] for name, key in entry["arrays"].items()}
-        params = values.pop("parameters")
-        engine.load_parameters(entry["name"], params, **values)
+    extra = {"allow_nonfinite": True} if allow_nonfinite else {}
+    try:
+        engine = cls(config, backend=backend, num_shards=num_shards, mesh=mesh, seed=manifest["seed"],
+                     initializers={t["name"]: "zeros" for t in manifest["tables"]}, **extra)
+        for entry in manifest["tables"]:
+            values = {name: arrays[key] for name, key in entry["arrays"].items()}
+            params = values.pop("parameters")
+            engine.load_parameters(entry["name"], params, **values)
+    except MemoryError:
+        raise _out_of_memory("Restoring the checkpoint at", path, layout.tables, "Nothing was restored.") from None
     engine.step = int(manifest["step"])
     return engine
