@@ -26,7 +26,7 @@ from meshembed.optimizers.options import EMAOption, GradientsClipOption
 from meshembed.sharding.mesh import Mesh
 from meshembed.variable import Variable
 
-__all__ = ["Adadelta"]
+__all__ = ["Adadelta", "check_rho_epsilon"]
 
 
 def _number(name: str, value: Any, low: float, high: float | None = None) -> float:
@@ -35,6 +35,15 @@ def _number(name: str, value: Any, low: float, high: float | None = None) -> flo
         bounds = f"[{low}, {high}]" if high is not None else f">= {low} and finite"
         raise ConfigError(f"Invalid `{name}`. Expected a number {bounds}. Received: {name}={value!r}")
     return float(value)
+
+
+def check_rho_epsilon(rho: Any, epsilon: Any) -> tuple[float | None, float | None]:
+    """Adadelta's domain, one check for ``me.optimizers.Adadelta``, ``me.torch.Adadelta`` and
+    ``me.jax.adadelta``: ``rho`` in [0, 1] (a decay rate) and ``epsilon`` finite and >= 0 (it
+    sits inside both square roots). Returns them as floats; raises ``ConfigError``. ``None``
+    stands for a value traced inside ``jax.jit`` (unknown there; checked where it was concrete)."""
+    return (None if rho is None else _number("rho", rho, 0.0, 1.0),
+            None if epsilon is None else _number("epsilon", epsilon, 0.0))
 
 
 class Adadelta(Optimizer):
@@ -90,8 +99,7 @@ class Adadelta(Optimizer):
             loss_scale_factor=loss_scale_factor, gradient_accumulation_steps=gradient_accumulation_steps,
             allow_nonfinite=allow_nonfinite,
         )
-        self.rho = _number("rho", rho, 0.0, 1.0)
-        self.epsilon = _number("epsilon", epsilon, 0.0)
+        self.rho, self.epsilon = check_rho_epsilon(rho, epsilon)
 
     def _dtype_checked_scalars(self) -> dict[str, float | None]:
         return {**super()._dtype_checked_scalars(), "epsilon": self.epsilon}

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from meshembed.errors import ConfigError
 from meshembed.math.rule import UpdateRule
-from meshembed.optimizers.config import ConfigMixin, _CLIP_KEYS, _KERAS3_KEYS, _check_learning_rate, _optional_number
+from meshembed.optimizers.config import ConfigMixin, _CLIP_KEYS, _KERAS3_KEYS, check_learning_rate, _optional_number
 from meshembed.optimizers.gradients import GradientsMixin
 from meshembed.optimizers.options import EMAOption, GradientsClipOption
 from meshembed.optimizers.regularization import RegularizationMixin
@@ -128,7 +128,7 @@ class Optimizer(StepMixin, RegularizationMixin, GradientsMixin, VariablesMixin, 
         #: True when built from Keras 3's arguments: Keras 3's EMA (the average starts from the
         #: variable on the first step) and config format; False: the DTensor options (tf_keras).
         self.keras3 = bool(keras3)
-        self._learning_rate = _check_learning_rate(learning_rate)
+        self._learning_rate = check_learning_rate(learning_rate)
         self.gradients_clip_option = gradients_clip_option or GradientsClipOption()
         self.ema_option = ema_option or EMAOption()
         self.mesh = mesh

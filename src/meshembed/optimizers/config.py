@@ -97,15 +97,23 @@ class ConfigMixin:
 
     # -- state: Keras 3's variable store and stateless step ------------------------------------
     def save_own_variables(self, store: Any) -> None:
-        """``store[str(i)] = variables[i].numpy()`` (Keras 3's layout, without its learning-rate
-        variable): a dict or an h5 group; loads on any backend and mesh."""
-        for i, v in enumerate(self.variables):
-            store[str(i)] = v.numpy()
+        """Keras 3's layout, what ``keras.optimizers.Adadelta.load_own_variables`` expects:
+        ``store["0"]`` the iteration, ``store["1"]`` the learning rate when it is a float (Keras 3
+        keeps it in a variable; a schedule is not one), then ``variables[1:]`` in Keras 3's order.
+        Keras skips a store of another length with only a warning, leaving its slots zero, so
+        the learning-rate entry is not optional. A dict or an h5 group; loads on any backend."""
+        values = [v.numpy() for v in self.variables]
+        if not callable(self._learning_rate):  # float64: the float itself (Keras casts it on assign)
+            values.insert(1, np.asarray(self._learning_rate, np.float64))
+        for i, value in enumerate(values):
+            store[str(i)] = value
 
     def load_own_variables(self, store: Any) -> None:
-        """Assign ``variables`` from a store written by ``save_own_variables`` (any backend or
-        mesh) or by Keras 3 (one more entry: its learning-rate variable at "1", which sets a
-        float learning rate). Everything is checked before anything is assigned."""
+        """Assign ``variables`` from a store in Keras 3's layout (``save_own_variables``, or
+        Keras 3's own: its learning rate at "1" sets a float learning rate) or without the
+        learning-rate entry (a schedule's, tf_keras', ``get_weights``), from any backend or mesh.
+        Everything is checked before anything is assigned; a store that does not fit is a
+        ``CheckpointError`` naming the entry."""
         if not self.built:
             raise StateError(
                 f"Invalid call: load_own_variables() before optimizer {self.name!r} was built. "
@@ -117,12 +125,8 @@ class ConfigMixin:
             values = {k: np.asarray(store[k]) for k in keys}
         except Exception as exc:  # noqa: BLE001 - any store failure is the store's
             raise CheckpointError(f"Invalid `store`. Expected a mapping of '0', '1', ... to arrays ({exc}).") from None
-        lr_value = None
-        if len(keys) == len(variables) + 1 and "1" in values and values["1"].shape == ():
-            lr_value = float(values["1"])  # Keras 3: [iteration, learning_rate, ...]
-            order = ["0", *[str(i) for i in range(2, len(keys))]]
-        else:
-            order = [str(i) for i in range(len(keys))]
+        with_lr = len(keys) == len(variables) + 1 and "1" in values and values["1"].shape == ()
+        order = ["0", *[str(i) for i in range(2, len(keys))]] if with_lr else [str(i) for i in range(len(keys))]
         if len(order) != len(variables) or set(order) - set(values):
             raise CheckpointError(
                 f"Invalid `store` for optimizer {self.name!r}. Expected {len(variables)} variables "
@@ -137,8 +141,20 @@ class ConfigMixin:
                     f"Invalid `store` entry '{k}' for {v.name!r}. Expected shape {v.shape} and a "
                     f"{'integer' if v is variables[0] else 'float'} dtype. Received: shape={tuple(x.shape)}, dtype={x.dtype}"
                 )
-        if lr_value is not None and not callable(self._learning_rate):
-            _check_learning_rate(lr_value)
+        if int(values["0"]) < 0:
+            raise CheckpointError(
+                f"Invalid `store` entry '0' (the iteration). Expected a count >= 0. Received: {values['0']!r}"
+            )
+        lr_value = None
+        if with_lr:
+            x = values["1"]
+            try:
+                lr_value = check_learning_rate(float(x) if x.dtype.kind in "iuf" else x.item())
+            except (ConfigError, TypeError, ValueError):
+                raise CheckpointError(
+                    "Invalid `store` entry '1' (Keras 3's learning rate). Expected a non-negative finite "
+                    f"number. Received: {x!r}"
+                ) from None
         for v, k in zip(variables, order):
             v.assign(values[k])
         if lr_value is not None and not callable(self._learning_rate):
@@ -211,7 +227,9 @@ def _optional_number(name: str, value: Any, positive: bool) -> float | None:
     return float(value)
 
 
-def _check_learning_rate(value: Any) -> Any:
+def check_learning_rate(value: Any) -> Any:
+    """A learning rate as every dense front end takes it: a schedule or callable (checked per
+    value when called), or a non-negative finite number (returned as a float); else ConfigError."""
     if isinstance(value, schedules.LearningRateSchedule) or (callable(value) and not isinstance(value, numbers.Real)):
         return value
     if isinstance(value, Variable) and value.shape == ():  # Keras: a learning-rate variable

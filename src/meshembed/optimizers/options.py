@@ -1,8 +1,14 @@
-"""Gradient-clipping and EMA options of the dense optimizer (Keras DTensor optimizer names).
+"""Gradient-clipping and EMA options of the dense optimizer (Keras DTensor optimizer names),
+and the one implementation of their math: :func:`clip` and :func:`ema`.
 
 Keras' DTensor ``Adadelta`` accepted these two objects and ignored them; meshembed honours
 them with tf_keras' semantics, and their configs flatten into the optimizer config under
 Keras' own keys (``clipnorm``, ``use_ema``, ...) so a config moves between the two.
+
+``clip`` and ``ema`` are pure functions over an Array API namespace ``xp``: the host optimizer
+(``me.optimizers.Adadelta``, and ``me.torch.Adadelta`` through it) calls them eagerly with
+Python-float norms, ``me.jax.adadelta`` traced under ``jax.jit`` with 0-d arrays. Written once,
+so the front ends cannot drift apart (they once did on a NaN/Inf global norm).
 """
 
 from __future__ import annotations
@@ -13,9 +19,9 @@ import warnings
 from typing import Any, Sequence
 
 from meshembed.errors import ConfigError
-from meshembed.math.common import maximum, minimum
+from meshembed.math.common import is_static, maximum, minimum, scalar, select
 
-__all__ = ["EMAOption", "GradientsClipOption", "sum_squares"]
+__all__ = ["EMAOption", "GradientsClipOption", "clip", "ema", "sum_squares"]
 
 
 def _positive_or_none(name: str, value: Any) -> float | None:
@@ -74,30 +80,9 @@ class GradientsClipOption:
     def uses_norm(self) -> bool:
         return self.clipnorm is not None or self.global_clipnorm is not None
 
-    def clip(self, xp: Any, grads: Sequence[Any], sums: Sequence[float] | None = None) -> list[Any]:
-        """Clipped copies of ``grads`` (arrays of namespace ``xp``); no in-place writes.
-
-        Norms are reduced to Python floats (``sums``: each gradient's ``Σ g²`` when the caller
-        has them): one host sync per step, and the scale then multiplies sharded arrays
-        (DTensor, NamedSharding) without mixing array kinds. A NaN or Inf norm gives NaN
-        gradients, as ``tf.clip_by_global_norm`` / ``tf.clip_by_norm`` and Keras do."""
-        grads = list(grads)
-        if self.uses_norm and sums is None:
-            sums = [sum_squares(xp, g) for g in grads]
-        if self.clipnorm is not None:
-            c = self.clipnorm
-            return [g * (c / _max_nan(math.sqrt(s), c)) for g, s in zip(grads, sums)]
-        if self.global_clipnorm is not None:
-            c = self.global_clipnorm
-            norm = math.sqrt(math.fsum(sums)) if all(math.isfinite(s) for s in sums) else math.nan
-            # tf.clip_by_global_norm: scale = c·min(1/n, 1/c) + (n − n): n = 0 leaves g
-            # unchanged, a NaN or Inf norm makes every gradient NaN.
-            scale = c * min(1.0 / norm, 1.0 / c) if norm > 0 else (1.0 if norm == 0 else math.nan)
-            return [g * scale for g in grads]
-        if self.clipvalue is not None:
-            v = self.clipvalue
-            return [minimum(xp, maximum(xp, g, -v), v) for g in grads]
-        return grads
+    def clip(self, xp: Any, grads: Sequence[Any], sums: Sequence[Any] | None = None) -> list[Any]:
+        """``clip(xp, grads, self, sums)``: see :func:`clip`."""
+        return clip(xp, grads, self, sums)
 
     def get_config(self) -> dict[str, Any]:
         return {"clipnorm": self.clipnorm, "global_clipnorm": self.global_clipnorm, "clipvalue": self.clipvalue}
@@ -111,11 +96,6 @@ class GradientsClipOption:
 
     def __repr__(self) -> str:
         return "GradientsClipOption(" + ", ".join(f"{k}={v}" for k, v in self.get_config().items()) + ")"
-
-
-def _max_nan(a: float, b: float) -> float:
-    """``max`` that keeps a NaN (Python's ``max(nan, b)`` depends on the argument order)."""
-    return a if math.isnan(a) else max(a, b)
 
 
 class EMAOption:
@@ -172,3 +152,78 @@ class EMAOption:
 
     def __repr__(self) -> str:
         return "EMAOption(" + ", ".join(f"{k}={v}" for k, v in self.get_config().items()) + ")"
+
+
+# -- the math of the two options, once for every front end ------------------------------------
+def clip(xp: Any, grads: Sequence[Any], option: GradientsClipOption, sums: Sequence[Any] | None = None) -> list[Any]:
+    """Clipped copies of ``grads`` (arrays of ``xp``) as ``option`` asks, exactly as TensorFlow's
+    ``tf.clip_by_norm`` / ``tf.clip_by_global_norm`` / ``tf.clip_by_value`` (which tf_keras and
+    Keras 3 call), NaN and Inf included:
+
+    * ``clipnorm=c``: ``g·c / max(‖g‖, c)`` per gradient: an Inf element becomes NaN and the
+      rest of that gradient 0, a NaN makes it all NaN; other gradients are untouched;
+    * ``global_clipnorm=c``: every gradient times ``c·min(1/n, 1/c) + (n − n)``, ``n`` the joint
+      norm: a NaN or Inf in any gradient makes *every* gradient NaN; ``n = 0`` leaves them;
+    * ``clipvalue=v``: each element clamped to ``[−v, v]`` (±Inf → ±v, NaN stays NaN).
+
+    ``sums``: each gradient's ``Σg²`` when the caller has them, as Python floats (the host: one
+    sync, and a float scale multiplies sharded arrays without mixing array kinds) or 0-d arrays
+    (under ``jax.jit``); computed here otherwise. No in-place writes, no branch on a value."""
+    grads = list(grads)
+    if not option.uses_norm:
+        if option.clipvalue is None:
+            return grads
+        v = option.clipvalue
+        return [maximum(xp, minimum(xp, g, v), -v) for g in grads]  # tf.clip_by_value's order
+    if sums is None:
+        sums = [xp.sum(g * g) for g in grads]
+    if option.clipnorm is not None:
+        c = option.clipnorm
+        return [g * c / _max_propagating_nan(xp, _sqrt(xp, s), c, g) for g, s in zip(grads, sums)]
+    c = option.global_clipnorm
+    if all(is_static(s) for s in sums):
+        n = math.sqrt(math.fsum(float(s) for s in sums))
+        scale: Any = c * min(1.0 / n if n else math.inf, 1.0 / c) + (n - n)
+    else:
+        n = xp.sqrt(sum(sums[1:], sums[0]))
+        scale = c * minimum(xp, 1.0 / n, 1.0 / c) + (n - n)
+    return [g * scalar(xp, scale, g) for g in grads]
+
+
+def _sqrt(xp: Any, s: Any) -> Any:
+    return math.sqrt(float(s)) if is_static(s) else xp.sqrt(s)
+
+
+def _max_propagating_nan(xp: Any, norm: Any, c: float, like: Any) -> Any:
+    """``max(norm, c)`` that keeps a NaN norm (as ``tf.maximum``), in ``like``'s dtype."""
+    if is_static(norm):
+        return norm if math.isnan(norm) else max(norm, c)
+    return scalar(xp, maximum(xp, norm, c), like)
+
+
+def ema(xp: Any, averages: Sequence[Any], values: Sequence[Any], momentum: float, step: Any, *,
+        keras3: bool = False, overwrite_frequency: int | None = None) -> tuple[list[Any], list[Any]]:
+    """One EMA update after a step: ``(new averages, new variable values)``.
+
+    ``avg ← m·avg + (1−m)·var`` for each variable's new value ``var``. Keras 3 (``keras3``)
+    uses ``m = 0`` on its first update (``step == 0``), so the average starts at the variable;
+    tf_keras' average started at the variable when built. With ``overwrite_frequency=k`` the
+    variables take their averages after updates ``k, 2k, ...`` (``(step + 1) % k == 0``), as
+    both Kerases do. ``step``: updates before this one, a Python int (the host) or a 0-d
+    integer array (traced: the momentum and the overwrite are then selected, not branched)."""
+    now: Any = False
+    if overwrite_frequency:
+        now = (step + 1) % overwrite_frequency == 0
+        now = bool(now) if is_static(step) else now
+    new_avgs, new_vals = [], []
+    for avg, v in zip(averages, values):
+        if not keras3:
+            m: Any = momentum
+        elif is_static(step):
+            m = momentum if int(step) != 0 else 0.0
+        else:  # Keras 3's own form: cast(iterations != 0, dtype) * momentum
+            m = xp.astype(step != 0, v.dtype) * momentum
+        new = m * avg + (1 - m) * v
+        new_avgs.append(new)
+        new_vals.append(select(xp, now, new, v))
+    return new_avgs, new_vals

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from meshembed.errors import ConfigError, InputError, StateError
 from meshembed.math.common import decay_weights
 from meshembed.optimizers.gradients import _all_finite
-from meshembed.optimizers.options import sum_squares
+from meshembed.optimizers.options import clip, ema, sum_squares
 from meshembed.variable import IndexedSlices, Variable
 
 __all__ = ["RegularizationMixin"]
@@ -60,16 +60,16 @@ class RegularizationMixin:
         sums = [sum_squares(xp, x) for x in values] if option.uses_norm else None
         in_rule = [option.active and not option.uses_norm and id(v) in self._folded for v in variables]
         if any(in_rule):
-            clipped = [x if r else option.clip(xp, [x])[0] for x, r in zip(values, in_rule)]
+            clipped = [x if r else clip(xp, [x], option)[0] for x, r in zip(values, in_rule)]
         else:
-            clipped = option.clip(xp, values, sums) if option.active else values
+            clipped = clip(xp, values, option, sums)
         if not self.allow_nonfinite and not self._traced:  # traced: values unknown, NaN propagates
             if sums is not None and all(math.isfinite(x) for x in sums):
                 bad = []  # Σg² finite: every element finite, and so is the clipped gradient
             elif self._finite(variables, clipped):
                 bad = []
             else:
-                final = [option.clip(xp, [c])[0] if r else c for c, r in zip(clipped, in_rule)]
+                final = [clip(xp, [c], option)[0] if r else c for c, r in zip(clipped, in_rule)]
                 bad = [v.name for v, c in zip(variables, final) if not _all_finite(xp, c)]
             if bad:
                 raw = [v.name for v, x in zip(variables, values) if not _all_finite(xp, x)]
@@ -118,19 +118,16 @@ class RegularizationMixin:
                 self._write(v, decay_weights(self._xp, self._read(v), self.weight_decay * lr))
 
     def _update_averages(self, variables: Sequence[Variable]) -> None:
-        """tf_keras: ``avg ← m·avg + (1−m)·var`` from an average built at the variable.
-        Keras 3: the same, except that the first update (``iterations == 0``) sets the average
-        to the variable (momentum 0). Overwrite after updates k, 2k, ... (``ema_overwrite_frequency``)."""
-        step = self._step()
-        m = self.ema_momentum if (step != 0 or not self.keras3) else 0.0
-        freq = self.ema_overwrite_frequency
-        overwrite = bool(freq) and (step + 1) % freq == 0
-        for v in variables:
-            avg = self._averages[self._slot_index(v)]
-            new = m * self._read(avg) + (1 - m) * self._read(v)
-            self._write(avg, new)
-            if overwrite:
-                self._write(v, new)
+        """The EMA of ``variables`` after the update (:func:`~meshembed.optimizers.options.ema`:
+        tf_keras' or Keras 3's first step, overwrite after updates k, 2k, ...)."""
+        averages = [self._averages[self._slot_index(v)] for v in variables]
+        current = [self._read(v) for v in variables]
+        new_avgs, new_vals = ema(self._xp, [self._read(a) for a in averages], current, self.ema_momentum,
+                                 self._step(), keras3=self.keras3, overwrite_frequency=self.ema_overwrite_frequency)
+        for a, v, old, new_a, new_v in zip(averages, variables, current, new_avgs, new_vals):
+            self._write(a, new_a)
+            if new_v is not old:  # overwritten by its average this step
+                self._write(v, new_v)
 
     def finalize_variable_values(self, var_list: Sequence[Variable]) -> None:
         """With EMA, set each variable to its moving average (call once training ends)."""

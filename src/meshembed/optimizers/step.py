@@ -18,7 +18,24 @@ from meshembed.optimizers.config import _required_positional
 from meshembed.optimizers.gradients import _map_values
 from meshembed.variable import IndexedSlices, Variable
 
-__all__ = ["StepMixin"]
+__all__ = ["StepMixin", "check_in_dtype"]
+
+
+def check_in_dtype(scalars: dict[str, Any], variable: str, dtype: Any) -> None:
+    """Each of ``scalars`` (None: unset) must be finite in ``dtype``: 1e39 is finite in float64
+    and Inf in float32, and would turn every update of that variable into Inf/NaN. A
+    ``ConfigError`` names the scalar and the variable (one check for every front end)."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = np.dtype("float32")  # bfloat16 without ml_dtypes: float32's range
+    with np.errstate(over="ignore"):
+        for key, value in scalars.items():
+            if value is not None and not np.isfinite(np.asarray(value, dtype=dt)):
+                raise ConfigError(
+                    f"Invalid `{key}` for variable {variable!r}. Expected a value finite in its dtype "
+                    f"{dtype} (at most {float(np.finfo(dt).max):.4g}). Received: {key}={value!r}"
+                )
 
 
 class StepMixin:
@@ -203,21 +220,10 @@ class StepMixin:
         return self.iterations
 
     def _check_in_dtype(self, lr: float, variables: Sequence[Variable]) -> None:
-        """The learning rate and the algorithm's scalars must be finite in each variable's
-        dtype (1e39 is finite in float64 and Inf in float32)."""
+        """The learning rate and the algorithm's scalars must be finite in each variable's dtype."""
         scalars = {"learning_rate": lr, **self._dtype_checked_scalars()}
         for v in variables:
-            try:
-                dt = np.dtype(v.dtype)
-            except TypeError:
-                dt = np.dtype("float32")  # bfloat16 without ml_dtypes: float32's range
-            with np.errstate(over="ignore"):
-                for key, value in scalars.items():
-                    if value is not None and not np.isfinite(np.asarray(value, dtype=dt)):
-                        raise ConfigError(
-                            f"Invalid `{key}` for variable {v.name!r}. Expected a value finite in its dtype "
-                            f"{v.dtype} (at most {float(np.finfo(dt).max):.4g}). Received: {key}={value!r}"
-                        )
+            check_in_dtype(scalars, v.name, v.dtype)
 
     def _dtype_checked_scalars(self) -> dict[str, float | None]:
         """Hyper-parameters that must be finite in the variables' dtype (algorithms add theirs)."""

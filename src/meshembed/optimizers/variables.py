@@ -11,7 +11,7 @@ import array_api_compat
 import numpy as np
 
 from meshembed.errors import ConfigError, InputError, StateError
-from meshembed.optimizers.config import _check_learning_rate, _check_schedule_value, _required_positional
+from meshembed.optimizers.config import check_learning_rate, _check_schedule_value, _required_positional
 from meshembed.sharding.mesh import Layout
 from meshembed.variable import Variable, _Fresh, dtype_name
 
@@ -89,7 +89,7 @@ class VariablesMixin:
     def learning_rate(self, value: Any) -> None:
         """A float, or a new schedule / callable (Keras 3 and tf_keras allow replacing a
         schedule; only a float over a schedule is refused, as both do)."""
-        new = _check_learning_rate(value)
+        new = check_learning_rate(value)
         if callable(self._learning_rate) and not callable(new):
             raise TypeError(
                 "This optimizer was created with a learning-rate schedule, so its learning rate "
