@@ -33,8 +33,8 @@ BACKENDS = ROOT / "backends"
 BACKEND_MAY_USE = ("meshembed.backend", "meshembed.math", "meshembed.sharding", "meshembed.config",
                    "meshembed.errors", "meshembed_native")
 #: Front ends living in backend packages: they may use the public engine API as well.
-FRONT_ENDS = {"meshembed_jax/api.py", "meshembed_torch/api.py", "meshembed_torch/module.py",
-              "meshembed_torch/optim.py"}
+FRONT_ENDS = {"meshembed_jax/api.py", "meshembed_jax/adadelta.py", "meshembed_torch/api.py",
+              "meshembed_torch/module.py", "meshembed_torch/optim.py"}
 FRAMEWORKS = ("torch", "jax", "jaxlib", "cupy", "tensorflow")
 
 
@@ -315,3 +315,111 @@ def test_the_checks_catch_what_they_forbid(tmp_path):
 @pytest.mark.parametrize("rel", sorted(FRONT_ENDS))
 def test_front_ends_named_here_exist(rel):
     assert (BACKENDS / rel).is_file(), f"{rel} is listed as a front end but does not exist"
+
+
+# -- one step under every front end: no private names across packages, no backend names ---------
+def _package_of(path: Path) -> str:
+    """The package a file belongs to: its directory relative to src/ or backends/."""
+    root = CORE.parent if CORE.parent in path.parents else BACKENDS
+    return path.parent.relative_to(root).as_posix()
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_definitions(files: list[Path]) -> dict[str, set[str]]:
+    """Package -> the private attribute and method names its classes define (``self._x = ...``,
+    ``def _x``): what another package's code must not reach into."""
+    out: dict[str, set[str]] = {}
+    for path in files:
+        names = out.setdefault(_package_of(path), set())
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                for item in ast.walk(node):
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(item.name):
+                        names.add(item.name)
+                    elif isinstance(item, ast.Attribute) and isinstance(item.ctx, ast.Store) \
+                            and isinstance(item.value, ast.Name) and item.value.id in ("self", "cls") \
+                            and _private(item.attr):
+                        names.add(item.attr)
+    return out
+
+
+def private_violations(files: list[Path] | None = None) -> list[str]:
+    """``from other.package import _name`` (or a private module of another package), and
+    ``obj._name`` where ``_name`` is private to a class of another package only."""
+    files = files if files is not None else _files(CORE) + _files(BACKENDS)
+    defined = _private_definitions(files)
+    bad = []
+    for path in files:
+        pkg = _package_of(path)
+        root = CORE.parent if CORE.parent in path.parents else BACKENDS
+        module = _module_name(path, root)
+        rel = path.relative_to(root.parent).as_posix()
+        tree = ast.parse(path.read_text(), str(path))
+        for line, base, names in _imports(tree, module, path.name == "__init__.py"):
+            if not _under(base, ("meshembed",)) and not base.startswith("meshembed_"):
+                continue
+            target_pkg = base.replace(".", "/")
+            own = target_pkg == pkg or target_pkg.rsplit("/", 1)[0] == pkg
+            if own:
+                continue
+            parts = base.split(".")
+            if any(_private(p) for p in parts[1:]) and parts[1] != "_proto":
+                bad.append(f"{rel}:{line} {base}")
+            bad += [f"{rel}:{line} {base}.{n}" for n in names if _private(n)]
+        mine = defined.get(pkg, set())
+        others = set().union(*(v for k, v in defined.items() if k != pkg)) - mine
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in others \
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                bad.append(f"{rel}:{node.lineno} .{node.attr}")
+    return sorted(set(bad))
+
+
+#: Backend names: the core never branches on one (a backend says what it can in its capabilities).
+BACKEND_NAMES = {"jax", "torch", "cupy", "array_api", "array_api_strict"}
+
+
+def backend_name_branches(core: Path = CORE) -> list[str]:
+    """``backend.name == "jax"`` (or ``in (...)``) anywhere in the core."""
+    bad = []
+    for path in _files(core):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            named = any(isinstance(s, ast.Attribute) and s.attr == "name" and "backend" in ast.unparse(s.value)
+                        for s in sides)
+            consts = {c.value for s in sides for c in ast.walk(s) if isinstance(c, ast.Constant)}
+            if named and consts & BACKEND_NAMES:
+                bad.append(f"{path.relative_to(core.parent).as_posix()}:{node.lineno} {ast.unparse(node)}")
+    return bad
+
+
+def test_no_private_name_crosses_a_package():
+    assert private_violations() == [], (
+        "front ends and backends use the public step/batch/engine API only (docs/internals.md, Layering)")
+
+
+def test_the_core_never_branches_on_a_backend_name():
+    assert backend_name_branches() == []
+
+
+def test_the_private_and_name_checks_catch_what_they_forbid(tmp_path):
+    core = tmp_path / "src" / "meshembed"
+    _write(core, {
+        "embedding/engine.py": "class E:\n    def _plan(self):\n        self._state = 1\n",
+        "ops.py": "def f(e, backend):\n    e._plan()\n    from meshembed.embedding.engine import _load\n"
+                  "    return backend.name == 'jax'\n",
+    })
+    files = _files(core)
+    global CORE
+    saved, CORE = CORE, core
+    try:
+        assert private_violations(files) == ["src/meshembed/ops.py:2 ._plan",
+                                             "src/meshembed/ops.py:3 meshembed.embedding.engine._load"]
+        assert backend_name_branches(core) == ["meshembed/ops.py:4 backend.name == 'jax'"]
+    finally:
+        CORE = saved

@@ -159,7 +159,13 @@ class TPUEmbedding:
                 raise self._too_big(t, exc) from exc
         #: the tables and slots (backend arrays) and the step counter: plain data the step
         #: functions (meshembed.embedding.step) take and return
-        self.state = EngineState(tables, 0) if state is None else state
+        if state is None:
+            state = EngineState(tables, 0, self.layout)
+        elif state.layout is None:  # tables made for this config (e.g. me.jax's): held as they are
+            state = EngineState(state.tables, state.step, self.layout)
+        elif state.layout != self.layout:
+            raise ConfigError("Invalid `state`: it holds the tables of another config.")
+        self.state = state
 
     @property
     def step(self) -> int:
@@ -168,7 +174,7 @@ class TPUEmbedding:
 
     @step.setter
     def step(self, value: int) -> None:
-        self.state = EngineState(self.state.tables, int(value))
+        self.state = EngineState(self.state.tables, int(value), self.layout)
 
     # -- construction helpers ---------------------------------------------------------------
     def _too_big(self, table: TableSpec, exc: BaseException) -> ConfigError:
@@ -503,16 +509,19 @@ class TPUEmbedding:
         mesh: Any = None,
         *,
         learning_rates: Sequence[Any] | Mapping[int, Any] | None = None,
+        allow_nonfinite: bool = False,
     ) -> "TPUEmbedding":
         """A new engine from a checkpoint, on any backend and shard count.
 
         Every file is verified first (``CheckpointError`` naming the file and field). A
         learning-rate callable of the saved config cannot be stored: pass it again as
         ``learning_rates`` (one callable or None per dynamic tag, in tag order, or
-        ``{tag: fn}``); restore says which tags need one when it is missing."""
+        ``{tag: fn}``); restore says which tags need one when it is missing.
+        ``allow_nonfinite``: restore NaN/Inf values (saved by an engine created with it)."""
         from meshembed.embedding.checkpoint import restore
 
-        return restore(cls, path, backend=backend, num_shards=num_shards, mesh=mesh, learning_rates=learning_rates)
+        return restore(cls, path, backend=backend, num_shards=num_shards, mesh=mesh, learning_rates=learning_rates,
+                       allow_nonfinite=_check_bool(allow_nonfinite, "allow_nonfinite"))
 
     def __repr__(self) -> str:
         return (

@@ -34,8 +34,8 @@ def parse_mode(mode: Any) -> str | None:
     """
     if mode is None:
         return None
-    if isinstance(mode, bytes):
-        mode = mode.decode()
+    if isinstance(mode, (bytes, bytearray)):
+        mode = bytes(mode).decode("utf-8", errors="replace")  # TF sends bytes; never a raw decode error
     key = str(mode).strip().lower()
     if key not in _MODE_ALIASES:
         raise InputError(

@@ -35,16 +35,17 @@ __all__ = ["EngineState", "make_rules", "prepare_on", "lookup", "apply_gradients
 @dataclass(frozen=True)
 class EngineState:
     """Every table's ``(parameters, *slots)`` backend arrays by table index (the slots in
-    Load/Retrieve order) and the number of steps applied."""
+    Load/Retrieve order), the number of steps applied, and the layout (config) they are for."""
 
     tables: Mapping[int, tuple[Any, ...]]
     step: int = 0
+    layout: Layout | None = None
 
     def replace(self, tables: Mapping[int, Sequence[Any]], steps: int = 0) -> "EngineState":
         """This state with some tables replaced and ``steps`` more steps counted."""
         merged = dict(self.tables)
         merged.update({k: tuple(v) for k, v in tables.items()})
-        return EngineState(merged, self.step + steps)
+        return EngineState(merged, self.step + steps, self.layout)
 
 
 def make_rules(backend: Any, layout: Layout) -> dict[int, UpdateRule]:
@@ -86,6 +87,7 @@ def lookup(backend: Any, state: EngineState, batch: Batch) -> list[Any]:
             "Cannot look up a batch enqueued in 'backward_pass_only' mode: the forward pass is not "
             "run. Fix: call `apply_gradients(...)`, or enqueue with `mode_override='training'`."
         )
+    check_batch(state, batch)
     layout, xp = batch.layout, backend.xp
     outs = []
     for k, (f, d) in enumerate(zip(layout.features, batch.features)):
@@ -253,12 +255,15 @@ def check_gradients(backend: Any, layout: Layout, gradients: Any, check_now: boo
     return out
 
 
-def check_batch(state: EngineState, layout: Layout, batch: Any) -> Batch:
-    """``batch`` is a :class:`Batch` prepared for ``layout`` (ids of another config could
-    lie past this one's tables)."""
+def check_batch(state: EngineState, batch: Any) -> Batch:
+    """``batch`` is a :class:`Batch` prepared for the state's layout (ids of another config
+    could lie past this one's tables)."""
     if not isinstance(batch, Batch):
         raise InputError(f"Invalid `batch`. Expected a meshembed Batch (embedding.batch.prepare). "
                          f"Received: {type(batch).__name__}")
+    layout = state.layout
+    if layout is None:
+        raise InputError("Invalid `state`: an EngineState needs the layout it holds tables for (EngineState.layout).")
     if batch.layout is not layout and batch.layout != layout:
         raise InputError(
             "Invalid `batch`: it was prepared for another config (tables "
@@ -298,8 +303,8 @@ def apply_gradients(
     its activation; a list in config order or a dict as the activations came) and
     ``learning_rates[k]`` for dynamic tag k. Returns the new state; a rejected call raises a
     meshembed error before any table is written (``rules``: :func:`make_rules`, built once)."""
+    check_batch(state, batch)
     layout = batch.layout
-    check_batch(state, layout, batch)
     if batch.mode == "inference":
         raise StateError(
             "Cannot apply gradients to a batch enqueued in 'inference' mode. Fix: enqueue "
