@@ -134,7 +134,6 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
             distributed=jax.process_count() > 1,
             runs_hlo=True,
             shaped_rows=True,  # gather and update_rows shape / flatten rows inside their programs
-            update_rules=True,
             # with several processes each one holds its own gradients: check before updating
             guarded_updates=jax.process_count() == 1,
         )

@@ -36,10 +36,6 @@ class Capabilities:
     #: ``update_rows`` takes ``guard`` (from ``finite_guard``) and writes nothing where it
     #: is false, without waiting for it: the engine's NaN/Inf check then costs no sync.
     guarded_updates: bool = False
-    #: Always true: ``update_rows`` / ``update_rows_in_order`` take an
-    #: :class:`~meshembed.math.UpdateRule` with its call-time ``values=`` (nothing else).
-    #: Kept so that code which asked still reads True; the engine no longer asks.
-    update_rules: bool = True
     #: ``update_rows`` takes ``grad_index`` / ``grad_weights`` (the combiner's backward pass
     #: fused into the update; the protocol's default does).
     grad_index_updates: bool = True
