@@ -166,22 +166,20 @@ def apply_table(
     host_ids: np.ndarray,
     row_grads: Any,
     learning_rates: Sequence[float],
-    rule: UpdateRule | None = None,
+    rule: UpdateRule,
     guard: Any = None,
     part_sizes: Sequence[int] | None = None,
     values: Sequence[Any] = (),
 ) -> list[Any]:
     """Run the optimizer on ``table``'s rows; returns the new ``[params, *slots]``.
 
-    ``rule`` is the table's rule with this step's ``values``, when the caller built (and so
-    validated) them first; else both are built here. ``guard`` goes to every
+    ``rule`` is the table's rule (:func:`make_rule`) and ``values`` this step's values of it
+    (:func:`rule_values`), both built and so validated by the caller; ``learning_rates`` are
+    not read here (the caller resolved them into ``values``). ``guard`` goes to every
     ``update_rows`` (false: nothing is written). ``part_sizes``: how many of ``host_ids``
     each feature contributed, in order (gradient accumulation off with several processes
     orders an id's contributions by feature, then rank)."""
     xp = backend.xp
-    if rule is None:
-        rule = make_rule(table, backend)
-        values = rule_values(table, rule, learning_rates)
     extra: dict[str, Any] = {"values": tuple(values)}
     if guard is not None:
         extra["guard"] = guard
