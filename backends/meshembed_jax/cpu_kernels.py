@@ -247,10 +247,8 @@ def row_kernel(rule: Any, n_arrays: int, dtype: Any) -> Any:
     name = np.dtype(dtype).name
     key = (rule, n_arrays, name)
     if key not in _kernels:
-        try:
-            from meshembed_native import codegen
-        except ImportError:  # pragma: no cover - meshembed_native without codegen
-            return None
+        from meshembed_native import codegen
+
         if rule.dtype != name:
             rule = dataclasses.replace(rule, dtype=name)
         _kernels[key] = codegen.row_kernel(rule, n_arrays)

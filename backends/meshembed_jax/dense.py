@@ -168,10 +168,8 @@ class JaxDenseMixin:
 
         if not rule.elementwise or not cpu_kernels.fused_enabled() or not cpu_kernels.usable("cpu", rule.dtype):
             return None
-        try:
-            from meshembed_native import codegen
-        except ImportError:  # an older meshembed_native without the generator
-            return None
+        from meshembed_native import codegen
+
         return codegen.row_kernel(rule, 1 + len(rule.slot_names))
 
     def _fused_dense(self, rule: UpdateRule, grads: Sequence[Any], values: Sequence[Any],

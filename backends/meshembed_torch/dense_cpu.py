@@ -51,10 +51,8 @@ def kernel_for(rule: UpdateRule) -> Any:
     off, not element-wise, no generator or no compiler."""
     if not enabled() or not isinstance(rule, UpdateRule) or not rule.elementwise:
         return None
-    try:
-        from meshembed_native import codegen
-    except ImportError:  # an older meshembed_native without the generator
-        return None
+    from meshembed_native import codegen
+
     kernel = codegen.row_kernel(rule, 1 + len(rule.slot_names))
     return kernel if kernel is not None and _library() is not None else None
 
