@@ -527,7 +527,8 @@ ffi::Error DenseUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::Remaini
 
 // out = whether every element of every array is finite: the engine's NaN/Inf guard. A
 // float is not finite when its exponent bits are all ones, an integer test that vectorises
-// (XLA's reduction for the same check ran on one thread: ~0.27 ms on W1's gradient).
+// (XLA's reduction for the same check runs on one thread: docs/benchmarks.md, "Measurements
+// behind design choices in the code", JAX backend).
 template <class T, class U>
 bool AllFiniteRange(const T* x, int64_t lo, int64_t hi, U exponent) {
   U bad = 0;
@@ -558,8 +559,9 @@ ffi::Error AllFiniteImpl(ffi::ThreadPool pool, ffi::RemainingArgs arrays, ffi::R
 }
 
 // A fresh output of >= 32 MiB is a new mmap (glibc) every call, one first-touch fault per
-// 4 KiB written (a per-id lookup's [131072, 1, 64] rows: 8,193 faults, most of its time):
-// asked for 2 MiB pages before the first write. A hint only, as meshembed_native.pages.
+// 4 KiB written (most of a per-id lookup's time: docs/benchmarks.md, "The per-id
+// (sequence-feature) step"): asked for 2 MiB pages before the first write. A hint only, as
+// meshembed_native.pages.
 void AdviseHugePages(void* p, int64_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t(1) << 21;

@@ -80,8 +80,9 @@ class JaxDenseMixin:
         return isinstance(value, jax.Array) and len(value.sharding.device_set) == 1
 
     def in_place_group(self, rule: UpdateRule) -> int:
-        """64 where the generated fused update may run (one FFI call, compiled in no time:
-        W2 with 64 tensors 12.7 ms in one call, 17-20 ms in groups of 8); else the default,
+        """64 where the generated fused update may run (one FFI call, compiled in no time,
+        faster than groups of 8: docs/benchmarks.md, "Measurements behind design choices in
+        the code", JAX backend, W2 grouping); else the default,
         which keeps XLA's compile time down (:meth:`compile_update` splits larger groups)."""
         if self._row_kernel(rule) is not None:
             return 64
@@ -95,12 +96,13 @@ class JaxDenseMixin:
         it is one FFI call, its parameter block built on the host from the values. Otherwise
         XLA compiles the core's step with the values as 0-d array inputs, and its CPU compiler
         splits a step with several outputs, such as Adadelta's, into loop fusions with
-        full-size intermediates (W2, 16.7M floats: five fusions, 60 ms). On a CPU device an
+        full-size intermediates (W2: five fusions; figures in docs/benchmarks.md, W2
+        grouping). On a CPU device an
         element-wise rule therefore runs as one compiled *pass per output*: pass ``k``
         computes only output ``k`` (XLA fuses it into one loop, written in place into the
         donated target ``k``), and the passes run in an order where no later pass reads a
         target an earlier one overwrote (Adadelta: parameters, then ``accumulated_delta_var``,
-        then ``accumulated_grad``; W2: 18 ms). XLA plans take at most the default
+        then ``accumulated_grad``). XLA plans take at most the default
         :meth:`in_place_group` variables each. Every plan is compiled before the first one
         runs, so a failure changes nothing."""
         import jax

@@ -111,7 +111,8 @@ def local_rows(layout: ShardLayout, ids: jax.Array) -> jax.Array:
 def dedup_dense(flat: jax.Array, m: int, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Unique rows through a dense row -> first-occurrence map over the device's ``m`` rows.
 
-    No sort and no prefix sum over ``m`` (XLA's CPU cumsum over 10^6 elements costs ~20 ms):
+    No sort and no prefix sum over ``m`` (XLA's CPU cumsum over a shard's rows is slow:
+    docs/benchmarks.md, "Measurements behind design choices in the code", JAX backend):
     a scatter-min writes, per row, the first batch position that names it; an id is the
     representative of its row when that position is its own; a prefix sum over the *batch*
     numbers the representatives. O(m) memory (4 MB for 10^6 rows), O(N + m) work.
@@ -241,8 +242,8 @@ def make_window_write(layout: ShardLayout) -> Callable:
 
 # XLA's CPU runtime allocates every output and one temporary block per execution; glibc
 # serves a request of 32 MiB or more with a fresh mmap, so a kernel whose temporaries reach
-# that size pays a page fault per 4 KiB touched on every call (measured on W1: a
-# [131072, 64] float32 intermediate costs ~15-20 ms, the same work in 2 MiB pieces < 5 ms).
+# that size pays a page fault per 4 KiB touched on every call (docs/benchmarks.md,
+# "Measurements behind design choices in the code", JAX backend: blocked intermediates).
 # The kernels below therefore loop over fixed-size pieces of the batch and of the unique
 # rows, so temporaries stay a few MiB whatever the batch size.
 CHUNK_BYTES = 1 << 21
@@ -347,7 +348,8 @@ def _apply_unique(flats: list, uniq: jax.Array, g: jax.Array, c: int,
         )
 
     # always a loop, even for one piece: inline, XLA copies the whole donated table twice
-    # around the in-place scatter (W1 table, capacity 1024: 97 ms a step instead of 1.4 ms)
+    # around the in-place scatter (docs/benchmarks.md, "Measurements behind design choices in
+    # the code", JAX backend: in-place scatter guard)
     trips = (used + (c - 1)) // c
     return list(lax.fori_loop(0, trips, lambda j, tabs: body(j * c, tabs), _varying(tuple(flats))))
 

@@ -455,8 +455,8 @@ template <class T> inline T me_opaque(T v) { volatile T t = v; return t; }
 // 4.3e-12 (log2; |u| = |y log2|x|| <= 150 wherever the float result is neither 0 nor inf) +
 // ~1e-15 (rounding) < 2.4e-9 = 2^-28.6, far below the 2^-24 (half the smallest relative ulp)
 // that moves a rounded float result by 1 ulp at most; exp and log the same, with less error.
-// (Measured: a table of 2^(i/32) with a degree-3 polynomial, gathered, is 1.5x slower; a float
-// reciprocal with a Newton step instead of log2's division 1.3x; -mprefer-vector-width=512 no gain.)
+// (Alternatives measured slower: docs/benchmarks.md, "Measurements behind design choices in
+// the code", Core.)
 inline double me_bits_d(uint64_t b) { double d; __builtin_memcpy(&d, &b, 8); return d; }
 inline uint64_t me_d_bits(double d) { uint64_t b; __builtin_memcpy(&b, &d, 8); return b; }
 // c ? a : b as bit masks: GCC merges chains of ?: into n-way choices it will not vectorize.

@@ -69,9 +69,7 @@ inline void PrefetchBytes(const void* p, int64_t bytes, bool write) {
 // Rows read at random from beyond the caches are prefetched twice: kFarAhead positions on
 // into L2, which keeps many more misses in flight than L1's few fill buffers, and kNearAhead
 // on into L1. row_at(q): the row at position q of the loop (positions < end), or nullptr
-// for none.
-// (W1's per-id gradient sum on 2 threads: 2.2-3.3 ms with one distance of 32 into L1,
-// 1.5-1.7 ms so: docs/benchmarks.md, "Two prefetch distances".)
+// for none. (Why two distances: docs/benchmarks.md, "Two prefetch distances".)
 constexpr int64_t kFarAhead = 64, kNearAhead = 8;
 template <class RowAt>
 inline void PrefetchAhead(int64_t p, int64_t end, int64_t bytes, bool write, const RowAt& row_at) {

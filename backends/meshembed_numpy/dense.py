@@ -20,9 +20,9 @@ class NumpyDenseMixin:
     def compile_update(self, rule: UpdateRule, count: int) -> Callable[..., Any]:
         """An element-wise rule (Adadelta's) runs on pieces of ``PIECE_ELEMENTS`` of each
         variable and writes them in place: NumPy evaluates a formula one full-size temporary
-        per operation, which at W2 (16.7M float32) held ~5 extra arrays (peak 2.7x the
-        parameters and slots; 1.02x in pieces, at the same speed). Same numbers: every
-        element depends only on the same element of each input."""
+        per operation, which at W2 held several extra full-size arrays at once (the peak
+        memory: docs/benchmarks.md, "Measurements behind design choices in the code", Core).
+        Same numbers: every element depends only on the same element of each input."""
         if not rule.elementwise:
             return super().compile_update(rule, count)
 

@@ -39,8 +39,9 @@ _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes
 _GATHER_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                 ctypes.c_int]
 
-#: Outputs of :func:`gather_rows` from this size on are written with streaming stores: measured
-#: faster from 16 MiB (2x at 32 MiB), slower at 8 MiB, even when read right after (docs/benchmarks.md).
+#: Outputs of :func:`gather_rows` from this size on are written with streaming stores: faster
+#: from this size on, slower below it, even when read right after (docs/benchmarks.md,
+#: "Measurements behind design choices in the code", torch backend).
 STREAM_MIN_BYTES = 16 << 20
 
 

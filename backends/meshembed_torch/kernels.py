@@ -382,8 +382,8 @@ class Compiled:
 
     dynamo's default traces Python floats as symbolic inputs (no recompilation when a
     learning rate changes), but with the core's FTRL that gave *silently wrong* numbers once
-    the learning rate changed (measured: 7e-3 error after one step; Adadelta, Adagrad and SGD
-    were exact). So floats are specialised (``specialize_float=True``: a guard per value,
+    the learning rate changed (docs/benchmarks.md, "Measurements behind design choices in
+    the code", torch backend). So floats are specialised (``specialize_float=True``: a guard per value,
     exact results), and after ``MAX_FLOAT_VARIANTS`` distinct value sets — a schedule, not a
     constant — the function is left eager instead of recompiling every step."""
 

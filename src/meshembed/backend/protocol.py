@@ -334,8 +334,9 @@ class Backend(abc.ABC):
 
     def in_place_group(self, rule: UpdateRule) -> int:
         """How many variables' staged updates of ``rule`` one :meth:`compile_update` call may
-        take: more amortise a call's dispatch, fewer keep a compiler's time down (XLA: 12 s
-        cold for 8 Adadelta variables, 15 s for 16)."""
+        take: more amortise a call's dispatch, fewer keep a compiler's time down (XLA's cold
+        compile grows with the group: docs/benchmarks.md, "Measurements behind design choices
+        in the code", Core)."""
         return 8
 
     def compile_update(self, rule: UpdateRule, count: int) -> Callable[..., Any]:
