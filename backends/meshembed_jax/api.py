@@ -26,6 +26,7 @@ from meshembed.embedding.updates import rule_values, update_kind
 from meshembed.math.rule import UpdateRule
 from meshembed.errors import CapacityError, ConfigError, InputError
 from meshembed_jax import cpu_kernels, kernels
+from meshembed_jax.adadelta import AdadeltaState, adadelta  # noqa: F401 (me.jax.adadelta)
 from meshembed_jax.backend import JaxBackend, bucket, traced_rule_errors
 from meshembed_jax.layout import ShardLayout
 from meshembed_jax.table import JaxShardedTable
@@ -539,94 +540,3 @@ def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learnin
             new = _step(be, sl, dim, rule, datas, values, guard, cap, ids, source, (segs, w, weighted))
         tables[t.name] = dict(zip(names, new))
     return EmbeddingState(tables, state.step + 1, st)
-
-
-# -- the dense Adadelta as an optax GradientTransformation ---------------------------------
-class AdadeltaState(NamedTuple):
-    """Keras' slot names; ``average`` holds the EMA of the params (empty tuple without EMA)."""
-
-    iteration: Any
-    accumulated_grad: Any
-    accumulated_delta_var: Any
-    average: Any
-
-
-def adadelta(learning_rate: Any = 0.001, rho: float = 0.95, epsilon: float = 1e-7,
-             gradients_clip_option: Any = None, ema_option: Any = None) -> Any:
-    """``me.optimizers.Adadelta`` (Keras' defaults: lr 1e-3, rho 0.95, eps 1e-7, tf_keras' clip
-    and EMA options) as an ``optax.GradientTransformation``: pure, jit-able, state sharded
-    like the params (``init`` outside jit puts each slot on its param's sharding; a jitted
-    ``init`` needs ``out_shardings``). ``learning_rate`` may be a float or an optax schedule.
-
-    The step is the core's ``meshembed.math.adadelta`` (``a' = ρa + (1−ρ)g²``,
-    ``d = √(u+ε)/√(a'+ε)·g``, ``u' = ρu + (1−ρ)d²``, ``p' = p − lr·d``); the update returned is
-    ``p' − p`` (optax adds it)."""
-    import optax
-
-    from meshembed.math.adadelta import AdadeltaSlots
-    from meshembed.math.adadelta import adadelta as step
-    from meshembed.optimizers import EMAOption, GradientsClipOption
-
-    clip = gradients_clip_option or GradientsClipOption()
-    ema = ema_option or EMAOption()
-    if not isinstance(clip, GradientsClipOption) or not isinstance(ema, EMAOption):
-        raise ConfigError("Invalid `gradients_clip_option`/`ema_option`. Expected me.optimizers.GradientsClipOption "
-                          f"/ EMAOption or None. Received: {gradients_clip_option!r}, {ema_option!r}")
-    for name, v in (("rho", rho), ("epsilon", epsilon)):
-        if not np.isfinite(float(v)):
-            raise ConfigError(f"Invalid `{name}`. Expected a finite number. Received: {name}={v!r}")
-
-    def init_fn(params: Any) -> AdadeltaState:
-        def zeros(p: Any) -> Any:  # each slot on its param's sharding (inside jit: XLA propagates it)
-            where = None if isinstance(p, jax.core.Tracer) else getattr(p, "sharding", None)
-            return jnp.zeros(jnp.shape(p), jnp.result_type(p), device=where)
-
-        average = jax.tree.map(lambda p: jnp.array(p, copy=True), params) if ema.use_ema else ()
-        first = next(iter(jax.tree.leaves(params)), None)
-        where = None if isinstance(first, jax.core.Tracer) else getattr(first, "sharding", None)
-        if isinstance(where, jax.sharding.NamedSharding):  # the counter replicated on the params' mesh
-            where = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
-        return AdadeltaState(jnp.zeros((), _int(), device=where), jax.tree.map(zeros, params), jax.tree.map(zeros, params), average)
-
-    def clip_grads(grads: list) -> list:
-        if clip.clipnorm is not None:
-            c = clip.clipnorm
-            return [g * (c / jnp.maximum(jnp.sqrt(jnp.sum(g * g)), c)) for g in grads]
-        if clip.global_clipnorm is not None:
-            c = clip.global_clipnorm
-            norm = jnp.sqrt(sum(jnp.sum(g * g) for g in grads))
-            scale = jnp.where(norm > 0, c * jnp.minimum(1.0 / norm, 1.0 / c), 1.0)
-            return [g * scale for g in grads]
-        if clip.clipvalue is not None:
-            v = clip.clipvalue
-            return [jnp.clip(g, -v, v) for g in grads]
-        return grads
-
-    def update_fn(updates: Any, state: AdadeltaState, params: Any = None) -> tuple[Any, AdadeltaState]:
-        if params is None:
-            raise InputError("me.jax.adadelta needs `params` in update(grads, state, params) (for the EMA and p' − p).")
-        lr = learning_rate(state.iteration) if callable(learning_rate) else learning_rate
-        leaves, tree = jax.tree.flatten(params)
-        grads = clip_grads([g.astype(p.dtype) for g, p in zip(jax.tree.leaves(updates), leaves)])
-        accs, deltas = jax.tree.leaves(state.accumulated_grad), jax.tree.leaves(state.accumulated_delta_var)
-        new_p, new_a, new_u = [], [], []
-        for p, g, a, u in zip(leaves, grads, accs, deltas):
-            q, slots = step(jnp, p, g, AdadeltaSlots(a, u), lr=lr, rho=rho, epsilon=epsilon)
-            new_p.append(q)
-            new_a.append(slots.accumulators)
-            new_u.append(slots.updates)
-        average = state.average
-        if ema.use_ema:  # tf_keras: avg <- m*avg + (1-m)*var; overwrite every k-th update
-            m = ema.ema_momentum
-            average = [m * v + (1 - m) * q for v, q in zip(jax.tree.leaves(state.average), new_p)]
-            freq = ema.ema_overwrite_frequency
-            if freq:
-                now = (state.iteration + 1) % freq == 0
-                new_p = [jnp.where(now, v, q) for v, q in zip(average, new_p)]
-            average = jax.tree.unflatten(tree, average)
-        out = jax.tree.unflatten(tree, [q - p for q, p in zip(new_p, leaves)])
-        new_state = AdadeltaState(state.iteration + 1, jax.tree.unflatten(tree, new_a), jax.tree.unflatten(tree, new_u),
-                                  average)
-        return out, new_state
-
-    return optax.GradientTransformation(init_fn, update_fn)
