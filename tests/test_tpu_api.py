@@ -246,8 +246,9 @@ def test_config_errors_name_the_culprit():
         me.tpu.TPUEmbedding({"a": me.tpu.FeatureConfig(t), "b": me.tpu.FeatureConfig(u)}, me.tpu.SGD(0.1))
     with pytest.raises(me.ConfigError, match=r"path 'a/1'"):
         me.tpu.TPUEmbedding({"a": [me.tpu.FeatureConfig(t), "oops"]}, me.tpu.SGD(0.1))
-    with pytest.raises(me.ConfigError, match=r"optimizer.*table 'same'.*TPUEmbedding\(optimizer=...\)"):
-        me.tpu.TPUEmbedding(me.tpu.FeatureConfig(t))
+    serving = me.tpu.TPUEmbedding(me.tpu.FeatureConfig(t))  # no optimizer: built for lookups only (#35)
+    with pytest.raises(me.ConfigError, match=r"table 'same' has no optimizer.*TPUEmbedding\(optimizer=...\)"):
+        serving.enqueue(np.arange(2))
     with pytest.raises(me.ConfigError, match="vocabulary_size"):
         me.tpu.TableConfig(vocabulary_size=0, dim=2)
     with pytest.raises(me.ConfigError, match="combiner"):

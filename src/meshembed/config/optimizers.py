@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
@@ -53,13 +54,17 @@ from meshembed.math.custom import CustomOptimizer
 __all__ = [
     "OPTIMIZER_CLASSES", "Adadelta", "Adagrad", "AdagradMomentum", "Adam", "Assign",
     "BoundedAdagrad", "CenteredRMSProp", "DynamicLearningRate", "FTRL", "FrequencyAwareAdagrad",
-    "FrequencyEstimator", "Lion", "OPTIMIZER_TYPES", "is_custom", "MAX_AUXILIARY_SLOTS", "MDLAdagradLight", "Momentum",
+    "FrequencyEstimator", "Lion", "OPTIMIZER_TYPES", "is_custom", "MAX_AUXILIARY_SLOTS", "MAX_DYNAMIC_TAG",
+    "MDLAdagradLight", "Momentum",
     "OnlineYogi", "OptimizerSpec", "ProximalAdagrad", "ProximalYogi", "QuantizationConfig",
     "RMSProp", "SGD", "UserDefinedProgram",
 ]
 
 #: TF's ``kMaxAuxiliaryParameterCount``: at most 7 state variables besides ``parameters``.
 MAX_AUXILIARY_SLOTS = 7
+#: Largest dynamic-input tag: ``learning_rates`` holds max tag + 1 values each step, so a huge
+#: tag (2**31 - 1) is refused when the config is built, not when that list is allocated.
+MAX_DYNAMIC_TAG = 2**16 - 1
 
 PACKING_STATUS = {"unspecified": 0, "enabled": 1, "disabled": 2}
 HOT_ID_STATUS = {"unspecified": 0, "enabled": 1, "disabled": 2, "migration_only": 3}
@@ -75,7 +80,12 @@ class DynamicLearningRate:
     tag: int = 0
 
     def __post_init__(self) -> None:
-        as_int("tag", self.tag, "DynamicLearningRate", minimum=0)
+        tag = as_int("tag", self.tag, "DynamicLearningRate", minimum=0)
+        if tag > MAX_DYNAMIC_TAG:  # learning_rates would need tag + 1 values every step
+            raise invalid("tag", "DynamicLearningRate",
+                          f"an integer in [0, {MAX_DYNAMIC_TAG}] (SendTPUEmbeddingGradients takes one learning "
+                          "rate per tag up to the largest, every step; TF numbers tags 0..K-1 with K at most "
+                          "the number of tables). Fix: renumber the tags from 0", tag)
 
 
 @dataclass(frozen=True)
@@ -106,10 +116,27 @@ class QuantizationConfig:
 LearningRateLike = Union[float, DynamicLearningRate, Callable[[], float], None]
 
 
+def required_arguments(fn: Callable[..., Any]) -> int:
+    """How many positional arguments ``fn`` needs (0 when its signature cannot be read)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 0
+    return sum(1 for p in params if p.default is p.empty
+               and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
 def _check_learning_rate(value: Any, where: str = "") -> Any:
     if isinstance(value, DynamicLearningRate) or value is None:
         return value
     if callable(value):
+        if required_arguments(value):  # a Keras LearningRateSchedule takes the step
+            raise invalid("learning_rate", where,
+                          "a float, a DynamicLearningRate or a callable taking no arguments (it is called "
+                          "once per step, as in TF2's TPU embedding); this one needs arguments, like a Keras "
+                          "LearningRateSchedule, which takes the step. Fix: learning_rate=lambda: "
+                          "schedule(step) with your step counter, or pass the schedule to a me.tpu optimizer, "
+                          "which calls it with its TPUEmbedding's step", value)
         return value
     return as_float("learning_rate", value, where)
 
@@ -546,6 +573,19 @@ class FrequencyAwareAdagrad(OptimizerSpec):
 
     def dynamic_inputs(self) -> tuple[DynamicLearningRate, ...]:
         return (self.step_counter,) if isinstance(self.step_counter, DynamicLearningRate) else ()
+
+    def check_domain(self, table: str | None = None) -> None:
+        """Also refuse a missing ``step_counter`` (the engine's check, before any step): the
+        update divides the step by each row's count, so without it no step can run. A spec
+        without one may still be built and round-trip through the proto as data."""
+        super().check_domain(table)
+        if self.step_counter is None:
+            with located(f"table '{table}'") if table else contextlib.nullcontext():
+                raise invalid("step_counter", f"{type(self).__name__} optimizer",
+                              "a DynamicLearningRate tag or a callable returning the global step (the update "
+                              "scales the learning rate by step / count per row, so it cannot run without one). "
+                              "Fix: FrequencyAwareAdagrad(..., step_counter=DynamicLearningRate(k)) and pass the "
+                              "step as learning_rates[k], or step_counter=lambda: step", None)
 
 
 @dataclass(frozen=True)

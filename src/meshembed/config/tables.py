@@ -28,7 +28,9 @@ from meshembed.math.custom import CustomOptimizer
 __all__ = ["COMBINERS", "DTYPES", "FeatureConfig", "SpmdSharding", "TableConfig"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
-DTYPES = ("float32", "int32")
+#: Table dtypes the engine runs: every table and slot is float32 (an int32 table was accepted
+#: and then silently trained as float32).
+DTYPES = ("float32",)
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,9 @@ class TableConfig:
         except TypeError:
             dtype = str(self.dtype)
         if dtype not in DTYPES:
-            raise invalid("dtype", where, f"one of {one_of(DTYPES)}", self.dtype)
+            raise invalid("dtype", where, f"one of {one_of(DTYPES)} (the engine keeps every table and slot in "
+                          "float32; integer and other float tables are not supported). Fix: omit `dtype`",
+                          self.dtype)
         object.__setattr__(self, "dtype", dtype)
         if self.initializer is not None and not callable(self.initializer):
             raise invalid("initializer", where, "a callable (shape) -> array, or None", self.initializer)

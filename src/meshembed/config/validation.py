@@ -117,7 +117,8 @@ def _check_dynamic_tags(tables: Sequence[TableConfig]) -> None:
         if isinstance(lr, DynamicLearningRate):
             lr_tags.setdefault(lr.tag, t.name)
     if lr_tags and sorted(lr_tags) != list(range(len(lr_tags))):
-        missing = min(set(range(max(lr_tags) + 1)) - set(lr_tags))
+        # the first gap lies below len(lr_tags): never build a range up to the largest tag
+        missing = next(i for i in range(len(lr_tags) + 1) if i not in lr_tags)
         tag = max(lr_tags)
         raise invalid("learning_rate", f"table '{lr_tags[tag]}'",
                       f"dynamic learning-rate tags used contiguously from 0 (tag {missing} is unused; "

@@ -16,16 +16,42 @@ import numpy as np
 
 from meshembed import config as _cfg
 from meshembed.config._common import invalid
-from meshembed.config.optimizers import OptimizerSpec
+from meshembed.config.optimizers import OptimizerSpec, required_arguments
 from meshembed.embedding.initializers import Constant, RowIdInitializer, TruncatedNormal
+from meshembed.errors import ConfigError
 from meshembed.math.custom import CustomOptimizer
 
-__all__ = ["FeatureConfig", "QuantizationConfig", "RowIdInitializer", "TableConfig", "OPTIMIZERS"]
+__all__ = ["FeatureConfig", "QuantizationConfig", "RowIdInitializer", "StepSchedule", "TableConfig", "OPTIMIZERS"]
 
 QuantizationConfig = _cfg.QuantizationConfig  # (num_buckets, lower, upper[, enabled]) as TF2's
 
 _SHARED = ("use_gradient_accumulation", "clip_weight_min", "clip_weight_max", "weight_decay_factor",
            "multiply_weight_decay_factor_by_learning_rate")
+
+
+class StepSchedule:
+    """A learning rate that takes the step, such as a Keras ``LearningRateSchedule``.
+
+    TF2's TPU embedding calls a learning rate with no arguments; a schedule passed to a
+    ``me.tpu`` optimizer is wrapped in this and called by its ``me.tpu.TPUEmbedding`` with the
+    number of steps applied so far (Keras' ``iterations``), so it also resumes after ``restore``.
+    """
+
+    def __init__(self, schedule: Callable[[Any], Any]) -> None:
+        self.schedule = schedule
+
+    def at(self, step: Callable[[], int]) -> Callable[[], float]:
+        """A zero-argument learning rate reading ``step()`` each time it is called."""
+        return lambda: float(self.schedule(step()))
+
+    def __call__(self) -> float:
+        raise ConfigError(
+            f"Invalid `learning_rate`. Expected a callable taking no arguments outside me.tpu.TPUEmbedding. "
+            f"Received: learning_rate={self.schedule!r} (a schedule, which needs the step). Fix: use this "
+            "optimizer in a me.tpu.TPUEmbedding, or pass learning_rate=lambda: schedule(step).")
+
+    def __repr__(self) -> str:
+        return f"StepSchedule({self.schedule!r})"
 
 
 def _tf_optimizer(base: type, own: tuple[str, ...] | None = None, *, slot_fn: bool = True,
@@ -56,6 +82,9 @@ def _tf_optimizer(base: type, own: tuple[str, ...] | None = None, *, slot_fn: bo
         if unknown:
             raise _cfg_error(unknown[0], name, f"one of the arguments {list(order) + list(extra)}",
                              kwargs[unknown[0]])
+        lr = kwargs.get("learning_rate")
+        if callable(lr) and not isinstance(lr, StepSchedule) and required_arguments(lr) == 1:
+            kwargs["learning_rate"] = StepSchedule(lr)  # called with the step by TPUEmbedding
         fn = kwargs.pop("slot_variable_creation_fn", None)
         if fn is not None:
             raise _cfg_error("slot_variable_creation_fn", name,
@@ -128,8 +157,9 @@ class TableConfig:
         if layout is not None:
             raise invalid("layout", where, "None (SparseCore table layouts are not supported)", layout)
         dtype_name = getattr(dtype, "name", dtype)
-        if dtype_name not in ("float32", "int32"):
-            raise invalid("dtype", where, "float32 or int32", dtype)
+        if dtype_name != "float32":  # the engine's tables are float32; an int32 one trained as float32
+            raise invalid("dtype", where, "float32 (tf.float32, np.float32 or 'float32'; meshembed keeps every "
+                          "table in float32, integer tables are not supported). Fix: omit `dtype`", dtype)
         self.vocabulary_size = vocabulary_size
         self.dim = dim
         self.initializer = initializer
@@ -140,14 +170,13 @@ class TableConfig:
         self.layout = layout
         self.dtype = dtype_name
 
-    def _engine(self, name: str, default_optimizer: Any) -> _cfg.TableConfig:
-        """The engine's frozen TableConfig under ``name`` (this object is not changed)."""
+    def _engine(self, name: str, optimizer: Any) -> _cfg.TableConfig:
+        """The engine's frozen TableConfig under ``name`` with ``optimizer`` (this object is not changed)."""
         init = self.initializer
         if init is not None and not isinstance(init, _OWN_INITIALIZERS):
             user = init
             init = lambda shape: user(shape)  # noqa: E731 - TF's contract: one argument, the shape
-        return _cfg.TableConfig(name, self.vocabulary_size, self.dim,
-                                optimizer=self.optimizer if self.optimizer is not None else default_optimizer,
+        return _cfg.TableConfig(name, self.vocabulary_size, self.dim, optimizer=optimizer,
                                 combiner=self.combiner, initializer=init,
                                 quantization=self.quantization_config, dtype=self.dtype)
 

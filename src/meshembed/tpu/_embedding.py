@@ -14,18 +14,22 @@ from typing import Any
 
 import numpy as np
 
-from meshembed.config import EmbeddingConfig
+from meshembed import math as _math
+from meshembed.config import SGD, EmbeddingConfig
 from meshembed.config import FeatureConfig as _EngineFeature
+from meshembed.config import TableConfig as _EngineTable
 from meshembed.config._common import as_bool, invalid
 from meshembed.config.optimizers import OptimizerSpec
 from meshembed.embedding import RaggedIds, SparseIds
 from meshembed.embedding import TPUEmbedding as _Engine
+from meshembed.embedding import checkpoint as _checkpoint
 from meshembed.errors import ConfigError, InputError, StateError
 from meshembed.math.custom import CustomOptimizer
 from meshembed.tpu import _nest
-from meshembed.tpu._config import FeatureConfig, TableConfig, _shape
+from meshembed.tpu._config import FeatureConfig, StepSchedule, TableConfig, _shape
 
-__all__ = ["TPUEmbedding", "flat_features", "from_tf", "to_tf", "is_tf", "incoming_output_shape"]
+__all__ = ["TPUEmbedding", "flat_features", "from_tf", "to_tf", "is_tf", "incoming_output_shape",
+           "resolve_tables", "read_checkpoint"]
 
 
 def _is_feature(x: Any) -> bool:
@@ -33,17 +37,78 @@ def _is_feature(x: Any) -> bool:
 
 
 def flat_features(feature_config: Any) -> list[tuple[str, FeatureConfig]]:
-    """``[(path, FeatureConfig)]`` in tf.nest order; ConfigError names a non-FeatureConfig leaf."""
-    flat = _nest.flatten_with_paths(feature_config, _is_feature)
+    """``[(path, FeatureConfig)]`` in tf.nest order. A feature is known by its path, so a
+    non-FeatureConfig leaf, dict keys tf.nest cannot sort (``{1: f, "1": g}``) and two
+    features on one path are ConfigErrors."""
+    try:
+        flat = _nest.flatten_with_paths(feature_config, _is_feature)
+    except InputError as exc:  # unsortable dict keys
+        raise ConfigError(f"Invalid `feature_config`. Expected dict keys tf.nest can sort (all strings or all "
+                          f"integers; a feature is known by its path, and 1 and '1' are both path '1'). "
+                          f"Received: {str(exc).rpartition('Received ')[2]}") from None
     if not flat:
         raise ConfigError("Invalid `feature_config`. Expected a FeatureConfig or a nest (dict, list, tuple) "
                           "of FeatureConfigs. Received: an empty structure")
+    seen: set[str] = set()
     for path, f in flat:
+        at = f" at path '{path}'" if path else ""
         if not isinstance(f, FeatureConfig):
-            at = f" at path '{path}'" if path else ""
             raise ConfigError(f"Invalid `feature_config`{at}. Expected a meshembed.tpu.FeatureConfig. "
                               f"Received: {f!r}")
+        if path in seen:
+            raise ConfigError(f"Invalid `feature_config`{at}. Expected one feature per path (features are known "
+                              "by their path; rename a key). Received: two features on this path")
+        seen.add(path)
     return flat
+
+
+def resolve_tables(flat: list[tuple[str, FeatureConfig]], optimizer: Any
+                   ) -> tuple[list[TableConfig], list[str], list[_EngineTable], set[str]]:
+    """The tables in order of first use, their engine names (``table_<i>`` when unnamed), their
+    engine configs, and the names of those without an optimizer (they get SGD(0) and are only
+    looked up: ``TPUEmbedding(optimizer=None)`` serves, as TF allows off TPU)."""
+    if optimizer is not None and not isinstance(optimizer, (OptimizerSpec, CustomOptimizer)):
+        raise invalid("optimizer", "TPUEmbedding", "an instance of a meshembed.tpu optimizer class (SGD, "
+                      "Adagrad, Adam, FTRL, ...) or None", optimizer)
+    tables: list[TableConfig] = []
+    for _, f in flat:
+        if not any(f.table is t for t in tables):
+            tables.append(f.table)
+    names = [t.name if t.name is not None else f"table_{i}" for i, t in enumerate(tables)]
+    engine, untrained = [], set()
+    for i, (t, name) in enumerate(zip(tables, names)):
+        if names.index(name) != i:
+            raise invalid("name", "TableConfig", "a unique name per table (several TableConfig objects are "
+                          "named alike; share one object to share a table)", name)
+        opt = t.optimizer if t.optimizer is not None else optimizer
+        if opt is None:
+            untrained.add(name)
+        engine.append(t._engine(name, opt if opt is not None else SGD(0.0)))
+    return tables, names, engine, untrained
+
+
+def read_checkpoint(path: Any) -> tuple[int, dict[str, dict[str, np.ndarray]]]:
+    """(step, {table: {"parameters": ..., <slot>: ...}}) of a checkpoint, every file verified.
+
+    Reads the arrays only, so a config whose learning rate was a callable (which a checkpoint
+    cannot store) needs nothing passed again."""
+    manifest, _, arrays = _checkpoint.read(path)
+    tables = {e["name"]: {k: arrays[key] for k, key in e["arrays"].items()} for e in manifest["tables"]}
+    return int(manifest["step"]), tables
+
+
+def _check_trainable(tables: list[_EngineTable]) -> None:
+    """What the engine would only find at the first step, refused when the object is built."""
+    for t in tables:
+        opt = t.optimizer
+        check = getattr(opt, "check_domain", None)
+        if check is not None:  # e.g. FrequencyAwareAdagrad without step_counter
+            check(table=t.name)
+        if isinstance(opt, OptimizerSpec) and not _math.get_math(opt.algorithm).supported:
+            raise invalid("optimizer", f"table '{t.name}'",
+                          f"an optimizer meshembed can run ({type(opt).__name__} has no public update formula, "
+                          "so it cannot train; its configs still load and round-trip). Fix: choose another "
+                          "optimizer, or serve the trained tables with TPUEmbeddingForServing", opt)
 
 
 # -- TensorFlow objects, converted without importing TensorFlow --------------------------------
@@ -130,27 +195,16 @@ class TPUEmbedding:
                  pipeline_execution_with_tensor_core: bool = False, *, backend: Any = None,
                  num_shards: int | None = None, mesh: Any = None, seed: int = 0) -> None:
         flat = flat_features(feature_config)
-        if optimizer is not None and not isinstance(optimizer, (OptimizerSpec, CustomOptimizer)):
-            raise invalid("optimizer", "TPUEmbedding", "an instance of a meshembed.tpu optimizer class (SGD, "
-                          "Adagrad, Adam, FTRL, ...) or None", optimizer)
-        tables: list[TableConfig] = []
-        for _, f in flat:
-            if not any(f.table is t for t in tables):
-                tables.append(f.table)
-        names = [t.name if t.name is not None else f"table_{i}" for i, t in enumerate(tables)]
-        for i, t in enumerate(tables):
-            if names.index(names[i]) != i:
-                raise invalid("name", "TableConfig", "a unique name per table (several TableConfig objects are "
-                              "named alike; share one object to share a table)", names[i])
-            if t.optimizer is None and optimizer is None:
-                raise invalid("optimizer", f"table '{names[i]}'", "an optimizer: give the TableConfig one or "
-                              "pass TPUEmbedding(optimizer=...)", None)
+        tables, names, engine_tables, untrained = resolve_tables(flat, optimizer)
+        if not untrained:
+            _check_trainable(engine_tables)
         self._feature_config = feature_config
         self._features = [f for _, f in flat]
         self._paths = [p or f.name or "feature" for p, f in flat]
         self._tables = tables
         self._table_names = dict(zip(map(id, tables), names))
-        self._engine_tables = [t._engine(n, optimizer) for t, n in zip(tables, names)]
+        self._untrained = untrained
+        self._engine_tables = self._bind_schedules(engine_tables)
         self._optimizer = optimizer
         self._pipeline = as_bool("pipeline_execution_with_tensor_core", pipeline_execution_with_tensor_core,
                                  "TPUEmbedding")
@@ -158,6 +212,26 @@ class TPUEmbedding:
         self._output_shapes: list[tuple[int, ...] | None] = [f.output_shape for f in self._features]
         self._engine: _Engine | None = None
         self._tf_io = False
+
+    def _bind_schedules(self, tables: list[_EngineTable]) -> list[_EngineTable]:
+        """Give each StepSchedule learning rate this object's step (one callable per schedule,
+        so tables sharing one share its dynamic tag)."""
+        bound: dict[int, Any] = {}
+        out = []
+        for t in tables:
+            lr = getattr(t.optimizer, "learning_rate", None)
+            if isinstance(lr, StepSchedule):
+                fn = bound.setdefault(id(lr), lr.at(lambda: self._engine.step if self._engine is not None else 0))
+                t = t.replace(optimizer=t.optimizer.replace(learning_rate=fn))
+            out.append(t)
+        return out
+
+    def _refuse_training(self, head: str, tail: str = "") -> None:
+        """Tables without an optimizer only serve: training them is a ConfigError, before anything."""
+        if self._untrained:
+            raise ConfigError(f"{head}: table '{sorted(self._untrained)[0]}' has no optimizer, so this TPUEmbedding "
+                              "only looks up (enqueue(..., training=False), dequeue, restore, embedding_tables). "
+                              f"Fix: give the TableConfig an optimizer or pass TPUEmbedding(optimizer=...).{tail}")
 
     # -- structure helpers --------------------------------------------------------------------
     def _leaves(self, value: Any, what: str) -> list[Any]:
@@ -175,7 +249,19 @@ class TPUEmbedding:
 
     @property
     def engine(self) -> _Engine:
-        """The underlying ``me.TPUEmbedding`` (built on first use): save, retrieve, load."""
+        """The underlying ``me.TPUEmbedding`` (built on first use): save, retrieve, load.
+
+        An object with a table without optimizer has none to hand out (ConfigError): its
+        engine holds a stand-in SGD(0) that another front end would silently train with."""
+        if self._untrained:
+            raise ConfigError(f"Invalid `optimizer` for table '{sorted(self._untrained)[0]}'. Expected an optimizer "
+                              "to use this TPUEmbedding's engine (without one it only looks up: enqueue(..., "
+                              "training=False), dequeue, restore, embedding_tables). Fix: give the TableConfig an "
+                              "optimizer, or pass optimizer=... Received: optimizer=None")
+        return self._live()
+
+    def _live(self) -> _Engine:
+        """The engine, built on first use (also for an object that only serves)."""
         self.build()
         assert self._engine is not None
         return self._engine
@@ -233,6 +319,7 @@ class TPUEmbedding:
         feats = [_EngineFeature(self._table_names[id(f.table)], s, name=p)
                  for p, f, s in zip(self._paths, self._features, shapes)]
         cfg = EmbeddingConfig(tables=self._engine_tables, features=feats,
+                              mode="inference" if self._untrained else "training",
                               pipeline_execution_with_tensor_core=self._pipeline)
         self._engine = _Engine(cfg, **self._engine_args)
         self._output_shapes = list(shapes)
@@ -242,6 +329,11 @@ class TPUEmbedding:
         """Queue one batch: the nest of feature_config holding dense ids, SparseIds/RaggedIds or
         tf.Tensor/SparseTensor/RaggedTensor; ``weights`` mirrors it (None leaves allowed).
         ``name`` (TF's op name) is accepted and unused."""
+        if not isinstance(training, (bool, np.bool_)):  # bool("False") is True: a string would train
+            raise InputError("Invalid `training`. Expected a bool (True: a training batch, False: lookup only). "
+                             f"Received: training={training!r}")
+        if training:
+            self._refuse_training("Invalid `training`. Expected False", " Received: training=True")
         raw = self._leaves(features, "features")
         flat = [from_tf(x, "features", p) for x, p in zip(raw, self._paths)]
         wflat = [None] * len(flat)
@@ -280,6 +372,7 @@ class TPUEmbedding:
     def apply_gradients(self, gradients: Any, name: str | None = None) -> None:
         """One gradient per feature in feature_config's nest (None: zeros, with a warning);
         callable learning rates are evaluated here, as in TF."""
+        self._refuse_training("Cannot apply gradients")
         engine = self._require_built("apply_gradients")
         flat = [from_tf(g, "gradients", p) for g, p in zip(self._leaves(gradients, "gradients"), self._paths)]
         engine.apply_gradients(self._by_path(flat))
@@ -288,31 +381,38 @@ class TPUEmbedding:
     @property
     def embedding_tables(self) -> dict[TableConfig, np.ndarray]:
         """``{TableConfig: [vocabulary_size, dim] array}`` (NumPy copies of the tables)."""
-        tables = self.engine.embedding_tables
+        tables = self._live().embedding_tables
         return {t: tables[self._table_names[id(t)]] for t in self._tables}
 
     @property
     def variables(self) -> dict[TableConfig, dict[str, np.ndarray]]:
         """``{TableConfig: {"parameters": ..., <slot>: ...}}`` (TF's slot names are the TPU's)."""
-        return {t: self.engine.retrieve_parameters(self._table_names[id(t)]) for t in self._tables}
+        return {t: self._live().retrieve_parameters(self._table_names[id(t)]) for t in self._tables}
 
     # -- checkpoints (TF's tf.train.Checkpoint has no meshembed counterpart) --------------------
     def save(self, path: Any) -> Any:
         """Write the tables, slots and step as the engine's checkpoint directory."""
-        return self.engine.save(path)
+        return self._live().save(path)
 
     def restore(self, path: Any) -> None:
         """Load tables, slots and step from a checkpoint of the same tables (any backend or
-        shard count wrote it). Every table is checked before any is written."""
-        engine = self.engine
-        saved = _Engine.restore(path, backend="numpy", num_shards=1)
+        shard count wrote it). Every table is checked before any is written. Learning-rate
+        callables and schedules are this object's own: nothing needs passing again. A table
+        without an optimizer takes the parameters only."""
+        engine = self._live()
+        step, saved = read_checkpoint(path)
         values = {}
         for t in self._tables:
             name = self._table_names[id(t)]
-            if name not in saved.table_names:
+            if name not in saved:
                 raise InputError(f"Invalid checkpoint {str(path)!r}: it has no table '{name}' "
-                                 f"(it has {saved.table_names}).")
-            got, want = saved.retrieve_parameters(name), ("parameters",) + engine.table_slot_names(name)
+                                 f"(it has {sorted(saved)}).")
+            got = saved[name]
+            if name in self._untrained:
+                got = {"parameters": got["parameters"]}
+            want = ("parameters",) + engine.table_slot_names(name)
+            if set(got) == set(want):
+                got = {k: got[k] for k in want}
             if tuple(got) != want or got["parameters"].shape != (t.vocabulary_size, t.dim):
                 raise InputError(f"Invalid checkpoint {str(path)!r} for table '{name}': expected "
                                  f"{list(want)} of shape {(t.vocabulary_size, t.dim)}. Received: {list(got)} of "
@@ -320,7 +420,7 @@ class TPUEmbedding:
             values[name] = got
         for name, got in values.items():
             engine.load_parameters(name, **got)
-        engine.step = saved.step
+        engine.step = step
 
     def __repr__(self) -> str:
         return f"meshembed.tpu.TPUEmbedding(features={self._paths}, tables={list(self._table_names.values())})"

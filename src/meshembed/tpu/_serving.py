@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from meshembed.backend import get_backend
-from meshembed.config import SGD
 from meshembed.embedding import RaggedIds, SparseIds
 from meshembed.embedding import TPUEmbedding as _Engine
 from meshembed.embedding import combiners, inputs
@@ -27,7 +26,7 @@ from meshembed.embedding.initializers import default_initializer, initial_values
 from meshembed.errors import InputError
 from meshembed.tpu import _nest
 from meshembed.tpu._config import FeatureConfig, TableConfig
-from meshembed.tpu._embedding import TPUEmbedding, flat_features, from_tf, is_tf, to_tf
+from meshembed.tpu._embedding import TPUEmbedding, flat_features, from_tf, is_tf, read_checkpoint, resolve_tables, to_tf
 
 __all__ = ["TPUEmbeddingForServing", "serving_embedding_lookup"]
 
@@ -53,6 +52,38 @@ def _prune(x: Any, w: Any) -> tuple[SparseIds, Any]:
     return pruned, (None if wv is None or wv.shape != keep.shape else wv[keep])
 
 
+def host_table(value: Any, name: str, what: str = "tables") -> np.ndarray:
+    """A float32 host array of a serving table; strings, bools and complex numbers are refused
+    (a string table raised NumPy's ValueError, a complex one lost its imaginary part)."""
+    arr = np.asarray(inputs_to_host(value))
+    if arr.dtype.kind not in "fiu":
+        raise InputError(f"Invalid `{what}` entry for table '{name}'. Expected real numbers (float or integer). "
+                         f"Received: dtype={arr.dtype}")
+    with np.errstate(over="ignore"):
+        return arr.astype(np.float32)
+
+
+def _check_finite(table: np.ndarray, name: str, what: str) -> None:
+    """NaN/Inf (or a value past float32's range) in a served table is an error, not an activation."""
+    bad = ~np.isfinite(table)
+    if bad.any():
+        row = int(np.argwhere(bad)[0][0])
+        raise InputError(f"Invalid `{what}` for table '{name}'. Expected finite float32 values. Received: "
+                         f"{int(bad.sum())} NaN/Inf value(s), the first in row {row}. Nothing was changed.")
+
+
+def _rows(table: np.ndarray, ids: np.ndarray, name: str) -> np.ndarray:
+    """``table[ids]``, refusing NaN/Inf in the rows looked up (cheap: batch-sized)."""
+    rows = table[ids]
+    if not np.isfinite(rows).all():
+        looked_up = np.unique(ids)
+        bad = looked_up[~np.isfinite(table[looked_up]).all(axis=-1)]
+        raise InputError(f"Invalid `tables` for table '{name}'. Expected finite float32 values in the rows looked "
+                         f"up. Received: NaN/Inf in row(s) {bad[:8].tolist()}. Fix: load finite tables "
+                         "(load_from refuses NaN/Inf).")
+    return rows
+
+
 def _lookup(x: Any, w: Any, feature: FeatureConfig, table: np.ndarray, path: str) -> np.ndarray:
     t = feature.table
     where = f"input '{path or '<top>'}'"
@@ -67,7 +98,7 @@ def _lookup(x: Any, w: Any, feature: FeatureConfig, table: np.ndarray, path: str
         if ids.dtype.kind not in "iu":
             raise InputError(f"Invalid {where}: expected integer ids. Received: dtype={ids.dtype}")
         inputs.check_ids(ids.reshape(-1).astype(np.int64), inputs.FeatureInfo(path, str(t.name), t.vocabulary_size, ()))
-        return table[ids]
+        return _rows(table, ids, str(t.name))
     if w is not None and _is_sparse(w) != _is_sparse(x) and hasattr(w, "values"):
         raise InputError(f"Invalid `weights` for {where}: their type ({type(w).__name__}) does not match the "
                          f"input's ({type(x).__name__}).")
@@ -99,7 +130,8 @@ def _lookup(x: Any, w: Any, feature: FeatureConfig, table: np.ndarray, path: str
     info = inputs.FeatureInfo(path, str(t.name), t.vocabulary_size, out)
     batch = inputs.normalize(x, w, info)
     scale = combiners.combiner_scale(batch.slots, batch.weights, batch.num_slots, t.combiner)
-    act = combiners.forward(get_backend("numpy"), table[batch.ids], scale.reshape(-1, 1), batch.slots,
+    rows = _rows(table, batch.ids, str(t.name))
+    act = combiners.forward(get_backend("numpy"), rows, scale.reshape(-1, 1), batch.slots,
                             batch.num_slots)
     return np.asarray(act, dtype=np.float32).reshape(tuple(final or out) + (t.dim,))
 
@@ -123,7 +155,7 @@ def serving_embedding_lookup(inputs: Any, weights: Any, tables: Mapping[TableCon
         f = features[path]
         if f.table not in tables:
             raise InputError(f"Invalid `tables`: no table for input '{path}' (its TableConfig {f.table!r}).")
-        table = np.asarray(inputs_to_host(tables[f.table]), dtype=np.float32)
+        table = host_table(tables[f.table], str(f.table.name or path))
         if table.shape != (f.table.vocabulary_size, f.table.dim):
             raise InputError(f"Invalid `tables` entry for input '{path}': expected shape "
                              f"{(f.table.vocabulary_size, f.table.dim)}. Received: shape={table.shape}")
@@ -151,11 +183,11 @@ class TPUEmbeddingForServing:
 
     def __init__(self, feature_config: Any, optimizer: Any = None, *, seed: int = 0) -> None:
         # the optimizer only fills in tables that have none (serving never updates them)
-        probe = TPUEmbedding(feature_config, optimizer if optimizer is not None else SGD(0.0))
+        tables, names, specs, _ = resolve_tables(flat_features(feature_config), optimizer)
         self._feature_config = feature_config
-        self._names = {t: probe.table_name(t) for t in probe._tables}
+        self._names = dict(zip(tables, names))
         self._tables: dict[TableConfig, np.ndarray] = {}
-        for index, (t, spec) in enumerate(zip(probe._tables, probe._engine_tables)):
+        for index, (t, spec) in enumerate(zip(tables, specs)):
             init = spec.initializer if spec.initializer is not None else default_initializer(spec.optimizer)
             shape = (t.vocabulary_size, t.dim)
             self._tables[t] = np.array(initial_values(init, shape, table_rng(seed, index), spec.name), np.float32)
@@ -165,13 +197,14 @@ class TPUEmbeddingForServing:
         return dict(self._tables)
 
     def load_from(self, source: Any) -> None:
-        """Copy trained tables in (all shapes are checked before any is written)."""
+        """Copy trained tables in. All are checked (shape, real and finite values) before any
+        is written; a checkpoint path needs no learning-rate callables passed again."""
         if isinstance(source, TPUEmbedding):
-            by_name = source.engine.embedding_tables
+            by_name = source._live().embedding_tables
         elif isinstance(source, _Engine):
             by_name = source.embedding_tables
         elif isinstance(source, (str, os.PathLike)):
-            by_name = _Engine.restore(source, backend="numpy").embedding_tables
+            by_name = {name: arrays["parameters"] for name, arrays in read_checkpoint(source)[1].items()}
         elif isinstance(source, Mapping):
             by_name = {(self._names.get(k) if isinstance(k, TableConfig) else k): v for k, v in source.items()}
         else:
@@ -181,10 +214,11 @@ class TPUEmbeddingForServing:
         for t, name in self._names.items():
             if name not in by_name:
                 raise InputError(f"Invalid `source`: it has no table '{name}' (it has {sorted(map(str, by_name))}).")
-            arr = np.asarray(inputs_to_host(by_name[name]), dtype=np.float32)
+            arr = host_table(by_name[name], name, "source")
             if arr.shape != self._tables[t].shape:
                 raise InputError(f"Invalid `source` table '{name}': expected shape {self._tables[t].shape}. "
                                  f"Received: shape={arr.shape}")
+            _check_finite(arr, name, "source")
             new[t] = arr
         for t, arr in new.items():
             self._tables[t][...] = arr
