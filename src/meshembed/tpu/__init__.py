@@ -19,6 +19,7 @@ from typing import Any
 from meshembed.tpu._config import OPTIMIZERS, FeatureConfig, QuantizationConfig, RowIdInitializer, TableConfig
 from meshembed.tpu._embedding import TPUEmbedding
 from meshembed.tpu._serving import TPUEmbeddingForServing, serving_embedding_lookup
+from meshembed.tpu.dryrun import dry_run
 
 SGD = OPTIMIZERS["SGD"]
 Adagrad = OPTIMIZERS["Adagrad"]
@@ -55,5 +56,5 @@ __all__ = [
     "CenteredRMSProp", "FeatureConfig", "FrequencyAwareAdagrad", "FrequencyEstimator", "Lion",
     "MDLAdagradLight", "Momentum", "OnlineYogi", "ProximalAdagrad", "ProximalYogi", "QuantizationConfig",
     "RMSProp", "RowIdInitializer", "TPUEmbedding", "TPUEmbeddingForServing", "TableConfig",
-    "TPUEmbeddingConfiguration", "serving_embedding_lookup",
+    "TPUEmbeddingConfiguration", "dry_run", "serving_embedding_lookup",
 ]
