@@ -29,7 +29,7 @@ from meshembed.embedding.batch import Batch, check_bool, resolve_mode, structure
 from meshembed.embedding.initializers import Constant, default_initializer, initial_blocks, table_rng
 from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec, build_layout, load_config
 from meshembed.embedding.step import EngineState
-from meshembed.errors import ConfigError, InputError, StateError
+from meshembed.errors import ConfigError, InputError, StateError, UntrainableError
 from meshembed.sharding.placement import Placement
 
 
@@ -85,6 +85,10 @@ class TPUEmbedding:
         allow_nonfinite: let NaN/Inf gradients through instead of raising.
         state: an existing :class:`EngineState` (tables made by this backend for these
             placements, e.g. a ``me.jax`` state) to hold instead of allocating new tables.
+        pipelined: the TPU's pipelined schedule (``pipeline_execution_with_tensor_core``): the
+            gradients of step t are applied right after the lookup of step t+1, so every
+            lookup sees tables one step stale. ``flush()`` applies the kept step now (save,
+            retrieve_parameters, load_* and embedding_tables flush first).
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class TPUEmbedding:
         initializers: Mapping[str, Any] | None = None,
         allow_nonfinite: bool = False,
         state: EngineState | None = None,
+        pipelined: bool = False,
     ) -> None:
         self.config = load_config(config)
         allow_nonfinite = _check_bool(allow_nonfinite, "allow_nonfinite")
@@ -118,6 +123,12 @@ class TPUEmbedding:
             )
         self.layout: Layout = build_layout(self.config)
         self._rules: dict[int, Any] | None = None  # each table's UpdateRule, built on first use
+        if self.layout.mode != "inference":  # an optimizer it cannot train fails now, not at step 1
+            try:
+                self._rules = steps.make_rules(self.backend, self.layout)
+            except NotImplementedError as exc:
+                raise UntrainableError(f"{exc} Fix: build the engine with mode='inference' to serve this "
+                                       "config, or choose another optimizer.") from None
         explicit = num_shards is not None
         if num_shards is None:
             num_shards = int(mesh.size) if mesh is not None else int(self.backend.capabilities.devices)
@@ -128,6 +139,9 @@ class TPUEmbedding:
         self._pending: _Pending | None = None
         self._lock = threading.Lock()  # one apply_gradients at a time (see apply_gradients)
         self._applying: int | None = None  # the thread inside apply_gradients
+        self._pipelined = _check_bool(pipelined, "pipelined")
+        #: pipelined: the last step's (batch, gradients, learning rates, allow_nonfinite), not yet applied
+        self._deferred: tuple[Batch, list[Any], list[float], bool] | None = None
         overrides = dict(initializers or {})
         unknown = set(overrides) - {t.name for t in self.layout.tables}
         if unknown:
@@ -214,6 +228,7 @@ class TPUEmbedding:
     @property
     def embedding_tables(self) -> dict[str, np.ndarray]:
         """The logical ``[V, D]`` parameters of every table, as NumPy (a copy)."""
+        self.flush()
         return {t.name: self.backend.unshard(self.state.tables[t.index][0]) for t in self.layout.tables}
 
     def table_slot_names(self, table: str | int) -> tuple[str, ...]:
@@ -300,6 +315,7 @@ class TPUEmbedding:
         if any(self.backend.is_traced(a) for a in outs):
             raise steps.traced_call_error("dequeue")  # the pending batch stays as it was
         p.dequeued = True
+        self.flush()  # pipelined: the previous step's gradients, right after this lookup
         return outs
 
     # -- apply_gradients ---------------------------------------------------------------------
@@ -341,11 +357,57 @@ class TPUEmbedding:
             self._applying = threading.get_ident()
             try:
                 p = self._check_can_apply()
-                self.state = steps.apply_gradients(self.backend, self.state, p.batch, gradients, learning_rates,
-                                                   allow_nonfinite=allow, rules=self.rules)
+                if self._pipelined:
+                    self._defer(p.batch, gradients, learning_rates, allow)
+                else:
+                    self.state = steps.apply_gradients(self.backend, self.state, p.batch, gradients, learning_rates,
+                                                       allow_nonfinite=allow, rules=self.rules)
                 self._pending = None
             finally:
                 self._applying = None
+
+    # -- the pipelined schedule -------------------------------------------------------------
+    @property
+    def pipelined(self) -> bool:
+        """Whether each step's gradients wait for the next lookup (set at construction)."""
+        return self._pipelined
+
+    def _defer(self, batch: Batch, gradients: Any, learning_rates: Any, allow: bool) -> None:
+        """Check this step's gradients and learning rates now (a bad one raises here, nothing
+        changed; callables are called now, as TF sends them with the step) and keep private
+        copies until the next lookup. A step still kept (no lookup in between, e.g.
+        backward_pass_only batches) is applied first."""
+        if batch.mode == "inference":
+            raise StateError("Cannot apply gradients to a batch enqueued in 'inference' mode. Fix: enqueue with "
+                             "`training=True` (or mode_override='training') to train on it.")
+        grads = [self._private(g) for g in steps.check_gradients(self.backend, self.layout, gradients,
+                                                                  check_now=not allow)]
+        lrs = steps.check_learning_rates(self.layout, learning_rates, self.backend)
+        self._apply_deferred()
+        self._deferred = (batch, grads, lrs, allow)
+
+    def _private(self, g: Any) -> Any:
+        """A copy the caller cannot change before the deferred step runs."""
+        try:
+            return self.backend.xp.asarray(g, copy=True)
+        except TypeError:  # a namespace without `copy=`
+            return np.array(g) if isinstance(g, np.ndarray) else g
+
+    def _apply_deferred(self) -> None:
+        if self._deferred is not None:
+            batch, grads, lrs, allow = self._deferred
+            self.state = steps.apply_gradients(self.backend, self.state, batch, grads, lrs, allow_nonfinite=allow,
+                                               rules=self.rules)
+            self._deferred = None
+
+    def flush(self) -> bool:
+        """Pipelined: apply the kept step's gradients now. Returns whether one was kept."""
+        if self._deferred is None:
+            return False
+        with self._lock:
+            kept = self._deferred is not None
+            self._apply_deferred()
+        return kept
 
     @property
     def rules(self) -> dict[int, Any]:
@@ -387,6 +449,7 @@ class TPUEmbedding:
     ) -> dict[str, np.ndarray]:
         """``{"parameters": ..., <slot>: ...}`` as NumPy, the whole table or one host shard."""
         steps.refuse_if_tracing(self.backend, "retrieve_parameters")
+        self.flush()
         t = self.layout.table(table)
         ids = self._shard_ids(t, num_shards, shard_id)
         names = ("parameters",) + self._slot_names(t)
@@ -419,6 +482,7 @@ class TPUEmbedding:
                     shard_id: int | None = None, allow_nonfinite: bool | None = None) -> None:
         """Load several tables at once, ``{table: {"parameters": ..., <slot>: ...}}``: every
         array of every table is checked before anything is written (all or nothing)."""
+        self.flush()
         plans = []
         for table, arrays in values.items():
             arrays = dict(arrays)
@@ -498,6 +562,7 @@ class TPUEmbedding:
         once the checkpoint is complete."""
         from meshembed.embedding.checkpoint import save
 
+        self.flush()
         return save(self, path)
 
     @classmethod
