@@ -167,3 +167,20 @@ def test_asarray_round_trip(backend):
     # JAX without the user's jax_enable_x64 holds no int64: ids are narrowed to int32 (range-checked)
     assert wide.dtype == np.int64 or (wide.dtype == np.int32 and not backend.capabilities.float64)
     np.testing.assert_array_equal(wide, [1, 2])
+
+
+def test_stats_counts_by_name_and_is_a_copy(backend):
+    """``stats()``: counts of the fast paths taken, by name; a copy (changing it changes
+    nothing), and a count never goes down after more calls."""
+    from meshembed.math import UpdateRule, get_math
+
+    before = backend.stats()
+    assert isinstance(before, dict) and all(isinstance(k, str) and isinstance(v, int) for k, v in before.items())
+    backend.stats()["fused_updates"] = -1
+    assert backend.stats() == before
+    tables = [backend.create_table(_table(13, 2, "float32"), Placement(13, 2, "mod"))]
+    rule = UpdateRule(get_math("stochastic_gradient_descent"), ())
+    backend.update_rows(tables, backend.asarray(np.array([1, 1, 5])), backend.asarray(np.ones((3, 2), np.float32)),
+                        rule, values=(0.5,))
+    after = backend.stats()
+    assert all(after.get(k, 0) >= v for k, v in before.items())

@@ -158,12 +158,12 @@ def test_torch_generated_dense_kernel_equals_numpy(dtype, option):
     from meshembed_torch import dense_cpu
 
     shapes = [(70, 9), (600_003,), (5,)]  # > 512K elements: two threads where torch has two, chunk tails
-    before = dense_cpu.calls[0]
+    before = me.get_backend("torch").stats().get("fused_dense_updates", 0)
     got = _train("torch", shapes, dtype=dtype, **OPTIONS[option])
     if dense_cpu.kernel_for(me.optimizers.Adadelta()._rule(
             me.Variable(np.ones(1, dtype), backend="torch"), folded=False)) is None:
         pytest.skip("no generated kernel here (no compiler)")
-    assert dense_cpu.calls[0] == before + 3, "one C call per step for the three tensors"
+    assert me.get_backend("torch").stats().get("fused_dense_updates", 0) == before + 3, "one C call per step for the three tensors"
     for a, b in zip(got, _train("numpy", shapes, dtype=dtype, **OPTIONS[option])):
         np.testing.assert_array_equal(a, b)
 
@@ -171,33 +171,29 @@ def test_torch_generated_dense_kernel_equals_numpy(dtype, option):
 @pytest.mark.skipif(not _usable("jax"), reason="jax is not installed")
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 def test_jax_generated_dense_kernel_equals_numpy(option):
-    from meshembed_jax import dense
-
-    before = dense.fused_dense_calls[0]
+    before = me.get_backend("jax").stats().get("fused_dense_updates", 0)
     shapes = [(70, 9), (30_001,)]
     got = _train("jax", shapes, **OPTIONS[option])
-    if dense.fused_dense_calls[0] == before:
+    if me.get_backend("jax").stats().get("fused_dense_updates", 0) == before:
         pytest.skip("no generated kernel / FFI kernels here")
-    assert dense.fused_dense_calls[0] == before + 3
+    assert me.get_backend("jax").stats().get("fused_dense_updates", 0) == before + 3
     for a, b in zip(got, _train("numpy", shapes, **OPTIONS[option])):
         np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.skipif(not _usable("torch"), reason="torch is not installed")
 def test_torch_sixty_four_tensors_in_one_call_in_place():
-    from meshembed_torch import dense_cpu
-
     shapes = [(257,)] * 64
     rng = np.random.default_rng(0)
     variables = [me.Variable(rng.standard_normal(s).astype(np.float32), name=f"v{i}", backend="torch")
                  for i, s in enumerate(shapes)]
     tensors = [v.value for v in variables]
     opt = me.optimizers.Adadelta(1.0)
-    before = dense_cpu.calls[0]
+    before = me.get_backend("torch").stats().get("fused_dense_updates", 0)
     opt.apply_gradients([(rng.standard_normal(s).astype(np.float32), v) for s, v in zip(shapes, variables)])
-    if dense_cpu.calls[0] == before:
+    if me.get_backend("torch").stats().get("fused_dense_updates", 0) == before:
         pytest.skip("no generated kernel here (no compiler)")
-    assert dense_cpu.calls[0] == before + 1
+    assert me.get_backend("torch").stats().get("fused_dense_updates", 0) == before + 1
     assert all(v.value is t for v, t in zip(variables, tensors))  # written in place
 
 

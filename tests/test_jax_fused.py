@@ -16,7 +16,6 @@ pytest.importorskip("jax", reason="the JAX backend needs jax: pip install 'meshe
 
 import meshembed as me  # noqa: E402
 from meshembed.embedding.updates import make_rule  # noqa: E402
-from meshembed_jax import backend as jax_backend  # noqa: E402
 from meshembed_jax import cpu_kernels  # noqa: E402
 from tests.fused_cases import OPTIMIZERS, train  # noqa: E402
 from tests.jax_x64 import x64_where_named  # noqa: E402,F401
@@ -38,12 +37,12 @@ def _engine(backend: str, optimizer, combiner: str = "sum", shards: int = 1, dim
 @pytest.mark.parametrize("combiner", ["sum", "mean"])
 @pytest.mark.parametrize("shards,dim,strategy", [(1, 64, "mod"), (3, 7, "mod"), (2, 16, "div")])
 def test_fused_kernel_equals_the_core_function(monkeypatch, algorithm, combiner, shards, dim, strategy):
-    before = jax_backend.fused_calls[0]
+    before = me.get_backend("jax").stats().get("fused_updates", 0)
     fused = train("jax", algorithm, combiner, shards, dim, strategy)
-    assert jax_backend.fused_calls[0] == before + 3, "the fused kernel did not run"
+    assert me.get_backend("jax").stats().get("fused_updates", 0) == before + 3, "the fused kernel did not run"
     monkeypatch.setenv("MESHEMBED_JAX_FUSED", "0")
     core = train("jax", algorithm, combiner, shards, dim, strategy)
-    assert jax_backend.fused_calls[0] == before + 3
+    assert me.get_backend("jax").stats().get("fused_updates", 0) == before + 3
     reference = train("numpy", algorithm, combiner, shards, dim, strategy)
     for name in reference:
         # Same float32 operations in the same order (batch-order sums, no fused multiply-add)
@@ -66,10 +65,10 @@ def test_plain_update_rows_equals_numpy(algorithm):
         be = emb.backend
         rule = make_rule(emb.layout.tables[0])
         lr = emb.layout.tables[0].optimizer.learning_rate
-        before = jax_backend.fused_calls[0]
+        before = me.get_backend("jax").stats().get("fused_updates", 0)
         state = be.update_rows(emb.state.tables[0], be.asarray(ids), be.asarray(grads), rule, values=(lr,))
         if name == "jax":
-            assert jax_backend.fused_calls[0] == before + 1
+            assert me.get_backend("jax").stats().get("fused_updates", 0) == before + 1
         results.append([np.asarray(be.unshard(t)) for t in state])
     for got, want in zip(*results):
         np.testing.assert_array_equal(got, want)
@@ -83,10 +82,10 @@ def test_nonfinite_gradient_writes_nothing():
     emb.dequeue()
     grad = np.ones((4, 8), np.float32)
     grad[2, 5] = np.nan
-    calls = jax_backend.fused_calls[0]
+    calls = me.get_backend("jax").stats().get("fused_updates", 0)
     with pytest.raises(me.errors.InputError, match="'f'"):
         emb.apply_gradients([emb.backend.asarray(grad)])
-    assert jax_backend.fused_calls[0] == calls + 1  # the kernel was dispatched, and wrote nothing
+    assert me.get_backend("jax").stats().get("fused_updates", 0) == calls + 1  # the kernel was dispatched, and wrote nothing
     for name, value in emb.retrieve_parameters("t").items():
         np.testing.assert_array_equal(value, before[name], err_msg=name)
 
@@ -104,12 +103,12 @@ def test_where_the_fused_path_is_taken(monkeypatch, case):
     emb = _engine("jax", optimizer, batch=4)
     if case == "fixed_capacity":
         monkeypatch.setattr(emb.backend, "capacity", 64)
-    calls = jax_backend.fused_calls[0]
+    calls = me.get_backend("jax").stats().get("fused_updates", 0)
     emb.enqueue([np.array([1, 2, 2, 3])])
     emb.dequeue()
     emb.apply_gradients([emb.backend.asarray(np.full((4, 8), 2.0, np.float32))])
     fused = case in ("clipping", "weight_decay")
-    assert jax_backend.fused_calls[0] == calls + fused
+    assert me.get_backend("jax").stats().get("fused_updates", 0) == calls + fused
     reference = _engine("numpy", optimizer, batch=4)
     reference.enqueue([np.array([1, 2, 2, 3])])
     reference.dequeue()
@@ -165,14 +164,12 @@ def _dense(backend: str, shapes: list, steps: int = 3, dtype=np.float32, schedul
 def test_dense_fused_update_equals_the_core_function(monkeypatch, shapes, schedule):
     """One FFI call for up to 64 variables (``in_place_group``), bit-identical to the NumPy
     reference; the core step compiled by XLA (groups of 8) within float32 rounding."""
-    from meshembed_jax import dense
-
-    before = dense.fused_dense_calls[0]
+    before = me.get_backend("jax").stats().get("fused_dense_updates", 0)
     fused = _dense("jax", shapes, schedule=schedule)
-    assert dense.fused_dense_calls[0] == before + 3, "the fused kernel did not run"
+    assert me.get_backend("jax").stats().get("fused_dense_updates", 0) == before + 3, "the fused kernel did not run"
     monkeypatch.setenv("MESHEMBED_JAX_FUSED", "0")
     core = _dense("jax", shapes, schedule=schedule)
-    assert dense.fused_dense_calls[0] == before + 3
+    assert me.get_backend("jax").stats().get("fused_dense_updates", 0) == before + 3
     reference = _dense("numpy", shapes, schedule=schedule)
     assert len(fused) == len(reference) == 3 * len(shapes)
     for got, xla, want in zip(fused, core, reference):
@@ -182,11 +179,9 @@ def test_dense_fused_update_equals_the_core_function(monkeypatch, shapes, schedu
 
 def test_dense_float64_fused_update_equals_numpy():
     """float64 (x64 on for this test) runs the generated kernel too: bit-identical to NumPy."""
-    from meshembed_jax import dense
-
-    before = dense.fused_dense_calls[0]
+    before = me.get_backend("jax").stats().get("fused_dense_updates", 0)
     got = _dense("jax", [(30,)] * 20, dtype=np.float64)
-    assert dense.fused_dense_calls[0] == before + 3, "the fused kernel did not run"
+    assert me.get_backend("jax").stats().get("fused_dense_updates", 0) == before + 3, "the fused kernel did not run"
     for g, w in zip(got, _dense("numpy", [(30,)] * 20, dtype=np.float64)):
         assert g.dtype == np.float64
         np.testing.assert_array_equal(g, w)
@@ -221,10 +216,10 @@ def test_mismatched_gradients_raise_before_anything_is_written(shape):
     be = emb.backend
     rule = make_rule(emb.layout.tables[0])
     before = [np.asarray(be.unshard(t)).copy() for t in emb.state.tables[0]]
-    calls = jax_backend.fused_calls[0]
+    calls = me.get_backend("jax").stats().get("fused_updates", 0)
     with pytest.raises(TypeError):
         be.update_rows(emb.state.tables[0], be.asarray(np.array([1, 2, 2, 3])), be.asarray(np.ones(shape, np.float32)),
                        rule, values=(0.1,))
-    assert jax_backend.fused_calls[0] == calls
+    assert me.get_backend("jax").stats().get("fused_updates", 0) == calls
     for t, b in zip(emb.state.tables[0], before):
         np.testing.assert_array_equal(np.asarray(be.unshard(t)), b)

@@ -4,7 +4,7 @@ backend: every optimizer of conformance's engine suite x {none, gradient clippin
 decay} in float32 through ``TPUEmbedding(backend="jax")`` (two features, duplicates, a
 weighted ragged feature, 2 MOD shards, 3 steps), and in float32 and float64 (x64 on for those
 tests only) through ``update_rows`` on both backends, plain and with the combiner's backward
-(``grad_index``/``grad_weights``). The fused path is asserted taken (``fused_calls``).
+(``grad_index``/``grad_weights``). The fused path is asserted taken (``backend.stats()``).
 
 Bits, always. Where the formula calls pow/exp/log the kernel calls its own float32 function (the
 C library's in float64) and NumPy its own SIMD one (they differ by the bound test_codegen.py states, ``LIBM_ULP``): the
@@ -98,9 +98,9 @@ def _train(backend, name: str, option: str) -> dict:
 
 @pytest.mark.parametrize("name,option", ENGINE, ids=[f"{n}-{o}" for n, o in ENGINE])
 def test_engine_float32_fused_equals_numpy(name, option):
-    calls = jax_backend.fused_calls[0]
+    calls = me.get_backend("jax").stats().get("fused_updates", 0)
     got = _train("jax", name, option)
-    assert jax_backend.fused_calls[0] - calls == STEPS, "the fused kernel did not run every step"
+    assert me.get_backend("jax").stats().get("fused_updates", 0) - calls == STEPS, "the fused kernel did not run every step"
     want = _train(_reference(_rule(name, option, "float32")), name, option)
     assert set(got) == set(want)
     for key in want:
@@ -141,9 +141,8 @@ DIRECT_CASES = [(n, o, d, c) for n in DIRECT for o in OPTION_NAMES for d in ("fl
                          ids=[f"{n}-{o}-{d}-{'combined' if c else 'plain'}" for n, o, d, c in DIRECT_CASES])
 def test_update_rows_fused_equals_numpy(name, option, dtype, combined):
     be = jax_backend.JaxBackend()  # the test's x64 setting (float64 cases run with x64 on)
-    calls = jax_backend.fused_calls[0]
     got = _direct(be, name, option, dtype, combined)
-    assert jax_backend.fused_calls[0] - calls == STEPS, "the fused kernel did not run every step"
+    assert be.stats().get("fused_updates", 0) == STEPS, "the fused kernel did not run every step"
     want = _direct(_reference(_rule(name, option, dtype)), name, option, dtype, combined)
     for k, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == b.dtype == np.dtype(dtype)
@@ -153,9 +152,9 @@ def test_update_rows_fused_equals_numpy(name, option, dtype, combined):
 def test_fused_path_can_be_turned_off(monkeypatch):
     """``MESHEMBED_JAX_FUSED=0``: the XLA step, no generated kernel looked up."""
     monkeypatch.setenv("MESHEMBED_JAX_FUSED", "0")
-    calls = jax_backend.fused_calls[0]
+    calls = me.get_backend("jax").stats().get("fused_updates", 0)
     got = _train("jax", "adam_lazy_sum_inside_sqrt", "plain")
-    assert jax_backend.fused_calls[0] == calls
+    assert me.get_backend("jax").stats().get("fused_updates", 0) == calls
     want = _train("numpy", "adam_lazy_sum_inside_sqrt", "plain")
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=2e-6, atol=1e-7, err_msg=key)  # the conformance float32 tolerance

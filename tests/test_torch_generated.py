@@ -70,10 +70,10 @@ def test_fused_update_rows_equals_numpy(backends, index, weighted):
     values = values_for(rule)
     want = _reference(np_be, rule, values, ids, tables, grads, gindex, weights)
     state = [torch_be.create_table(t.copy(), Placement(VOCAB)) for t in tables]
-    before = fused_cpu.calls[0]
+    before = me.get_backend("torch").stats().get("fused_updates", 0)
     extra = {} if gindex is None else {"grad_index": torch.as_tensor(gindex), "grad_weights": torch.as_tensor(weights)}
     state = torch_be.update_rows(state, torch.as_tensor(ids), torch.as_tensor(grads), rule, values=values, **extra)
-    assert fused_cpu.calls[0] == before + 1, "the generated kernel did not run"
+    assert me.get_backend("torch").stats().get("fused_updates", 0) == before + 1, "the generated kernel did not run"
     for k, (t, w) in enumerate(zip(state, want)):
         got = torch_be.unshard(t)
         assert got.dtype == w.dtype
@@ -131,9 +131,9 @@ def engine_kernels():
 @pytest.mark.parametrize("case", sorted(ENGINE_CASES))
 def test_torch_engine_takes_the_generated_kernel_and_equals_numpy(engine_kernels, case, dynamic):
     assert all(k is not None for k in engine_kernels)
-    before = fused_cpu.calls[0]
+    before = me.get_backend("torch").stats().get("fused_updates", 0)
     fused = _train("torch", ENGINE_CASES[case], dynamic)
-    assert fused_cpu.calls[0] == before + 4, "the generated kernel did not run on every step"
+    assert me.get_backend("torch").stats().get("fused_updates", 0) == before + 4, "the generated kernel did not run on every step"
     reference = _train("numpy", ENGINE_CASES[case], dynamic)
     for name in reference:
         np.testing.assert_array_equal(fused[name], reference[name], err_msg=name)
@@ -141,9 +141,9 @@ def test_torch_engine_takes_the_generated_kernel_and_equals_numpy(engine_kernels
 
 def test_switched_off_by_the_environment(monkeypatch, engine_kernels):
     monkeypatch.setenv("MESHEMBED_TORCH_FUSED", "0")
-    before = fused_cpu.calls[0]
+    before = me.get_backend("torch").stats().get("fused_updates", 0)
     core = _train("torch", ENGINE_CASES["lion"], False, steps=2)
-    assert fused_cpu.calls[0] == before
+    assert me.get_backend("torch").stats().get("fused_updates", 0) == before
     reference = _train("numpy", ENGINE_CASES["lion"], False, steps=2)
     for name in reference:
         np.testing.assert_allclose(core[name], reference[name], rtol=2e-6, atol=1e-7, err_msg=name)

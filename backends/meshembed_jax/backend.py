@@ -36,10 +36,6 @@ from meshembed_jax.distributed import JaxProcesses
 from meshembed_jax.layout import ShardLayout
 from meshembed_jax.table import JaxShardedTable, JaxTables, ReleasedRows, bucket
 
-#: Fused updates run in this process (tests check the path was taken).
-fused_calls = [0]
-
-
 
 @contextlib.contextmanager
 def traced_rule_errors(rule: UpdateRule, who: str, alternative: str) -> Iterator[None]:
@@ -100,6 +96,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         self._prepared: collections.OrderedDict[Any, tuple[Any, Any]] = collections.OrderedDict()
         self._no_weight_arrays: dict[tuple, Any] = {}
         self._released = ReleasedRows()  # per-id lookup results to write over again
+        self._stats: collections.Counter[str] = collections.Counter()  # see stats()
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -112,6 +109,9 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         except Exception as exc:  # a broken install or no usable platform
             return f"jax cannot start ({type(exc).__name__}: {exc})"
         return None
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._stats)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -433,7 +433,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         new = step(tuple(t.data for t in tables), ids, grads, segs, w, guard, hp)
         for t, d in zip(tables, new):
             t.data = d  # (unchanged when the guard is false: the old buffers were donated)
-        fused_calls[0] += 1
+        self._stats["fused_updates"] += 1
         return True
 
     def _update(self, tables, layout, dim, rule, nb, args, weighted=None, defer=True, values=(),

@@ -14,6 +14,7 @@ without torch and :meth:`TorchBackend.unavailable_reason` says what is missing.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import os
 from typing import Any, Callable, Sequence
@@ -85,6 +86,7 @@ class TorchBackend(TorchDenseMixin, Backend):
         # fused row updates (fused_cpu) are cached by the codegen, not here
         self._compiled_updates: dict[Any, Callable] = {}
         self._rule_updates: dict[UpdateRule, Callable] = {}
+        self._stats: collections.Counter[str] = collections.Counter()  # see stats()
 
     # -- discovery -----------------------------------------------------------------------
     @property
@@ -112,6 +114,9 @@ class TorchBackend(TorchDenseMixin, Backend):
             distributed=True,
             checked_updates=not distributed,
         )
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._stats)
 
     @property
     def xp(self) -> Any:
@@ -408,6 +413,7 @@ class TorchBackend(TorchDenseMixin, Backend):
             rows = ids if first.rowmap.identity else first.rowmap.local_index(ids)
             fused_cpu.update(kernel, rows, g_src, rows_of, w, [t.data for t in tables], torch.get_num_threads(),
                              check_finite=check_finite)
+            self._stats["fused_updates"] += 1
             return list(tables)
         seg = self._k.segments(ids, id_range)
         if first.group is None and seg.unique.numel():

@@ -156,6 +156,7 @@ class TorchDenseMixin:
             if not dense_cpu.fits(kernel, grads, targets):
                 return fallback(grads, values, *targets)
             dense_cpu.update(kernel, grads, values, targets, torch.get_num_threads())
+            self._stats["fused_dense_updates"] += 1
             return None
 
         return run

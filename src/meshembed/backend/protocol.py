@@ -107,6 +107,14 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def capabilities(self) -> Capabilities: ...
 
+    def stats(self) -> dict[str, int]:
+        """How often this backend instance took each of its fast paths, by name (a copy):
+        ``"fused_updates"`` — :meth:`update_rows` calls run by a fused kernel generated from
+        the rule (``meshembed_native.codegen``); ``"fused_dense_updates"`` — calls of a
+        :meth:`compile_update` function run by one. For tests and diagnostics (which path
+        ran); a name never counted is absent. The default keeps none."""
+        return {}
+
     @property
     @abc.abstractmethod
     def xp(self) -> Any:
