@@ -27,7 +27,7 @@ import torch
 import meshembed as me
 from meshembed.errors import ConfigError, InputError
 from meshembed.optimizers.step import check_in_dtype
-from meshembed.variable import _Fresh
+from meshembed.variable import Fresh
 
 __all__ = ["Adadelta"]
 
@@ -101,7 +101,7 @@ class Adadelta(torch.optim.Optimizer):
             return entry[1], entry[2]
         opt = self._optimizer(group)
         backend = me.get_backend("torch")
-        variables = [me.Variable(_Fresh(p.detach()), name=f"param_{k}", backend=backend) for k, p in enumerate(params)]
+        variables = [me.Variable(Fresh(p.detach()), name=f"param_{k}", backend=backend) for k, p in enumerate(params)]
         opt.build(variables)
         if entry is not None:  # carry the slots (and the step count) over
             old = self._slots(entry[1])
@@ -109,14 +109,14 @@ class Adadelta(torch.optim.Optimizer):
                 if k < len(old):
                     a.value.copy_(old[k][0].value)
                     d.value.copy_(old[k][1].value)
-            opt._counter.assign(entry[1]._counter.numpy())
+            opt.step_counter.assign(entry[1].step_counter.numpy())
         self._inner[id(group)] = (fixed, opt, variables)
         self._publish(group, opt)
         return opt, variables
 
     @staticmethod
     def _slots(opt: Any) -> list[tuple[Any, Any]]:
-        return list(zip(opt._accumulated_grads, opt._accumulated_delta_vars))
+        return list(zip(opt.accumulated_grads, opt.accumulated_delta_vars))
 
     def _publish(self, group: dict, opt: Any) -> None:
         """``self.state[p]`` holds the live slot tensors (rebound only when a step made new
@@ -124,8 +124,8 @@ class Adadelta(torch.optim.Optimizer):
         step = self._steps.get(id(group))
         if step is None:
             step = self._steps[id(group)] = torch.zeros((), dtype=torch.float64)  # exact past 2**24 steps
-        step.copy_(opt._counter.value)
-        averages = list(opt._averages)
+        step.copy_(opt.step_counter.value)
+        averages = opt.averages
         for k, (p, (a, d)) in enumerate(zip(group["params"], self._slots(opt))):
             state = self.state[p]
             if state.get("square_avg") is a.value and state.get("acc_delta") is d.value and state.get("step") is step \
@@ -160,7 +160,7 @@ class Adadelta(torch.optim.Optimizer):
             for p, v in zip(group["params"], variables):
                 if v.value.data_ptr() != p.data_ptr():  # a path that returned new arrays
                     p.copy_(v.value)
-                    v._value = p.detach()
+                    v.adopt(p.detach())
             self._publish(group, opt)
         return loss
 
@@ -173,7 +173,7 @@ class Adadelta(torch.optim.Optimizer):
             for p, v in zip(group["params"], variables):
                 if v.value.data_ptr() != p.data_ptr():
                     p.copy_(v.value)
-                    v._value = p.detach()
+                    v.adopt(p.detach())
 
     def state_dict(self) -> dict[str, Any]:
         """torch's format: per parameter ``step``, ``square_avg``, ``acc_delta`` (+ ``ema``)."""
@@ -191,7 +191,7 @@ class Adadelta(torch.optim.Optimizer):
         with torch.no_grad():
             for group, states in zip(self.param_groups, loaded):
                 opt, variables = self._driver(group)  # publishes its own (fresh) slots
-                averages = list(opt._averages)
+                averages = opt.averages
                 for k, (state, (a, d)) in enumerate(zip(states, self._slots(opt))):
                     if not state:
                         continue
@@ -199,7 +199,7 @@ class Adadelta(torch.optim.Optimizer):
                     d.value.copy_(state["acc_delta"])
                     if averages and "ema" in state:
                         averages[k].value.copy_(state["ema"])
-                    opt._counter.assign(torch.as_tensor(state["step"]).to(torch.int64).numpy())
+                    opt.step_counter.assign(torch.as_tensor(state["step"]).to(torch.int64).numpy())
                 self._publish(group, opt)
 
     def _check_state_dict(self, state_dict: Any) -> None:

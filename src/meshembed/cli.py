@@ -63,7 +63,7 @@ def _against(args: argparse.Namespace) -> int:
                   f"Fix: {_INTEROP_HINT}.", file=sys.stderr)
             return 2
     from meshembed.errors import ConfigError
-    from meshembed.interop._conformance import cli_main
+    from meshembed.interop import cli_main
 
     try:
         return cli_main(args)

@@ -15,6 +15,11 @@ class ConfigError(MeshembedError, ValueError):
     """An embedding configuration (typed or proto) is invalid."""
 
 
+class UntrainableError(ConfigError, NotImplementedError):
+    """A table's optimizer cannot be trained here (no public formula, or a program this
+    backend cannot run): raised when a training engine is built, before any table exists."""
+
+
 class InputError(MeshembedError, ValueError):
     """Ids, weights, gradients or learning rates passed to the engine are invalid.
 

@@ -17,7 +17,7 @@ from meshembed.sharding.mesh import Layout
 __all__ = ["IndexedSlices", "Variable", "dtype_name"]
 
 
-_DTYPE_NAMES: dict[Any, str] = {}
+_DTYPE_NAMES: dict[tuple[type, Any], str] = {}
 
 
 def dtype_name(dtype: Any) -> str:
@@ -25,8 +25,9 @@ def dtype_name(dtype: Any) -> str:
 
     Memoised: an optimizer step asks several times per variable, and NumPy's dtype
     stringification is slow enough to show in a step of many variables (docs/benchmarks.md)."""
+    key = (type(dtype), dtype)  # by type first: comparing a torch dtype with a NumPy one warns
     try:
-        return _DTYPE_NAMES[dtype]
+        return _DTYPE_NAMES[key]
     except (KeyError, TypeError):
         pass
     text = str(dtype)
@@ -38,7 +39,7 @@ def dtype_name(dtype: Any) -> str:
         except TypeError:
             name = text
     try:
-        _DTYPE_NAMES[dtype] = name
+        _DTYPE_NAMES[key] = name
     except TypeError:  # unhashable dtype-like: not remembered
         pass
     return name
@@ -50,7 +51,7 @@ def _full_array(value: Any) -> Any:
     return full() if callable(full) else value
 
 
-def _to_backend(backend: Any, value: Any, dtype: str | None) -> Any:
+def to_backend(backend: Any, value: Any, dtype: str | None) -> Any:
     """``backend.asarray``; a NumPy array of an ml_dtypes float (bfloat16, float8) that the
     backend cannot take (torch) goes through float32, which holds its values exactly."""
     if not backend.is_native(value):
@@ -69,7 +70,7 @@ def _to_backend(backend: Any, value: Any, dtype: str | None) -> Any:
     return backend.asarray(value, dtype=dtype)
 
 
-class _Fresh(NamedTuple):
+class Fresh(NamedTuple):
     """An initial value made for one variable alone (an optimizer's zeros): the variable
     adopts it instead of copying it, so making a slot never holds two copies."""
 
@@ -106,7 +107,7 @@ class Variable:
                 f"Invalid `layout`. Expected a mesh on backend {self._backend.name!r}. "
                 f"Received: layout={layout!r}"
             )
-        copy = not isinstance(initial_value, _Fresh)
+        copy = not isinstance(initial_value, Fresh)
         if not copy:
             initial_value = initial_value.value
         elif callable(initial_value) and not self._backend.is_native(initial_value):
@@ -115,10 +116,10 @@ class Variable:
         self.layout: Layout | None = layout
         self.trainable: bool = bool(trainable)
         self._value: Any = None
-        self._value = self._prepare(initial_value, dtype=dtype, copy=copy, check_shape=False)
+        self._value = self.prepare_value(initial_value, dtype=dtype, copy=copy, check_shape=False)
 
     # -- conversion -------------------------------------------------------------------
-    def _prepare(self, value: Any, *, dtype: Any = None, copy: bool, check_shape: bool = True) -> Any:
+    def prepare_value(self, value: Any, *, dtype: Any = None, copy: bool, check_shape: bool = True) -> Any:
         """Convert ``value`` to this backend's array of the right dtype/shape on the layout."""
         backend = self._backend
         if isinstance(value, Variable):
@@ -130,7 +131,7 @@ class Variable:
         if not backend.is_native(value) or (dtype is not None and dtype_name(value.dtype) != dtype_name(dtype)):
             if backend.sharding_of(value) is not None:
                 value = _full_array(value)
-            value = _to_backend(backend, value, None if dtype is None else dtype_name(dtype))
+            value = to_backend(backend, value, None if dtype is None else dtype_name(dtype))
         elif copy and backend.sharding_of(value) is None:
             # asarray first: torch detaches from autograd, so a Parameter never drags a graph along
             value = backend.xp.asarray(backend.asarray(value), copy=True)
@@ -181,12 +182,17 @@ class Variable:
 
     def assign(self, value: Any) -> "Variable":
         """Replace the value (same shape; cast to this dtype; placed on the layout)."""
-        self._value = self._prepare(value, copy=True)
+        self._value = self.prepare_value(value, copy=True)
         return self
 
-    def _assign_fresh(self, value: Any) -> None:
+    def assign_fresh(self, value: Any) -> None:
         """Assign an array the optimizer just computed (no defensive copy needed)."""
-        self._value = self._prepare(value, copy=False)
+        self._value = self.prepare_value(value, copy=False)
+
+    def adopt(self, value: Any) -> None:
+        """Hold ``value`` as it is: an array already made for this variable (by
+        :meth:`prepare_value`, or an optimizer step's output of its shape, dtype and placement)."""
+        self._value = value
 
     def __deepcopy__(self, memo: dict) -> "Variable":
         """A new variable with a copy of the value; backend and layout are shared (they
@@ -213,7 +219,7 @@ class Variable:
         self.__dict__.update(state)
         self._backend = get_backend(state["_backend"])
         self._value = None
-        self._value = self._prepare(value, dtype=dtype_name(value.dtype), copy=False, check_shape=False)
+        self._value = self.prepare_value(value, dtype=dtype_name(value.dtype), copy=False, check_shape=False)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = self.numpy()

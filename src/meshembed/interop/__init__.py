@@ -20,7 +20,7 @@ _LAZY = {
     "from_jax_tpu_embedding": "_jte", "to_jax_tpu_embedding": "_jte", "import_table_arrays": "_jte",
     "export_table_arrays": "_jte",
     "compare_torchrec": "_conformance", "compare_keras_rs": "_conformance", "ulp_distance": "_conformance",
-    "ConformanceReport": "_conformance", "run_conformance": "_conformance",
+    "ConformanceReport": "_conformance", "run_conformance": "_conformance", "cli_main": "_conformance",
 }
 
 __all__ = ["Gap", "GapReport", "Translation", *_LAZY]

@@ -113,6 +113,16 @@ class Adadelta(Optimizer):
             self._accumulated_grads.append(self.add_variable_from_reference(v, "accumulated_grad"))
             self._accumulated_delta_vars.append(self.add_variable_from_reference(v, "accumulated_delta_var"))
 
+    @property
+    def accumulated_grads(self) -> list[Variable]:
+        """Each variable's ``accumulated_grad`` slot, in ``build`` order (Keras' names)."""
+        return list(self._accumulated_grads)
+
+    @property
+    def accumulated_delta_vars(self) -> list[Variable]:
+        """Each variable's ``accumulated_delta_var`` slot, in ``build`` order."""
+        return list(self._accumulated_delta_vars)
+
     _algorithm = "adadelta"  # meshembed.math.adadelta, shared with the embedding engine
 
     def _static_hyperparameters(self) -> dict[str, float]:

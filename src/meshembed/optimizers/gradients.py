@@ -9,7 +9,7 @@ from typing import Any, Callable
 import numpy as np
 
 from meshembed.errors import InputError
-from meshembed.variable import IndexedSlices, Variable, _to_backend, dtype_name
+from meshembed.variable import IndexedSlices, Variable, to_backend, dtype_name
 
 __all__ = ["GradientsMixin"]
 
@@ -89,7 +89,7 @@ class GradientsMixin:
         try:
             if native:
                 return backend.xp.astype(value, variable.value.dtype)
-            host = _to_backend(backend, np.asarray(arr, dtype=np.float64) if arr.dtype.kind in "iu" else arr, None)
+            host = to_backend(backend, np.asarray(arr, dtype=np.float64) if arr.dtype.kind in "iu" else arr, None)
             return backend.xp.astype(host, variable.value.dtype)
         except (TypeError, ValueError) as exc:
             raise InputError(

@@ -84,10 +84,11 @@ class RegularizationMixin:
                 for g, c in zip(grads, clipped)]
 
     def _finite(self, variables: Sequence[Variable], values: Sequence[Any]) -> bool:
-        """All of ``values`` finite, in one backend check where the backend has one (JAX: an
-        FFI pass on XLA's threads); a torch DTensor goes through its all-reduced sums."""
+        """All of ``values`` finite, in one backend check where the backend has one (a device
+        guard covers its own sharded arrays: ``guarded_updates``); others (a torch DTensor)
+        go through their all-reduced sums."""
         backend = variables[0].backend
-        if all(backend.sharding_of(x) is None or backend.name == "jax" for x in values):
+        if all(backend.sharding_of(x) is None or backend.capabilities.guarded_updates for x in values):
             return bool(backend.finite_guard(list(values)))
         return all(_all_finite(self._xp, x) for x in values)
 
@@ -138,4 +139,4 @@ class RegularizationMixin:
             raise StateError("Invalid call: finalize_variable_values() before the optimizer was built.")
         indices = [self._slot_index(v) for v in var_list]
         for v, i in zip(var_list, indices):
-            v._assign_fresh(self._averages[i].value)
+            v.assign_fresh(self._averages[i].value)

@@ -108,7 +108,7 @@ class StepMixin:
             if new is not None:  # immutable arrays (JAX): the old buffers were donated
                 for k in range(len(first.targets)):
                     for u, value in zip(group, new[k]):
-                        u.variables[k]._value = value
+                        u.variables[k].adopt(value)
             i = j
 
     def _can_update_in_place(self, targets: Sequence[Variable]) -> bool:
@@ -257,14 +257,14 @@ class StepMixin:
         def fn(*values: Any) -> Any:
             if positional:
                 return loss(*values)
-            saved = [v._value for v in var_list]
+            saved = [v.value for v in var_list]
             try:  # let a Keras-style loss read the traced / graph-tracked values
                 for v, x in zip(var_list, values):
-                    v._value = x
+                    v.adopt(x)
                 return loss()
             finally:
                 for v, s in zip(var_list, saved):
-                    v._value = s
+                    v.adopt(s)
 
         _, grads = backend.value_and_grad(fn, [v.value for v in var_list])
         return list(zip(grads, var_list))
@@ -308,17 +308,17 @@ class StepMixin:
                     "or use me.jax.adadelta (an optax transformation) inside jit."
                 )
         targets = [*self._trainable, *self.variables]
-        saved = [v._value for v in targets]
+        saved = [v.value for v in targets]
         self._stateless = True
         self._traced = traced
         try:
             for v, x in zip(targets, [*train, *opt_vars]):
-                v._value = v._prepare(x, copy=False)
+                v.adopt(v.prepare_value(x, copy=False))
             self.apply_gradients(zip(grads, self._trainable))
-            return [v._value for v in self._trainable], [v._value for v in self.variables]
+            return [v.value for v in self._trainable], [v.value for v in self.variables]
         finally:
             for v, x in zip(targets, saved):
-                v._value = x
+                v.adopt(x)
             self._stateless = False
             self._traced = False
 

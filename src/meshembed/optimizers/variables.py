@@ -13,7 +13,7 @@ import numpy as np
 from meshembed.errors import ConfigError, InputError, StateError
 from meshembed.optimizers.config import check_learning_rate, _check_schedule_value, _required_positional
 from meshembed.sharding.mesh import Layout
-from meshembed.variable import Variable, _Fresh, dtype_name
+from meshembed.variable import Variable, Fresh, dtype_name
 
 __all__ = ["VariablesMixin"]
 
@@ -50,6 +50,17 @@ class VariablesMixin:
     lr = property(lambda self: self.learning_rate,
                   lambda self, value: setattr(self, "learning_rate", value),
                   doc="tf_keras' legacy alias of ``learning_rate``.")
+
+    @property
+    def step_counter(self) -> Variable:
+        """The variable counting ``apply_gradients`` calls (``variables[0]``; ``iterations``
+        divides it by ``gradient_accumulation_steps``)."""
+        return self._counter
+
+    @property
+    def averages(self) -> list[Variable]:
+        """The EMA averages of the variables, in ``build`` order (empty without EMA)."""
+        return list(self._averages)
 
     @property
     def _counter(self) -> Variable:
@@ -182,9 +193,9 @@ class VariablesMixin:
         shape = tuple(int(d) for d in shape)
         dtype = dtype_name(dtype) if dtype is not None else "float32"
         if initializer == "zeros":
-            value = _Fresh(np.zeros(shape, dtype=dtype))
+            value = Fresh(np.zeros(shape, dtype=dtype))
         elif initializer == "ones":
-            value = _Fresh(np.ones(shape, dtype=dtype))
+            value = Fresh(np.ones(shape, dtype=dtype))
         elif callable(initializer):
             value = initializer(shape, dtype)
         else:
@@ -208,7 +219,7 @@ class VariablesMixin:
         backend = model_variable.backend
         if initial_value is None:  # zeros made for this slot alone, adopted without a copy
             ref, xp = model_variable.value, backend.xp
-            initial_value = _Fresh(xp.zeros_like(ref) if backend.sharding_of(ref) is not None else
+            initial_value = Fresh(xp.zeros_like(ref) if backend.sharding_of(ref) is not None else
                                    xp.zeros(ref.shape, dtype=ref.dtype, device=array_api_compat.device(ref)))
         var = Variable(initial_value, name=f"{variable_name}/{model_variable.name}", layout=model_variable.layout,
                        trainable=False, backend=backend, dtype=model_variable.dtype)
@@ -242,18 +253,18 @@ class VariablesMixin:
         if self._pending is not None:
             self._pending[id(variable)] = (variable, value)
         else:
-            variable._assign_fresh(value)
+            variable.assign_fresh(value)
 
     def _commit(self) -> None:
         pending, self._pending = self._pending or {}, None
         deferred, self._deferred = self._deferred, []
-        placed = [(v, v._prepare(val, copy=False)) for v, val in pending.values()]
+        placed = [(v, v.prepare_value(val, copy=False)) for v, val in pending.values()]
         # Every step was built and validated; only now do the staged in-place updates run
         # (they cannot fail on valid arrays — a compiler failure falls back to eager inside
         # the backend —, short of running out of memory mid-commit).
         self._run_in_place(deferred)
         for v, val in placed:
-            v._value = val
+            v.adopt(val)
 
     @property
     def _xp(self) -> Any:
