@@ -40,7 +40,7 @@ from meshembed.config import (
     SpmdSharding,
     TableConfig,
 )
-from meshembed.config._common import parsing_proto
+from meshembed.config.common import parsing_proto
 from meshembed.config.proto_io import optimizer_from_message, optimizer_to_message
 from meshembed.errors import ConfigError
 
@@ -306,7 +306,7 @@ def test_slot_initial_values_after_the_family_refactor():
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "src" / "meshembed" / "config"
 
 
-@pytest.mark.parametrize("module", ["validation.py", "proto_io.py", "tables.py", "optimizers.py", "_common.py"])
+@pytest.mark.parametrize("module", ["validation.py", "proto_io.py", "tables.py", "optimizers.py", "common.py"])
 def test_config_modules_below_embedding_do_not_import_it(module):
     """The former circle embedding.py <-> proto_io.py <-> validation.py stays broken."""
     tree = ast.parse((CONFIG_DIR / module).read_text())

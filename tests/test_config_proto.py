@@ -223,7 +223,7 @@ def _optimizers(draw):
             kw[attr] = draw(st.booleans())
         elif draw(st.booleans()):
             kw[attr] = draw(_floats)
-    from meshembed.config._common import parsing_proto
+    from meshembed.config.common import parsing_proto
 
     with parsing_proto():  # arbitrary values, as a proto may carry them
         return cls(lr, **kw)

@@ -30,8 +30,8 @@ from meshembed.embedding import step as steps
 from meshembed.embedding.engine import TPUEmbedding
 from meshembed.embedding.inputs import RaggedIds, SparseIds
 from meshembed.errors import ConfigError, InputError, StateError
-from meshembed.tpu import _nest
-from meshembed.tpu._embedding import _is_feature
+from meshembed.tpu import nest as _nest
+from meshembed.tpu import flat_features, is_feature
 
 __all__ = ["EmbeddingCollection"]
 
@@ -320,8 +320,8 @@ class EmbeddingCollection(torch.nn.Module):
         overrides ``set_learning_rates`` for this batch's update; pass a tensor under
         ``torch.compile`` so a new value is a new input, not a recompilation."""
         if self._nest is not None:
-            ids = _nest.match(self._nest, features, "features", _is_feature)
-            ws = [None] * len(ids) if weights is None else _nest.match(self._nest, weights, "weights", _is_feature)
+            ids = _nest.match(self._nest, features, "features", is_feature)
+            ws = [None] * len(ids) if weights is None else _nest.match(self._nest, weights, "weights", is_feature)
         else:
             ids = self._by_name(features, "features")
             ws = [None] * len(ids) if weights is None else self._by_name(weights, "weights", allow_missing=True)
@@ -342,7 +342,7 @@ class EmbeddingCollection(torch.nn.Module):
         else:
             outs = _EagerLookup.apply(self._handle, spec, anchor, lrs, *flat)
         if self._nest is not None:
-            return _nest.pack(self._nest, list(outs[:-1]), _is_feature)
+            return _nest.pack(self._nest, list(outs[:-1]), is_feature)
         return {k: outs[i] for k, i in zip(self._keys, self._order)}
 
     def apply_gradients(self, learning_rates: Sequence[Any] | None = None) -> None:
@@ -599,7 +599,7 @@ def _engine_of_nest(nest: Any, optimizer: Any, batch_size: int | None, initializ
     (tables by first appearance, features named by their nest paths)."""
     from meshembed.tpu import FeatureConfig
     from meshembed.tpu import TPUEmbedding as TFEmbedding
-    from meshembed.tpu._embedding import flat_features
+    from meshembed.tpu import flat_features
 
     if not (isinstance(nest, FeatureConfig) or _nest.is_container(nest)):
         raise ConfigError(

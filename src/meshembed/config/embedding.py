@@ -21,7 +21,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from meshembed.config import proto_io
-from meshembed.config._common import as_bool, as_enum, as_int, invalid, located, parsing_proto, tf2_checks_enabled
+from meshembed.config.common import as_bool, as_enum, as_int, invalid, located, parsing_proto, tf2_checks_enabled
 from meshembed.config.optimizers import OPTIMIZER_TYPES, DynamicLearningRate, OptimizerSpec
 from meshembed.config.proto_io import MODES, SHARDING_STRATEGIES, CombinersArg
 from meshembed.config.tables import FeatureConfig, SpmdSharding, TableConfig

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, ClassVar, Union
 
-from meshembed.config._common import (
+from meshembed.config.common import (
     FINITE,
     NON_NEGATIVE,
     NON_POSITIVE,

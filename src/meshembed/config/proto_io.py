@@ -23,7 +23,7 @@ from google.protobuf import text_format
 
 from meshembed._proto import optimization_parameters_pb2 as opt_pb2
 from meshembed._proto import tpu_embedding_configuration_pb2 as cfg_pb2
-from meshembed.config._common import f32, invalid, located, parsing_proto
+from meshembed.config.common import f32, invalid, located, parsing_proto
 from meshembed.config.optimizers import (
     HOT_ID_STATUS,
     OPTIMIZER_CLASSES,

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from meshembed.config._common import INT32_MAX, INT64_MAX, as_bool, as_float, as_int, invalid, located, one_of
+from meshembed.config.common import INT32_MAX, INT64_MAX, as_bool, as_float, as_int, invalid, located, one_of
 from meshembed.config.optimizers import (
     LEARNING_RATE,
     OPTIMIZER_TYPES,

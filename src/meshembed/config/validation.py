@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from meshembed.config._common import invalid
+from meshembed.config.common import invalid
 from meshembed.config.optimizers import DynamicLearningRate
 from meshembed.config.tables import FeatureConfig, TableConfig
 from meshembed.errors import ConfigError

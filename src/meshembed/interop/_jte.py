@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from meshembed.config import EmbeddingConfig, FeatureConfig, TableConfig
-from meshembed.config._common import parsing_proto
+from meshembed.config.common import parsing_proto
 from meshembed.config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, DynamicLearningRate, QuantizationConfig
 from meshembed.errors import ConfigError, InputError
 from meshembed.interop._gaps import Translation, _Gaps

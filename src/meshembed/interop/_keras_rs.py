@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from meshembed.config import EmbeddingConfig, FeatureConfig, TableConfig
-from meshembed.config._common import parsing_proto
+from meshembed.config.common import parsing_proto
 from meshembed.config.optimizers import FTRL, SGD, Adagrad, Adam, DynamicLearningRate, Momentum
 from meshembed.embedding.initializers import Constant, TruncatedNormal
 from meshembed.errors import ConfigError, InputError

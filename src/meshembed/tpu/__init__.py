@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshembed.tpu._config import OPTIMIZERS, FeatureConfig, QuantizationConfig, RowIdInitializer, TableConfig
-from meshembed.tpu._embedding import TPUEmbedding
+from meshembed.tpu._embedding import TPUEmbedding, flat_features, is_feature  # the last two: for me.torch
 from meshembed.tpu._serving import TPUEmbeddingForServing, serving_embedding_lookup
 from meshembed.tpu.dryrun import dry_run
 

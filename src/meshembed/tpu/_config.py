@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from meshembed import config as _cfg
-from meshembed.config._common import invalid
+from meshembed.config.common import invalid
 from meshembed.config.optimizers import OptimizerSpec, required_arguments
 from meshembed.embedding.initializers import Constant, RowIdInitializer, TruncatedNormal
 from meshembed.errors import ConfigError

@@ -18,21 +18,21 @@ from meshembed import math as _math
 from meshembed.config import SGD, EmbeddingConfig
 from meshembed.config import FeatureConfig as _EngineFeature
 from meshembed.config import TableConfig as _EngineTable
-from meshembed.config._common import as_bool, invalid
+from meshembed.config.common import as_bool, invalid
 from meshembed.config.optimizers import OptimizerSpec
 from meshembed.embedding import RaggedIds, SparseIds
 from meshembed.embedding import TPUEmbedding as _Engine
 from meshembed.embedding import checkpoint as _checkpoint
 from meshembed.errors import ConfigError, InputError, StateError
 from meshembed.math.custom import CustomOptimizer
-from meshembed.tpu import _nest
+from meshembed.tpu import nest as _nest
 from meshembed.tpu._config import FeatureConfig, StepSchedule, TableConfig, _shape
 
 __all__ = ["TPUEmbedding", "flat_features", "from_tf", "to_tf", "is_tf", "incoming_output_shape",
            "resolve_tables", "read_checkpoint"]
 
 
-def _is_feature(x: Any) -> bool:
+def is_feature(x: Any) -> bool:
     return isinstance(x, FeatureConfig) or not _nest.is_container(x)
 
 
@@ -41,7 +41,7 @@ def flat_features(feature_config: Any) -> list[tuple[str, FeatureConfig]]:
     non-FeatureConfig leaf, dict keys tf.nest cannot sort (``{1: f, "1": g}``) and two
     features on one path are ConfigErrors."""
     try:
-        flat = _nest.flatten_with_paths(feature_config, _is_feature)
+        flat = _nest.flatten_with_paths(feature_config, is_feature)
     except InputError as exc:  # unsortable dict keys
         raise ConfigError(f"Invalid `feature_config`. Expected dict keys tf.nest can sort (all strings or all "
                           f"integers; a feature is known by its path, and 1 and '1' are both path '1'). "
@@ -235,10 +235,10 @@ class TPUEmbedding:
 
     # -- structure helpers --------------------------------------------------------------------
     def _leaves(self, value: Any, what: str) -> list[Any]:
-        return _nest.match(self._feature_config, value, what, _is_feature)
+        return _nest.match(self._feature_config, value, what, is_feature)
 
     def _pack(self, flat: list[Any]) -> Any:
-        return _nest.pack(self._feature_config, flat, _is_feature)
+        return _nest.pack(self._feature_config, flat, is_feature)
 
     def _by_path(self, flat: list[Any]) -> dict[str, Any]:
         return dict(zip(self._paths, flat))

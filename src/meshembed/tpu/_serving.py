@@ -24,7 +24,7 @@ from meshembed.embedding import TPUEmbedding as _Engine
 from meshembed.embedding import combiners, inputs
 from meshembed.embedding.initializers import default_initializer, initial_values, table_rng
 from meshembed.errors import InputError
-from meshembed.tpu import _nest
+from meshembed.tpu import nest as _nest
 from meshembed.tpu._config import FeatureConfig, TableConfig
 from meshembed.tpu._embedding import TPUEmbedding, flat_features, from_tf, is_tf, read_checkpoint, resolve_tables, to_tf
 

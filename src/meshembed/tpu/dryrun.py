@@ -22,7 +22,7 @@ from meshembed.embedding.batch import prepare
 from meshembed.embedding.inputs import RaggedIds, SparseIds
 from meshembed.embedding.layout import Layout, build_layout, load_config
 from meshembed.errors import ConfigError, InputError
-from meshembed.tpu import _nest
+from meshembed.tpu import nest as _nest
 from meshembed.tpu._config import FeatureConfig
 
 __all__ = ["dry_run", "load_npz", "Limits", "Topology", "PRESETS"]
