@@ -238,6 +238,9 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
     def is_traced(self, x: Any) -> bool:
         return isinstance(x, self._jax.core.Tracer)
 
+    def bitcast(self, x: Any, dtype: Any) -> Any:
+        return self._jax.lax.bitcast_convert_type(self.asarray(x), np.dtype(dtype))
+
     def compile(self, fn: Callable, **options: Any) -> Callable:
         """``jax.jit``; options such as ``donate_argnums``/``static_argnames`` pass through."""
         return self._jax.jit(fn, **options)

@@ -35,6 +35,9 @@ class NumpyBackend(NumpyDenseMixin, Backend):
     def to_numpy(self, x: Any) -> np.ndarray:
         return np.asarray(x)
 
+    def bitcast(self, x: Any, dtype: Any) -> np.ndarray:
+        return np.ascontiguousarray(x).view(np.dtype(dtype))
+
     def create_table(self, values: np.ndarray, placement: Placement) -> NumpyShardedTable:
         return NumpyShardedTable(shard(np.asarray(values), placement), placement)  # fresh arrays
 

@@ -180,6 +180,9 @@ class TorchBackend(TorchDenseMixin, Backend):
     def is_native(self, x: Any) -> bool:
         return isinstance(x, self._torch.Tensor)
 
+    def bitcast(self, x: Any, dtype: Any) -> Any:
+        return self.asarray(x).contiguous().view(self.torch_dtype(dtype))
+
     # -- sharded row tables ----------------------------------------------------------------
     def _rank_group(self) -> Any:
         """The RankGroup of the current process group, or None in a single process."""

@@ -134,6 +134,16 @@ class Backend(abc.ABC):
         """Whether ``x`` is already this backend's array type."""
         return isinstance(x, np.ndarray)
 
+    def bitcast(self, x: Array, dtype: Any) -> Array:
+        """``x``'s bits read as ``dtype``, an integer or float dtype of the same item size
+        (``"int32"`` <-> ``"float32"``, ``"int16"`` <-> ``"float16"``): data movement, not math,
+        which the Array API standard lacks. Low-precision tables use it to round float32
+        values at the bit level (``meshembed.math.rounding``). Backends override it with their
+        own reinterpretation (NumPy ``view``, torch ``Tensor.view(dtype)``, JAX
+        ``lax.bitcast_convert_type``); this default goes through a NumPy copy."""
+        host = np.ascontiguousarray(self.to_numpy(x))
+        return self.asarray(host.view(np.dtype(dtype)))
+
     def is_traced(self, x: Any) -> bool:
         """Whether ``x`` is an abstract value of a trace (a JAX tracer inside ``jax.jit``):
         the stateful engine refuses it rather than storing it. Eager backends: never."""

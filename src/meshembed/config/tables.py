@@ -23,6 +23,7 @@ from meshembed.config.optimizers import (
     QuantizationConfig,
     is_custom,
 )
+from meshembed.config.precision import Precision
 from meshembed.math.custom import CustomOptimizer
 
 __all__ = ["COMBINERS", "DTYPES", "FeatureConfig", "SpmdSharding", "TableConfig"]
@@ -58,6 +59,9 @@ class TableConfig:
     num_features: int = 0
     _: KW_ONLY
     unknown_fields: bytes = field(default=b"", repr=False)
+    #: storage dtypes and rounding of the table and its slots (``me.embedding.Precision``);
+    #: None = float32. Not part of the proto: it travels beside it (docs/low_precision.md).
+    precision: Precision | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -90,6 +94,8 @@ class TableConfig:
             raise invalid("quantization", where, "a QuantizationConfig or None", self.quantization)
         self._sync_quantization(where)
         self._check_quantization(where)
+        if self.precision is not None and not isinstance(self.precision, Precision):
+            raise invalid("precision", where, "a meshembed.embedding.Precision or None", self.precision)
 
     def _check_quantization(self, where: str) -> None:
         """An enabled simulated quantization needs finite ``lower < upper`` and at least two

@@ -21,6 +21,7 @@ _FROM_CONFIG = (
 )
 _LAZY = {name: "meshembed.config" for name in _FROM_CONFIG}
 _LAZY["CustomOptimizer"] = "meshembed.math.custom"
+_LAZY["Precision"] = "meshembed.config.precision"  # 16-bit tables (docs/low_precision.md)
 
 __all__ = [
     "Constant", "RaggedIds", "RowIdInitializer", "SparseIds", "TPUEmbedding", "TruncatedNormal",

@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from meshembed.backend import Backend, get_backend
-from meshembed.embedding import inputs
+from meshembed.embedding import inputs, precision
 from meshembed.embedding import step as steps
 from meshembed.embedding.agreement import agreed, validated
 from meshembed.embedding.batch import Batch, check_bool, resolve_mode, structured
@@ -122,6 +122,7 @@ class TPUEmbedding:
                 f"me.Mesh(..., backend={self.backend.name!r}), or leave `backend` out to use the mesh's."
             )
         self.layout: Layout = build_layout(self.config)
+        precision.check_layout(self.layout, self.backend)  # 16-bit tables the step cannot run
         self._rules: dict[int, Any] | None = None  # each table's UpdateRule, built on first use
         if self.layout.mode != "inference":  # an optimizer it cannot train fails now, not at step 1
             try:
@@ -210,6 +211,8 @@ class TPUEmbedding:
         """The table (from its initial ``blocks`` of rows) and its slots, each made block by
         block, so creating them never holds a whole table on the host beside the backend's."""
         placement = self._placements[table.index]
+        if precision.is_low(table):  # 16-bit arrays, rounded to nearest on the host
+            return precision.fresh_state(self.backend, table, blocks, placement, table.optimizer.slot_initial_values())
         shape = (table.vocabulary_size, table.dimension)
         state = [self.backend.create_table_from_blocks(shape, blocks, placement)]
         for init in table.optimizer.slot_initial_values():
@@ -229,7 +232,8 @@ class TPUEmbedding:
     def embedding_tables(self) -> dict[str, np.ndarray]:
         """The logical ``[V, D]`` parameters of every table, as NumPy (a copy)."""
         self.flush()
-        return {t.name: self.backend.unshard(self.state.tables[t.index][0]) for t in self.layout.tables}
+        return {t.name: precision.from_storage(self.backend.unshard(self.state.tables[t.index][0]),
+                                               precision.array_dtypes(t)[0]) for t in self.layout.tables}
 
     def table_slot_names(self, table: str | int) -> tuple[str, ...]:
         """TPU slot names of a table after ``parameters``, in Load/Retrieve order."""
@@ -454,11 +458,12 @@ class TPUEmbedding:
         ids = self._shard_ids(t, num_shards, shard_id)
         names = ("parameters",) + self._slot_names(t)
         out = {}
-        for name, st in zip(names, self.state.tables[t.index]):
+        for name, st, dtype in zip(names, self.state.tables[t.index], precision.array_dtypes(t)):
             if ids is None:
                 out[name] = self.backend.unshard(st)
             else:
                 out[name] = np.asarray(self.backend.to_numpy(self.backend.gather(st, self.backend.asarray(ids, dtype="int64"))))
+            out[name] = precision.from_storage(out[name], dtype)  # 16-bit storage: its exact float32 values
         return out
 
     def load_parameters(
@@ -540,14 +545,16 @@ class TPUEmbedding:
         t, ids, values = plan
         names = ("parameters",) + self._slot_names(t)
         state = list(self.state.tables[t.index])
+        dtypes = precision.array_dtypes(t)
         for k, name in enumerate(names):
             if name not in values:
                 continue
+            stored = precision.to_storage(values[name], dtypes[k])  # 16-bit storage: rounded to nearest
             if ids is None:
-                state[k] = self.backend.create_table(values[name], self._placements[t.index])
+                state[k] = self.backend.create_table(stored, self._placements[t.index])
             else:
                 state[k] = self.backend.scatter(
-                    state[k], self.backend.asarray(ids, dtype="int64"), self.backend.asarray(values[name], dtype="float32")
+                    state[k], self.backend.asarray(ids, dtype="int64"), self.backend.asarray(stored, dtype=stored.dtype)
                 )
         return t.index, tuple(state)
 

@@ -22,6 +22,8 @@ class TableSpec:
     optimizer: Any
     combiner: str
     initializer: Any = None
+    #: the table's ``me.embedding.Precision`` (None: float32 everywhere; docs/low_precision.md)
+    precision: Any = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,7 @@ def build_layout(config: Any) -> Layout:
                 optimizer=t.optimizer,
                 combiner=combiner,
                 initializer=getattr(t, "initializer", None),
+                precision=getattr(t, "precision", None),
             )
         )
     names = {t.name: t.index for t in tables}

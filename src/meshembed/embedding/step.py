@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from meshembed.backend import Backend
-from meshembed.embedding import combiners, inputs
+from meshembed.embedding import combiners, inputs, precision
 from meshembed.embedding.agreement import agreed, first_argument, validated
 from meshembed.embedding.batch import Batch, by_feature, prepare
 from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec
@@ -95,6 +95,9 @@ def lookup(backend: Any, state: EngineState, batch: Batch) -> list[Any]:
         table = state.tables[t.index][0]
         ids = batch.device_array(backend, k, "ids")
         quant = getattr(t.optimizer, "simulated_quantization", None)
+        if precision.is_low(t):  # 16-bit rows: widened to float32, combined in float32
+            outs.append(_low_precision_lookup(backend, t, f, d, table, ids, batch, k, quant))
+            continue
         if quant is not None and getattr(quant, "enabled", True):
             from meshembed.math import quantize
 
@@ -115,6 +118,26 @@ def lookup(backend: Any, state: EngineState, batch: Batch) -> list[Any]:
         shape = f.output_shape + (t.dimension,)
         outs.append(act if tuple(act.shape) == shape else xp.reshape(act, shape))
     return outs
+
+
+def _low_precision_lookup(backend: Any, t: TableSpec, f: FeatureSpec, d: Any, table: Any, ids: Any, batch: Batch,
+                          k: int, quant: Any) -> Any:
+    """One feature's float32 activation from a low-precision table (``embedding.precision``):
+    the rows widened exactly, then simulated quantization and the combiner in float32."""
+    xp = backend.xp
+    rows = precision.lookup_rows(backend, table, ids, precision.array_dtypes(t)[0])
+    if quant is not None and getattr(quant, "enabled", True):
+        from meshembed.math import quantize
+
+        lo = -np.inf if quant.lower is None else quant.lower
+        hi = np.inf if quant.upper is None else quant.upper
+        rows = quantize(xp, rows, lo, hi, quant.num_buckets)
+    if d.identity:
+        act = rows if d.unit_scale else rows * xp.reshape(batch.device_array(backend, k, "scale"), (-1, 1))
+    else:
+        scale = xp.reshape(batch.device_array(backend, k, "scale"), (-1, 1))
+        act = combiners.forward(backend, rows, scale, batch.device_array(backend, k, "slots"), d.num_slots)
+    return xp.reshape(act, f.output_shape + (t.dimension,))
 
 
 # -- validation ----------------------------------------------------------------------------------
@@ -376,6 +399,8 @@ class _TableUpdates:
 
     def table(self, t: TableSpec, features: list[int], check_finite: bool) -> list[Any]:
         """Table ``t``'s new ``[params, *slots]`` from its features' gradients."""
+        if precision.is_low(t):
+            return self._low_precision(t, features, check_finite)
         be, xp, batch = self.backend, self.backend.xp, self.batch
         prepared = [batch.features[k] for k in features]
         grads = [self.grads[k] for k in features]
@@ -427,6 +452,24 @@ class _TableUpdates:
             row_grads = be.asarray(np.zeros((0, t.dimension), np.float32))
         return apply_table(be, list(self.state.tables[t.index]), t, host_ids, row_grads, self.lrs, rule,
                            guard=self.guard, part_sizes=[int(d.ids.shape[0]) for d in prepared], values=values)
+
+    def _low_precision(self, t: TableSpec, features: list[int], check_finite: bool) -> list[Any]:
+        """A table with 16-bit arrays (``embedding.precision``): per-id gradient rows as the
+        generic path makes them, then one update per unique row in float32, rounded back
+        (protocol methods only; no fused kernel)."""
+        be, xp, batch = self.backend, self.backend.xp, self.batch
+        prepared = [batch.features[k] for k in features]
+        grads = [xp.reshape(self.grads[k], (-1, t.dimension)) for k in features]
+        if check_finite:
+            self._check_now(grads)
+        host_ids = np.concatenate([d.ids for d in prepared]) if prepared else np.zeros(0, np.int64)
+        rows = [combiners.backward(be, g, xp.reshape(self._scale(k), (-1, 1)), self._ids([k], "slots"),
+                                   d.unit_scale, d.identity) for k, d, g in zip(features, prepared, grads)]
+        row_grads = xp.concat(rows, axis=0) if len(rows) > 1 else rows[0] if rows else None
+        if row_grads is None:
+            row_grads = be.asarray(np.zeros((0, t.dimension), np.float32))
+        return precision.update_table(be, self.state.tables[t.index], t, self.rules[t.index], self.values[t.index],
+                                      host_ids, row_grads, self.state.step, guard=self.guard)
 
     def _check_now(self, grads: list[Any]) -> None:
         """NaN/Inf in one table's gradients raise NonFiniteError (nothing written yet)."""
