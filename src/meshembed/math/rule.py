@@ -16,11 +16,11 @@ conformance compares with it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from meshembed.math.registry import OptimizerMath, apply_update
 
-__all__ = ["UpdateRule", "apply_rule"]
+__all__ = ["UpdateRule", "apply_rule", "build_rule"]
 
 @dataclass(frozen=True)
 class UpdateRule:
@@ -75,6 +75,27 @@ class UpdateRule:
         hp = dict(self.static)
         hp.update((name, values[i]) for i, name in enumerate(self.dynamic) if i)
         return values[0], hp
+
+
+def build_rule(
+    algorithm: Any,
+    hyperparameters: Mapping[str, Any],
+    dynamic: Iterable[str] = (),
+    **options: Any,
+) -> UpdateRule:
+    """The one way an optimizer spec becomes an :class:`UpdateRule` (the embedding tables'
+    specs in ``embedding/updates.py`` and the dense optimizer both call it): ``algorithm`` a
+    ``meshembed.math`` name (or a CustomOptimizer), ``hyperparameters`` every value besides the
+    learning rate, ``dynamic`` the names among them passed per call (after ``"lr"``); the rest
+    are static. ``options``: the clipping / weight-decay / laziness / dtype fields, and
+    ``slot_names`` (default: the algorithm's)."""
+    from meshembed.math.registry import get_math
+
+    math_ = get_math(algorithm)
+    dynamic = sorted(set(dynamic))
+    options.setdefault("slot_names", math_.slot_names)
+    static = tuple(sorted((k, v) for k, v in hyperparameters.items() if k not in dynamic))
+    return UpdateRule(math=math_, static=static, dynamic=("lr", *dynamic), **options)
 
 
 def apply_rule(xp: Any, rule: UpdateRule, hyper_values: Sequence[Any], grads: Any, params: Any,

@@ -12,8 +12,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import numpy as np
 
 from meshembed.errors import ConfigError, InputError, StateError
-from meshembed.math import get_math
-from meshembed.math.rule import UpdateRule, apply_rule
+from meshembed.math.rule import UpdateRule, apply_rule, build_rule
 from meshembed.optimizers.config import _required_positional
 from meshembed.optimizers.gradients import _map_values
 from meshembed.variable import IndexedSlices, Variable
@@ -63,9 +62,8 @@ class StepMixin:
         key = (variable.dtype, clipvalue, decay)
         rule = self._rules.get(key)
         if rule is None:
-            math_ = get_math(self._algorithm)
-            rule = UpdateRule(
-                math=math_, slot_names=math_.slot_names, static=tuple(sorted(self._static_hyperparameters().items())),
+            rule = build_rule(
+                self._algorithm, self._static_hyperparameters(),
                 gradient_clip=None if clipvalue is None else (-clipvalue, clipvalue), weight_decay=float(decay or 0.0),
                 multiply_weight_decay_by_lr=True, lazy=False, dtype=variable.dtype,
             )
