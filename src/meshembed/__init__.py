@@ -32,6 +32,7 @@ _LAZY = {
     "TPUEmbedding": "meshembed.embedding:TPUEmbedding",
     "SparseIds": "meshembed.embedding:SparseIds",
     "RaggedIds": "meshembed.embedding:RaggedIds",
+    "DynamicVocabulary": "meshembed.embedding.dynamic:DynamicVocabulary",
     # dense side
     "Mesh": "meshembed.sharding.mesh:Mesh",
     "Layout": "meshembed.sharding.mesh:Layout",

@@ -62,6 +62,10 @@ class TableConfig:
     #: storage dtypes and rounding of the table and its slots (``me.embedding.Precision``);
     #: None = float32. Not part of the proto: it travels beside it (docs/low_precision.md).
     precision: Precision | None = None
+    #: a dynamic vocabulary (``me.embedding.DynamicVocabulary``): feature ids are raw int64 keys
+    #: mapped to rows by the engine; None = ids are rows. Not part of the proto: it travels
+    #: beside it in the checkpoint manifest (docs/dynamic_vocab.md).
+    dynamic: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -96,6 +100,19 @@ class TableConfig:
         self._check_quantization(where)
         if self.precision is not None and not isinstance(self.precision, Precision):
             raise invalid("precision", where, "a meshembed.embedding.Precision or None", self.precision)
+        if self.dynamic is not None:
+            self._check_dynamic(where)
+
+    def _check_dynamic(self, where: str) -> None:
+        from meshembed.embedding.dynamic import DynamicVocabulary  # lazy: the spec lives with the engine
+
+        d = self.dynamic
+        if not isinstance(d, DynamicVocabulary):
+            raise invalid("dynamic", where, "a meshembed.embedding.DynamicVocabulary or None", d)
+        if d.capacity is not None and d.capacity != self.vocabulary_size:
+            raise invalid("dynamic", where, f"a capacity equal to vocabulary_size ({self.vocabulary_size}): the "
+                          "table's rows are the vocabulary's capacity. Fix: pass the same number, or leave "
+                          "capacity=None", d)
 
     def _check_quantization(self, where: str) -> None:
         """An enabled simulated quantization needs finite ``lower < upper`` and at least two

@@ -21,6 +21,9 @@ _FROM_CONFIG = (
 )
 _LAZY = {name: "meshembed.config" for name in _FROM_CONFIG}
 _LAZY["CustomOptimizer"] = "meshembed.math.custom"
+# dynamic vocabularies: raw int64 keys mapped to rows (docs/dynamic_vocab.md)
+_LAZY.update({name: "meshembed.embedding.dynamic" for name in (
+    "DynamicVocabulary", "Always", "AfterOccurrences", "Probability", "LRU", "LFU", "TTL", "NormBelow")})
 _LAZY["Precision"] = "meshembed.config.precision"  # 16-bit tables (docs/low_precision.md)
 
 __all__ = [

@@ -241,6 +241,42 @@ def _callable_entries(config: Any) -> list[dict]:
     return out
 
 
+# Low-precision tables (docs/low_precision.md): each array is stored in its storage dtype,
+# never widened: bfloat16 as its 16-bit patterns (uint16: NumPy has no bfloat16), float16 as
+# float16. The table entry's optional `precision` (Precision.to_json) says which is which and
+# keeps the rounding and seed; `dtype` is the parameters' storage dtype.
+_FILE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16)}
+
+
+def _entry_dtypes(entry: Mapping[str, Any]) -> dict[str, str]:
+    """Each array's storage dtype, by name, from a manifest table entry."""
+    found = entry.get("precision")
+    if found is None:
+        return {name: "float32" for name in entry["arrays"]}
+    from meshembed.config.precision import Precision
+
+    p = Precision.from_json(found)
+    return {name: p.parameters if name == "parameters" else p.slot_dtype(name) for name in entry["arrays"]}
+
+
+def _to_file(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Exact float32 values of a ``dtype`` array -> the array written (its storage form)."""
+    from meshembed.embedding import precision
+
+    if dtype == "float32":
+        return np.ascontiguousarray(values, dtype=np.float32)
+    return precision.to_storage(values, dtype).view(_FILE_DTYPES[dtype])  # exact: the values are representable
+
+
+def _from_file(arr: np.ndarray, dtype: str) -> np.ndarray:
+    """An array as written -> its exact float32 values."""
+    from meshembed.embedding import precision
+
+    if dtype == "float32":
+        return arr
+    return precision.from_storage(np.ascontiguousarray(arr).view(np.int16), dtype)
+
+
 def collect(engine: Any) -> tuple[bytes, dict[str, np.ndarray], list[dict]]:
     """(config bytes, logical arrays, table entries) of ``engine``.
 
@@ -251,10 +287,12 @@ def collect(engine: Any) -> tuple[bytes, dict[str, np.ndarray], list[dict]]:
     tables = []
     for t in engine.layout.tables:
         values = engine.retrieve_parameters(t.name)
+        p = getattr(t, "precision", None)
+        dtypes = dict(zip(values, p.dtypes(tuple(values)[1:]))) if p is not None else {}
         keys = {}
         for name, arr in values.items():
             key = f"t{t.index}.{name}"
-            arrays[key] = np.ascontiguousarray(arr, dtype=np.float32)
+            arrays[key] = _to_file(arr, dtypes.get(name, "float32"))
             keys[name] = key
         tables.append({
             "name": t.name,
@@ -262,10 +300,70 @@ def collect(engine: Any) -> tuple[bytes, dict[str, np.ndarray], list[dict]]:
             "dimension": int(t.dimension),
             "algorithm": t.optimizer.algorithm,
             "combiner": t.combiner,  # not part of TPUEmbeddingConfiguration: kept here
-            "dtype": "float32",
+            "dtype": dtypes.get("parameters", "float32"),
             "arrays": keys,
+            # the proto extension (docs/low_precision.md): storage dtypes, rounding, seed
+            **({"precision": p.to_json()} if p is not None else {}),
         })
+        _collect_dynamic(engine, t, arrays, tables[-1])
     return config_bytes, arrays, tables
+
+
+# -- dynamic vocabularies (embedding/dynamic.py): extra arrays and a manifest entry per table ----
+def _collect_dynamic(engine: Any, t: Any, arrays: dict[str, np.ndarray], entry: dict) -> None:
+    """A dynamic table's vocabulary: its state arrays ``t<i>.dynamic.<name>`` in arrays.npz and
+    ``tables[i].dynamic`` (spec, initializer, array keys) in the manifest."""
+    from meshembed.embedding import dynamic
+
+    vocab = getattr(engine, "vocabularies", {}).get(t.name)
+    if vocab is None:
+        return
+    keys = {}
+    for name, arr in vocab.to_arrays().items():
+        keys[name] = f"t{t.index}.dynamic.{name}"
+        arrays[keys[name]] = arr
+    entry["dynamic"] = {"spec": dynamic.spec_to_json(vocab.spec),
+                        "initializer": dynamic.initializer_to_json(engine.dynamic_initializers[t.name]),
+                        "arrays": keys}
+
+
+def _check_dynamic_entry(where: pathlib.Path, i: int, t: dict) -> None:
+    """``tables[i].dynamic``: exactly spec, initializer and the state's array keys."""
+    from meshembed.embedding import dynamic
+
+    ctx = f"tables[{i}].dynamic."
+    d = _field(where, t, "dynamic", f"tables[{i}].", "dict")
+    _exact_keys(where, d, {"spec", "initializer", "arrays"}, ctx)
+    try:
+        spec = dynamic.spec_from_json(d["spec"])
+        dynamic.initializer_from_json(d["initializer"])
+    except ConfigError as exc:
+        raise _bad(where, "manifest.json", f"field `{ctx}spec`/`{ctx}initializer`: {exc}") from None
+    arrays = _field(where, d, "arrays", ctx, "dict")
+    want = {n for n in dynamic.STATE_ARRAYS if n != "sketch" or isinstance(spec.admission, dynamic.AfterOccurrences)}
+    _exact_keys(where, arrays, want, f"{ctx}arrays.")
+    for name, key in arrays.items():
+        if key != f"t{i}.dynamic.{name}":
+            raise _bad(where, "manifest.json", f"field `{ctx}arrays.{name}`: expected {f't{i}.dynamic.{name}'!r}. "
+                       f"Received: {key!r}")
+
+
+def _dynamic_states(where: Any, manifest: dict, layout: Any, arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """``{table: DynamicVocabularyState}`` from the verified arrays, every invariant checked."""
+    from meshembed.embedding import dynamic
+
+    out = {}
+    for t, entry in zip(layout.tables, manifest["tables"]):
+        d = entry.get("dynamic")
+        if d is None:
+            continue
+        spec = dynamic.spec_from_json(d["spec"])
+        try:
+            out[t.name] = dynamic.DynamicVocabularyState.from_arrays(
+                spec, t.vocabulary_size, {name: arrays[key] for name, key in d["arrays"].items()})
+        except ValueError as exc:
+            raise dynamic.checkpoint_error(where, t.name, exc) from None
+    return out
 
 
 def write_contents(engine: Any, directory: pathlib.Path,
@@ -429,8 +527,9 @@ def check_values(engine: Any, path: Any, arrays: Mapping[str, np.ndarray], table
     """CheckpointError, before anything is written, for values ``restore`` would refuse."""
     allow = bool(getattr(engine, "allow_nonfinite", False))
     for entry in tables:
+        dtypes = _entry_dtypes(entry)
         for slot, key in entry["arrays"].items():
-            problem = _value_problem(entry["algorithm"], slot, arrays[key], allow)
+            problem = _value_problem(entry["algorithm"], slot, _from_file(arrays[key], dtypes[slot]), allow)
             if problem is None:
                 continue
             nonfinite, why = problem
@@ -673,12 +772,20 @@ def _check_common(where: pathlib.Path, manifest: dict, with_dtype: bool) -> None
         ctx = f"tables[{i}]."
         if not isinstance(t, dict):
             raise _bad(where, "manifest.json", f"field `tables[{i}]`: expected an object. Received: {t!r}")
-        _exact_keys(where, t, keys, ctx)
+        _exact_keys(where, t, keys, ctx, optional={"dynamic", "precision"} if with_dtype else {"dynamic"})
+        if "dynamic" in t:
+            _check_dynamic_entry(where, i, t)
         for key, kind in (("name", "str"), ("vocabulary_size", "pos"), ("dimension", "pos"),
                           ("algorithm", "str"), ("combiner", "str"), ("arrays", "dict")):
             _field(where, t, key, ctx, kind)
-        if with_dtype and t["dtype"] != "float32":
-            raise _bad(where, "manifest.json", f"field `{ctx}dtype`: expected 'float32'. Received: {t['dtype']!r}")
+        parameters = "float32"
+        if "precision" in t:  # a low-precision table (docs/low_precision.md)
+            try:
+                parameters = _entry_dtypes(t)["parameters"]
+            except (MeshembedError, TypeError, KeyError) as exc:
+                raise _bad(where, "manifest.json", f"field `{ctx}precision` is not a Precision ({exc})") from None
+        if with_dtype and t["dtype"] != parameters:
+            raise _bad(where, "manifest.json", f"field `{ctx}dtype`: expected {parameters!r}. Received: {t['dtype']!r}")
         for name, key in t["arrays"].items():
             if key != f"t{i}.{name}":  # the key is a function of table index and slot name
                 raise _bad(where, "manifest.json", f"field `{ctx}arrays.{name}`: expected {f't{i}.{name}'!r}. "
@@ -750,6 +857,23 @@ def _config_and_layout(where: pathlib.Path, manifest: dict, config_bytes: bytes)
         config = EmbeddingConfig.from_proto(bytes(config_bytes), combiners={t["name"]: t["combiner"] for t in entries})
     except Exception as exc:  # noqa: BLE001 - any parser failure is a damaged file
         raise _bad(where, "config.pb", f"is not a TPUEmbeddingConfiguration ({type(exc).__name__}: {exc})") from None
+    specs = {i: t["dynamic"]["spec"] for i, t in enumerate(entries) if "dynamic" in t}
+    if specs:  # dynamic vocabularies: the proto has no place for them, the manifest keeps them
+        from meshembed.embedding import dynamic
+
+        try:
+            config = config.replace(tables=tuple(
+                t.replace(dynamic=dynamic.spec_from_json(specs[i])) if i in specs else t
+                for i, t in enumerate(config.tables)))
+        except (ConfigError, IndexError) as exc:
+            raise _bad(where, "manifest.json", f"field `tables[].dynamic` does not fit config.pb: {exc}") from None
+    precisions = {t["name"]: t["precision"] for t in entries if "precision" in t}
+    if precisions:  # the extension travels in the manifest, beside config.pb
+        from meshembed.config.precision import Precision
+
+        config = config.replace(tables=tuple(
+            t.replace(precision=Precision.from_json(precisions[t.name])) if t.name in precisions else t
+            for t in config.tables))
     try:
         layout = build_layout(config)
     except MeshembedError as exc:
@@ -798,6 +922,8 @@ def _read_arrays(where: pathlib.Path, layout: Any, manifest: dict, allow_nonfini
     value (see :func:`_value_problem`)."""
     file = _verify_file(where, "arrays.npz", manifest)
     wanted = {key for entry in manifest["tables"] for key in entry["arrays"].values()}
+    dynamic_keys = {key for entry in manifest["tables"] for key in entry.get("dynamic", {}).get("arrays", {}).values()}
+    wanted |= dynamic_keys
     arrays: dict[str, np.ndarray] = {}
     try:
         with zipfile.ZipFile(file) as z:
@@ -807,19 +933,40 @@ def _read_arrays(where: pathlib.Path, layout: Any, manifest: dict, allow_nonfini
                 raise _bad(where, "arrays.npz", f"does not hold the arrays manifest.json field `tables[].arrays` "
                            f"lists (missing: {missing}, unexpected: {extra})")
             for t, entry in zip(layout.tables, manifest["tables"]):
+                try:
+                    stored = _entry_dtypes(entry)
+                except MeshembedError as exc:
+                    raise _bad(where, "manifest.json", f"table {t.name!r}: {exc}") from None
                 for name in ("parameters", *t.optimizer.slot_names):
                     key = entry["arrays"][name]
                     shape, dtype = _npy_header(z, members[key])
-                    if dtype != np.float32 or shape != (t.vocabulary_size, t.dimension):
+                    want = _FILE_DTYPES[stored[name]]
+                    if dtype != want or shape != (t.vocabulary_size, t.dimension):
                         raise _bad(where, "arrays.npz", f"array {key!r} (table {t.name!r}, `{name}`) has dtype "
-                                   f"{dtype} and shape {shape}; expected float32 {(t.vocabulary_size, t.dimension)}")
+                                   f"{dtype} and shape {shape}; expected {want} {(t.vocabulary_size, t.dimension)}"
+                                   + ("" if stored[name] == "float32" else f" ({stored[name]} storage)"))
             for t, entry in zip(layout.tables, manifest["tables"]):
+                stored = _entry_dtypes(entry)
                 for name in ("parameters", *t.optimizer.slot_names):
                     key = entry["arrays"][name]
                     arrays[key] = _load_npy(z, members[key])
-                    problem = _value_problem(t.optimizer.algorithm, name, arrays[key], allow_nonfinite)
+                    problem = _value_problem(t.optimizer.algorithm, name, _from_file(arrays[key], stored[name]),
+                                             allow_nonfinite)
                     if problem is not None:
                         raise _bad_values(where, key, t.name, name, *problem)
+            for t, entry in zip(layout.tables, manifest["tables"]):  # dynamic vocabularies: their state
+                if "dynamic" not in entry:
+                    continue
+                from meshembed.embedding import dynamic
+
+                expected = dynamic.state_shapes(dynamic.spec_from_json(entry["dynamic"]["spec"]), t.vocabulary_size)
+                for name, key in entry["dynamic"]["arrays"].items():
+                    shape, dtype = _npy_header(z, members[key])
+                    if (shape, dtype) != expected[name]:
+                        raise _bad(where, "arrays.npz", f"array {key!r} (table {t.name!r}, dynamic vocabulary "
+                                   f"`{name}`) has dtype {dtype} and shape {shape}; expected {expected[name][1]} "
+                                   f"{expected[name][0]}")
+                    arrays[key] = _load_npy(z, members[key])
     except (CheckpointError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - a damaged archive fails in many ways
@@ -910,14 +1057,65 @@ def _learning_rate_fns(manifest: dict, layout: Any, learning_rates: Any,
     return tuple(values)
 
 
+def _dynamic_initializers(manifest: dict, given: Any, where: str) -> dict[str, Any]:
+    """Each dynamic table's initializer: the manifest's, or ``given[table]`` (needed for a
+    callable, which no file can hold)."""
+    from meshembed.embedding import dynamic
+
+    given = dict(given or {})
+    names = [t["name"] for t in manifest["tables"] if "dynamic" in t]
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise InputError(f"Invalid `initializers`: {unknown} are not dynamic tables of checkpoint {where!r}; "
+                         f"its dynamic tables are {names} (the others' values are all in the checkpoint).")
+    out = {}
+    for t in manifest["tables"]:
+        if "dynamic" not in t:
+            continue
+        init = given.get(t["name"], dynamic.initializer_from_json(t["dynamic"]["initializer"]))
+        if init is None:
+            raise InputError(
+                f"Checkpoint {where!r}: dynamic table {t['name']!r} initialises the rows of admitted keys with the "
+                f"callable {t['dynamic']['initializer']['name']}, which no checkpoint can hold. Fix: pass it "
+                f"again: restore(path, initializers={{{t['name']!r}: fn}}).")
+        out[t["name"]] = init
+    return out
+
+
+def _with_precision(config: Any, precision: Any, where: str) -> Any:
+    """``config`` with the tables ``precision`` names (``{table: Precision or None}``; None =
+    float32) stored as it says: restoring into other storage dtypes is asked for, never implied."""
+    from meshembed.config.precision import Precision
+
+    names = [t.name for t in config.tables]
+    if not isinstance(precision, Mapping) or not all(
+            isinstance(k, str) and (v is None or isinstance(v, Precision)) for k, v in precision.items()):
+        raise InputError(
+            "Invalid `precision`: expected {table_name: me.embedding.Precision or None (float32)} for the tables "
+            f"whose storage should change, or 'saved'. Received: {precision!r}")
+    unknown = sorted(set(precision) - set(names))
+    if unknown:
+        raise InputError(f"Invalid `precision`: checkpoint {where!r} has no tables {unknown}. Expected some of {names}.")
+    return config.replace(tables=tuple(t.replace(precision=precision[t.name]) if t.name in precision else t
+                                       for t in config.tables))
+
+
 def restore(cls: Any, path: Any, backend: Any = None, num_shards: int | None = None, mesh: Any = None,
-            learning_rates: Any = None, allow_nonfinite: bool = False) -> Any:
+            learning_rates: Any = None, allow_nonfinite: bool = False, initializers: Any = None,
+            precision: Any = "saved") -> Any:
     """Build a ``cls`` engine from the checkpoint at ``path`` and load every table and slot.
 
     Everything is verified before the engine is built (see the module docstring).
     ``allow_nonfinite``: accept NaN/Inf values (saved from an engine created with it), and
-    build the engine with it."""
+    build the engine with it. ``precision``: ``"saved"`` (default) restores every table in the
+    storage dtypes it was saved in, bit for bit; ``{table: me.embedding.Precision or None}``
+    restores those tables into other storage (None: float32): the saved values, exact in
+    float32, are rounded to nearest into 16-bit arrays (docs/low_precision.md)."""
     manifest, _, config, layout, arrays = _verified(path, allow_nonfinite)
+    if not (isinstance(precision, str) and precision == "saved"):
+        config = _with_precision(config, precision, str(path))
+    vocabularies = _dynamic_states(path, manifest, layout, arrays)
+    inits = _dynamic_initializers(manifest, initializers, str(path))
     fns = _learning_rate_fns(manifest, layout, learning_rates, str(path))
     if fns is not None:
         object.__setattr__(config, "learning_rate_fns", fns)  # as EmbeddingConfig itself sets them
@@ -930,11 +1128,14 @@ def restore(cls: Any, path: Any, backend: Any = None, num_shards: int | None = N
     extra = {"allow_nonfinite": True} if allow_nonfinite else {}
     try:
         engine = cls(config, backend=backend, num_shards=num_shards, mesh=mesh, seed=manifest["seed"],
-                     initializers={t["name"]: "zeros" for t in manifest["tables"]}, **extra)
+                     initializers={t["name"]: inits.get(t["name"], "zeros") for t in manifest["tables"]}, **extra)
         for entry in manifest["tables"]:
-            values = {name: arrays[key] for name, key in entry["arrays"].items()}
+            stored = _entry_dtypes(entry)  # 16-bit arrays: their exact float32 values, then the engine's storage
+            values = {name: _from_file(arrays[key], stored[name]) for name, key in entry["arrays"].items()}
             params = values.pop("parameters")
             engine.load_parameters(entry["name"], params, **values)
+        for name, vocab in vocabularies.items():
+            engine.load_vocabulary(name, vocab)
     except MemoryError:
         raise _out_of_memory("Restoring the checkpoint at", path, layout.tables, "Nothing was restored.") from None
     engine.step = int(manifest["step"])

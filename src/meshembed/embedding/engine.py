@@ -25,6 +25,7 @@ from meshembed.backend import Backend, get_backend
 from meshembed.embedding import inputs, precision
 from meshembed.embedding import step as steps
 from meshembed.embedding.agreement import agreed, validated
+from meshembed.embedding import dynamic
 from meshembed.embedding.batch import Batch, check_bool, resolve_mode, structured
 from meshembed.embedding.initializers import Constant, default_initializer, initial_blocks, table_rng
 from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec, build_layout, load_config
@@ -148,6 +149,7 @@ class TPUEmbedding:
         if unknown:
             raise ConfigError(f"Invalid `initializers`: unknown tables {sorted(unknown)}.")
         self._placements: dict[int, Placement] = {}
+        self._init_dynamic(overrides)  # dynamic vocabularies (see "dynamic vocabularies" below)
         tables: dict[int, tuple[Any, ...]] = {}
         for t in self.layout.tables:
             shards = self.num_shards if explicit else min(self.num_shards, t.vocabulary_size)
@@ -165,6 +167,8 @@ class TPUEmbedding:
             init = overrides.get(t.name, t.initializer)
             if init is None:
                 init = default_initializer(t.optimizer)
+            if t.index in self._vocab:  # its rows get their values when a key is admitted
+                init = "zeros"
             blocks = initial_blocks(init, (t.vocabulary_size, t.dimension), table_rng(self.seed, t.index), t.name)
             try:
                 tables[t.index] = tuple(self._fresh_state(t, blocks))
@@ -278,12 +282,17 @@ class TPUEmbedding:
         """
         mode = resolve_mode(self.layout, training, mode_override)
         self._check_can_enqueue()
-        self.enqueue_batch(steps.prepare_on(self.backend, self.layout, features, weights, mode_override=mode))
+        self.enqueue_batch(steps.prepare_on(self.backend, self.key_layout, features, weights, mode_override=mode))
 
     @agreed("enqueue")
     def enqueue_batch(self, batch: Batch) -> None:
         """Queue a batch made by ``meshembed.embedding.batch.prepare`` for this engine's config."""
         self._check_can_enqueue()
+        if self._vocab:  # dynamic vocabularies: a batch of keys, mapped to rows here
+            self._check_key_batch(batch)
+            validated(self.backend)
+            self._pending = _Pending(self.map_batch(batch))
+            return
         if not isinstance(batch, Batch) or (batch.layout is not self.layout and batch.layout != self.layout):
             raise InputError("Invalid `batch`: expected a Batch prepared for this engine's config "
                              "(meshembed.embedding.batch.prepare(engine.layout, ...)).")
@@ -558,6 +567,133 @@ class TPUEmbedding:
                 )
         return t.index, tuple(state)
 
+    # -- dynamic vocabularies (embedding/dynamic.py, docs/dynamic_vocab.md) ---------------------
+    def _init_dynamic(self, overrides: Mapping[str, Any]) -> None:
+        """Each dynamic table's empty vocabulary and the initializer its rows take when a key is
+        admitted; ``key_layout``: the layout a batch of keys is prepared for."""
+        specs = dynamic.dynamic_tables(self.config)
+        self.key_layout: Layout = dynamic.key_layout(self.layout, specs)
+        self._vocab: dict[int, dynamic.DynamicVocabularyState] = {}
+        self._dynamic_init: dict[int, Any] = {}
+        if specs and self.backend.processes > 1:
+            raise ConfigError(
+                f"Table(s) {[self.layout.tables[i].name for i in specs]} have a dynamic vocabulary, which needs "
+                f"every process's keys on one host; backend {self.backend.name!r} runs {self.backend.processes} "
+                "processes, each with its own batch. Fix: use one process (any number of shards), or hash the "
+                "keys to rows yourself and drop `dynamic=`.")
+        for i, spec in specs.items():
+            t = self.layout.tables[i]
+            init = overrides.get(t.name, t.initializer)
+            init = default_initializer(t.optimizer) if init is None else init
+            dynamic.keyed_initial_values(init, np.zeros(1, np.int64), t.dimension, self.seed, i, t.name)  # usable?
+            self._dynamic_init[i] = init
+            self._vocab[i] = dynamic.new_state(spec, t.vocabulary_size)
+
+    @property
+    def vocabularies(self) -> dict[str, "dynamic.DynamicVocabularyState"]:
+        """``{table name: DynamicVocabularyState}`` of the dynamic tables (plain host data)."""
+        return {self.layout.tables[i].name: st for i, st in self._vocab.items()}
+
+    @property
+    def dynamic_initializers(self) -> dict[str, Any]:
+        """``{table name: initializer}`` a dynamic table's rows take when a key is admitted."""
+        return {self.layout.tables[i].name: init for i, init in self._dynamic_init.items()}
+
+    def vocabulary(self, table: str | int) -> "dynamic.DynamicVocabularyState":
+        t = self.layout.table(table)
+        if t.index not in self._vocab:
+            raise InputError(f"Invalid `table`: {t.name!r} has no dynamic vocabulary. Expected one of "
+                             f"{[self.layout.tables[i].name for i in self._vocab]}.")
+        return self._vocab[t.index]
+
+    def load_vocabulary(self, table: str | int, state: "dynamic.DynamicVocabularyState") -> None:
+        """Replace a dynamic table's vocabulary (e.g. from a checkpoint); the rows' values are
+        the table's, loaded with ``load_parameters``."""
+        current = self.vocabulary(table)
+        if not isinstance(state, dynamic.DynamicVocabularyState) or state.spec != current.spec \
+                or state.capacity != current.capacity:
+            raise InputError(f"Invalid vocabulary for table {self.layout.table(table).name!r}: expected a "
+                             f"DynamicVocabularyState with spec {current.spec!r} and capacity {current.capacity}.")
+        self._vocab[self.layout.table(table).index] = state.copy()
+
+    def export_dynamic(self, table: str | int) -> tuple[np.ndarray, np.ndarray]:
+        """``(keys, values)`` of a dynamic table for serving: every resident key (ascending,
+        int64) and its row of parameters (float32 [n, dimension])."""
+        st = self.vocabulary(table)
+        self.flush()
+        t = self.layout.table(table)
+        keys, rows = st.resident()
+        values = self.backend.to_numpy(self.backend.gather(self.state.tables[t.index][0],
+                                                           self.backend.asarray(rows, dtype="int64")))
+        return keys, np.asarray(values).astype(np.float32).reshape(rows.shape[0], t.dimension)
+
+    def _check_key_batch(self, batch: Any) -> None:
+        if isinstance(batch, Batch) and (batch.layout is self.key_layout or batch.layout == self.key_layout):
+            return
+        names = [self.layout.tables[i].name for i in self._vocab]
+        rows = isinstance(batch, Batch) and batch.layout == self.layout
+        raise InputError(
+            "Invalid `batch`: " + ("it was prepared for engine.layout, whose dynamic tables' ids are rows, but "
+                                   if rows else "expected a Batch of keys: ")
+            + f"the ids of tables {names} are raw int64 keys that the engine maps to rows. Fix: prepare it with "
+            "meshembed.embedding.batch.prepare(engine.key_layout, ...) (engine.enqueue does), or use "
+            "engine.enqueue(features).")
+
+    def _vocab_step(self) -> int:
+        """The step a batch enqueued now belongs to: steps applied, plus a pipelined step kept."""
+        return self.state.step + (1 if self._deferred is not None else 0)
+
+    def map_batch(self, batch: Batch, keep: Sequence[Batch] = ()) -> Batch:
+        """A Batch of keys (prepared for ``key_layout``) as the Batch of rows the step functions
+        take: a training or backward-only batch admits, counts and evicts keys at the current
+        step (:func:`dynamic.assign`) and re-initialises the rows it gives to keys; an inference
+        batch only reads. Keys without a row are left out of the returned batch (they read zeros
+        and get no update). The rows of ``keep`` (row Batches not yet applied, e.g. a front end's
+        forwards awaiting their backward) and of a pipelined step kept are never evicted.
+        Thread-safe with ``apply_gradients``."""
+        self._check_key_batch(batch)
+        with self._lock:
+            step = self._vocab_step()
+            protect: dict[int, list[np.ndarray]] = {i: [] for i in self._vocab}
+            pending = list(keep) + ([self._deferred[0]] if self._deferred is not None else [])
+            for b in pending:
+                for f, d in zip(self.layout.features, b.features):
+                    if f.table in protect:
+                        protect[f.table].append(d.ids)
+            norms = {}
+            if batch.mode != "inference":
+                for i, st in self._vocab.items():
+                    if dynamic.norms_due(st, step):
+                        norms[i] = self._row_norms(i, st)
+            rows_batch, states, reinit = dynamic.map_batch(
+                self.layout, batch, self._vocab, step, norms=norms,
+                protect={i: np.concatenate(p) for i, p in protect.items() if p})
+            new = dict(self._reinit_rows(i, rows, states[i]) for i, rows in reinit.items())
+            self.state = self.state.replace(new) if new else self.state
+            self._vocab = states
+        return rows_batch
+
+    def _row_norms(self, index: int, st: "dynamic.DynamicVocabularyState") -> np.ndarray:
+        """float64 L2 norm of every used row of table ``index`` (0 for free rows)."""
+        rows = np.flatnonzero(st.used)
+        t = self.layout.tables[index]
+        norms = np.zeros(st.capacity, np.float64)
+        if rows.size:
+            values = self.backend.to_numpy(self.backend.gather(self.state.tables[index][0],
+                                                               self.backend.asarray(rows, dtype="int64")))
+            v = np.asarray(values).astype(np.float64).reshape(rows.shape[0], t.dimension)
+            norms[rows] = np.sqrt(np.einsum("ij,ij->i", v, v))
+        return norms
+
+    def _reinit_rows(self, index: int, rows: np.ndarray, st: "dynamic.DynamicVocabularyState") -> tuple[int, Any]:
+        """Table ``index``'s state with ``rows`` at their keys' initial values and slots."""
+        t = self.layout.tables[index]
+        values = {"parameters": dynamic.keyed_initial_values(self._dynamic_init[index], st.row_key[rows], t.dimension,
+                                                              self.seed, index, t.name)}
+        for name, v in zip(self._slot_names(t), t.optimizer.slot_initial_values()):
+            values[name] = np.full((rows.shape[0], t.dimension), v, np.float32)
+        return self._loaded_state((t, rows, values))
+
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, path: Any) -> Any:
         """Write a checkpoint directory atomically (see ``meshembed.embedding.checkpoint``);
@@ -582,6 +718,7 @@ class TPUEmbedding:
         *,
         learning_rates: Sequence[Any] | Mapping[int, Any] | None = None,
         allow_nonfinite: bool = False,
+        initializers: Mapping[str, Any] | None = None,
     ) -> "TPUEmbedding":
         """A new engine from a checkpoint, on any backend and shard count.
 
@@ -589,11 +726,14 @@ class TPUEmbedding:
         learning-rate callable of the saved config cannot be stored: pass it again as
         ``learning_rates`` (one callable or None per dynamic tag, in tag order, or
         ``{tag: fn}``); restore says which tags need one when it is missing.
-        ``allow_nonfinite``: restore NaN/Inf values (saved by an engine created with it)."""
+        ``allow_nonfinite``: restore NaN/Inf values (saved by an engine created with it).
+        ``initializers``: ``{table: initializer}`` of dynamic tables whose initializer was a
+        callable (a checkpoint records meshembed's own initializers, not callables)."""
         from meshembed.embedding.checkpoint import restore
 
+        extra = {} if initializers is None else {"initializers": initializers}  # dynamic vocabularies
         return restore(cls, path, backend=backend, num_shards=num_shards, mesh=mesh, learning_rates=learning_rates,
-                       allow_nonfinite=_check_bool(allow_nonfinite, "allow_nonfinite"))
+                       allow_nonfinite=_check_bool(allow_nonfinite, "allow_nonfinite"), **extra)
 
     def __repr__(self) -> str:
         return (
