@@ -392,7 +392,7 @@ def _header(report: DryRunReport) -> str:
 def _render_plain(report: DryRunReport, max_dropped: int) -> str:
     head, rows = _summary_rows(report)
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
     out = [_header(report), "", line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
     if report.dropped:
         out += ["", f"dropped ids ({len(report.dropped)}, in the order the TPU drops them; first {max_dropped}):"]

@@ -25,7 +25,7 @@ from meshembed.errors import ConfigError, InputError
 from meshembed.tpu import nest as _nest
 from meshembed.tpu._config import FeatureConfig
 
-__all__ = ["dry_run", "load_npz", "Limits", "Topology", "PRESETS"]
+__all__ = ["dry_run", "load_npz", "save_npz", "Limits", "Topology", "PRESETS"]
 
 Limits, Topology, PRESETS = _dryrun.Limits, _dryrun.Topology, _dryrun.PRESETS
 
@@ -71,6 +71,24 @@ def load_npz(path: str | os.PathLike) -> dict[str, Any]:
                              f"'{n}:values' with '{n}:row_splits', nor '{n}:indices'/'{n}:values'/'{n}:dense_shape'. "
                              f"Keys: {sorted(arrays)}")
     return {"features": features, "weights": weights or None}
+
+
+def save_npz(path: str | os.PathLike, features: Mapping[str, Any], weights: Mapping[str, Any] | None = None) -> None:
+    """Write one batch (``{name: dense ids, RaggedIds or SparseIds}``, optional weights alike) in
+    the format :func:`load_npz` and ``meshembed dryrun`` read."""
+    arrays: dict[str, np.ndarray] = {}
+    for n, x in features.items():
+        w = (weights or {}).get(n)
+        if isinstance(x, RaggedIds):
+            arrays.update({f"{n}:values": np.asarray(x.values), f"{n}:row_splits": np.asarray(x.row_splits)})
+        elif isinstance(x, SparseIds):
+            arrays.update({f"{n}:indices": np.asarray(x.indices), f"{n}:values": np.asarray(x.values),
+                           f"{n}:dense_shape": np.asarray(x.dense_shape)})
+        else:
+            arrays[n] = np.asarray(x)
+        if w is not None:
+            arrays[f"{n}:weights"] = np.asarray(getattr(w, "values", w))
+    np.savez(path, **arrays)
 
 
 def _items(batches: Any) -> Iterable[tuple[Any, Any]]:
