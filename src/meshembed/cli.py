@@ -1,4 +1,4 @@
-"""The ``meshembed`` command: ``demo``, ``conformance`` and ``bench``."""
+"""The ``meshembed`` command: ``demo``, ``conformance``, ``bench`` and ``dryrun``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=7)
     bench.add_argument("--json", default=None)
     bench.add_argument("--png", default=None)
+    from meshembed import dryrun_cli
+
+    dryrun_cli.add_parser(sub)
     return parser
 
 
@@ -84,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         from meshembed import conformance_report
 
         return conformance_report.main(args)
+    if args.command == "dryrun":
+        from meshembed import dryrun_cli
+
+        return dryrun_cli.main(args)
     from meshembed import bench
 
     return bench.main(args)
