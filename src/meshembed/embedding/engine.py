@@ -719,6 +719,7 @@ class TPUEmbedding:
         learning_rates: Sequence[Any] | Mapping[int, Any] | None = None,
         allow_nonfinite: bool = False,
         initializers: Mapping[str, Any] | None = None,
+        precision: Any = "saved",
     ) -> "TPUEmbedding":
         """A new engine from a checkpoint, on any backend and shard count.
 
@@ -727,13 +728,15 @@ class TPUEmbedding:
         ``learning_rates`` (one callable or None per dynamic tag, in tag order, or
         ``{tag: fn}``); restore says which tags need one when it is missing.
         ``allow_nonfinite``: restore NaN/Inf values (saved by an engine created with it).
+        ``precision``: ``"saved"``, or ``{table: me.embedding.Precision or None}`` to restore
+        tables into other storage dtypes (docs/low_precision.md).
         ``initializers``: ``{table: initializer}`` of dynamic tables whose initializer was a
         callable (a checkpoint records meshembed's own initializers, not callables)."""
         from meshembed.embedding.checkpoint import restore
 
         extra = {} if initializers is None else {"initializers": initializers}  # dynamic vocabularies
         return restore(cls, path, backend=backend, num_shards=num_shards, mesh=mesh, learning_rates=learning_rates,
-                       allow_nonfinite=_check_bool(allow_nonfinite, "allow_nonfinite"), **extra)
+                       allow_nonfinite=_check_bool(allow_nonfinite, "allow_nonfinite"), precision=precision, **extra)
 
     def __repr__(self) -> str:
         return (
