@@ -766,7 +766,7 @@ def _truncated_normal(keys: np.ndarray, dim: int, mean: float, std: float, seed:
     todo = np.arange(n * dim)
     attempt = 0
     while todo.size:
-        h1 = mix64(ctr[todo] + np.uint64(attempt) * _M2)
+        h1 = mix64(ctr[todo] + np.uint64((attempt * int(_M2)) % KEY_SPACE))
         h2 = mix64(h1 ^ _M1)
         u1 = ((h1 >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
         u2 = (h2 >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
