@@ -175,3 +175,22 @@ def test_inference_batches_are_refused_and_the_flag_is_checked():
     assert emb.pipelined is True
     with pytest.raises(me.ConfigError, match="pipelined"):
         me.TPUEmbedding(config(), backend="numpy", pipelined="yes")
+
+
+def test_me_tpu_pipeline_execution_with_tensor_core_runs_the_pipelined_schedule():
+    """TF's flag: me.tpu's engine is then one step stale, as the core engine with pipelined=True."""
+    E = me.tpu
+    table = E.TableConfig(vocabulary_size=V, dim=4, name="t")
+    outs = {}
+    for flag in (False, True):
+        emb = E.TPUEmbedding({"a": E.FeatureConfig(table)}, optimizer=E.SGD(learning_rate=0.5),
+                             pipeline_execution_with_tensor_core=flag)
+        acts = []
+        for k in range(3):
+            emb.enqueue({"a": np.arange(B) % 3})
+            a = emb.dequeue()["a"]
+            acts.append(np.asarray(a).copy())
+            emb.apply_gradients({"a": np.ones_like(a)})
+        outs[flag] = acts
+    np.testing.assert_array_equal(outs[True][1], outs[False][0])  # step 2 still sees step 0's tables
+    np.testing.assert_array_equal(outs[True][2], outs[False][1])

@@ -321,7 +321,7 @@ class TPUEmbedding:
         cfg = EmbeddingConfig(tables=self._engine_tables, features=feats,
                               mode="inference" if self._untrained else "training",
                               pipeline_execution_with_tensor_core=self._pipeline)
-        self._engine = _Engine(cfg, **self._engine_args)
+        self._engine = _Engine(cfg, pipelined=self._pipeline, **self._engine_args)  # TF: one step stale
         self._output_shapes = list(shapes)
 
     # -- the step -----------------------------------------------------------------------------
