@@ -18,6 +18,7 @@ import numpy as np
 
 from meshembed.embedding.layout import load_config
 from meshembed.embedding import batch as batches
+from meshembed.embedding import precision
 from meshembed.embedding import step as steps
 from meshembed.embedding.engine import TPUEmbedding
 from meshembed.embedding.layout import Layout, build_layout
@@ -153,6 +154,13 @@ def from_engine(emb: TPUEmbedding) -> EmbeddingState:
     must not step afterwards if the state is donated)."""
     if not isinstance(emb.backend, JaxBackend):
         raise ConfigError(f"Invalid engine: me.jax needs backend='jax'. Received: backend={emb.backend.name!r}")
+    low = [t.name for t in emb.layout.tables if precision.is_low(t)]
+    if low:  # me.jax's traced kernels read and write float32 rows
+        raise ConfigError(
+            f"Invalid config for me.jax: tables {low} store 16-bit arrays (TableConfig(precision=...)), which "
+            "me.jax's traced step does not run yet. Nothing was changed. Fix: use the engine "
+            "(me.TPUEmbedding(config, backend='jax')), me.tpu or me.torch for low-precision tables, or store "
+            "them in float32 for me.jax (docs/low_precision.md).")
     tables, layouts = {}, {}
     for t in emb.layout.tables:
         state = emb.state.tables[t.index]

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from meshembed.embedding import batch as batches
+from meshembed.embedding import precision
 from meshembed.embedding import step as steps
 from meshembed.embedding.engine import TPUEmbedding
 from meshembed.embedding.inputs import RaggedIds, SparseIds
@@ -280,7 +281,9 @@ class EmbeddingCollection(torch.nn.Module):
         self._nest = nest
         layout = engine.layout
         self._out_specs = [
-            (f.output_shape + (layout.tables[f.table].dimension,), engine.state.tables[f.table][0].data.dtype)
+            (f.output_shape + (layout.tables[f.table].dimension,),
+             torch.float32 if precision.is_low(layout.tables[f.table])  # 16-bit storage: float32 activations
+             else engine.state.tables[f.table][0].data.dtype)
             for f in layout.features
         ]
         self._batch_sizes = [int(f.output_shape[0]) for f in layout.features]

@@ -137,7 +137,7 @@ class TableConfig:
     def __init__(self, vocabulary_size: int, dim: int, initializer: Callable[..., Any] | None = None,
                  optimizer: OptimizerSpec | CustomOptimizer | None = None, combiner: str = "mean",
                  name: str | None = None, quantization_config: QuantizationConfig | None = None,
-                 layout: Any = None, dtype: Any = "float32") -> None:
+                 layout: Any = None, dtype: Any = "float32", *, precision: Any = None) -> None:
         where = "TableConfig" + (f" '{name}'" if name else "")
         _positive_int("vocabulary_size", vocabulary_size, where)
         _positive_int("dim", dim, where)
@@ -169,6 +169,8 @@ class TableConfig:
         self.quantization_config = quantization_config
         self.layout = layout
         self.dtype = dtype_name
+        #: meshembed's extension: 16-bit storage of the table and its slots (me.embedding.Precision)
+        self.precision = precision
 
     def _engine(self, name: str, optimizer: Any) -> _cfg.TableConfig:
         """The engine's frozen TableConfig under ``name`` with ``optimizer`` (this object is not changed)."""
@@ -178,7 +180,7 @@ class TableConfig:
             init = lambda shape: user(shape)  # noqa: E731 - TF's contract: one argument, the shape
         return _cfg.TableConfig(name, self.vocabulary_size, self.dim, optimizer=optimizer,
                                 combiner=self.combiner, initializer=init,
-                                quantization=self.quantization_config, dtype=self.dtype)
+                                quantization=self.quantization_config, dtype=self.dtype, precision=self.precision)
 
     def __repr__(self) -> str:
         return (f"TableConfig(vocabulary_size={self.vocabulary_size!r}, dim={self.dim!r}, "
