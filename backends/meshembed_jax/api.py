@@ -6,47 +6,179 @@ counter); ``prepare`` (host, outside jit) -> :class:`Batch` of fixed-shape array
 grads, learning_rates)`` -> the new state. Underneath are the JAX backend's compiled kernels
 and the core's update functions that ``TPUEmbedding(backend="jax")`` runs (nested ``jax.jit``
 calls traced into the user's step), so both give the same bits.
+
+Checks are the engine's (``meshembed.embedding.batch`` / ``step``): values are checked where
+they are known (outside a trace); inside ``jax.jit`` the shapes, dtypes, the state's
+structure and the batch's config are. ``jax.grad``/``jax.jvp`` with respect to the tables and
+``jax.vmap`` of a step are refused with a meshembed error (the row kernels have neither a
+derivative nor a batching rule; the activations are what is differentiable). Both pytree
+types are registered for ``jax.export`` serialization; :func:`export` says why a CPU export
+cannot carry the CPU kernels.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Sequence
+import base64
+import json
+import operator
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshembed.embedding.layout import load_config
 from meshembed.embedding import batch as batches
+from meshembed.embedding import inputs
 from meshembed.embedding import precision
 from meshembed.embedding import step as steps
 from meshembed.embedding.engine import TPUEmbedding
-from meshembed.embedding.layout import Layout, build_layout
+from meshembed.embedding.layout import Layout, build_layout, load_config
 from meshembed.embedding.step import EngineState as _EngineState
 from meshembed.embedding.updates import rule_values, update_kind
+from meshembed.errors import CapacityError, ConfigError, InputError, StateError
 from meshembed.math.rule import UpdateRule
-from meshembed.errors import CapacityError, ConfigError, InputError
+from meshembed.sharding.placement import Placement
 from meshembed_jax import cpu_kernels, kernels
 from meshembed_jax.adadelta import AdadeltaState, adadelta  # noqa: F401 (me.jax.adadelta)
 from meshembed_jax.backend import JaxBackend, bucket, traced_rule_errors
-from meshembed_jax.layout import ShardLayout
+from meshembed_jax.layout import AXIS, ShardLayout
 from meshembed_jax.table import JaxShardedTable
 
 __all__ = ["EmbeddingState", "Batch", "init", "prepare", "lookup", "apply_gradients", "from_engine",
-           "to_engine", "save", "restore", "adadelta", "AdadeltaState"]
+           "to_engine", "save", "restore", "place", "export", "adadelta", "AdadeltaState"]
+
+#: Version of the serialized static part of the pytrees (``jax.export`` aux data).
+_FORMAT = 1
 
 
 class _Static:
     """What never changes between steps (config, layout, backend, placements): the pytree's
-    aux data, compared by identity, so a state handed from step to step never retraces."""
+    aux data. Compared by identity first (a state handed from step to step never retraces),
+    else by its serialized description (:meth:`key`: config, shard counts, devices), so a
+    state whose static part came back from ``jax.export.deserialize`` equals a live one."""
 
     def __init__(self, config: Any, layout: Layout, backend: JaxBackend, shard_layouts: dict[int, ShardLayout],
-                 num_shards: int | None) -> None:
+                 num_shards: int | None, dtypes: Mapping[int, Any]) -> None:
         self.config, self.layout, self.backend = config, layout, backend
         self.shard_layouts, self.num_shards = shard_layouts, num_shards
         #: per table: "parameters", then the slots in Load/Retrieve order (the update's order)
         self.names = {t.index: ("parameters",) + tuple(t.optimizer.slot_names) for t in layout.tables}
+        #: per table: every array's dtype and padded [shards, rows per shard, dimension] shape
+        self.dtypes = {k: np.dtype(v) for k, v in dtypes.items()}
+        self.shapes = {t.index: (shard_layouts[t.index].num_shards, shard_layouts[t.index].max_rows, t.dimension)
+                       for t in layout.tables}
+        #: what a Batch for this config carries (prepare's _FeatureStatic tail)
+        self.batch_key = tuple(_feature_key(layout, f) for f in layout.features)
         self.rules = steps.make_rules(backend, layout)  # the engine's rules, built once
+        self._key: Any = None
+
+    def key(self) -> bytes | None:
+        """The serialized description (None, with :attr:`_why` set, where it cannot be)."""
+        if self._key is None:
+            try:
+                self._key, self._why = _describe(self), ""
+            except (InputError, ConfigError, TypeError, ValueError) as exc:
+                self._key, self._why = b"", str(exc)
+        return self._key or None
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, _Static):
+            return NotImplemented
+        mine = self.key()
+        return mine is not None and mine == other.key()
+
+    def __hash__(self) -> int:
+        key = self.key()
+        return hash(key) if key is not None else id(self)
+
+    @property
+    def replicated(self) -> Any:
+        """Where a scalar (the step counter) or a dense array lives: replicated on the tables' mesh."""
+        return next(iter(self.shard_layouts.values())).replicated if self.shard_layouts else None
+
+
+def _feature_key(layout: Layout, f: Any) -> tuple:
+    t = layout.tables[f.table]
+    return (f.name, t.name, t.vocabulary_size, t.dimension, t.combiner, tuple(f.output_shape))
+
+
+def _mesh_of(backend: JaxBackend) -> Any:
+    """The backend's device description: None (the registry's backend: every JAX device),
+    ``{"devices": ids}`` (a user's devices in its order) or, tables on one axis of a user's
+    mesh, ``{"devices": nested ids, "axis_names": [...], "axis": name}``."""
+    options = {"capacity": backend.capacity, "dedup": backend.dedup}  # they shape the compiled step
+    if isinstance(backend, _AxisBackend):
+        mesh = backend.user_mesh
+        ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(mesh.devices).tolist()
+        return {"devices": ids, "axis_names": list(mesh.axis_names), "axis": backend.axis, **options}
+    devices = getattr(backend, "_devices", None)
+    return {"devices": None if devices is None else [d.id for d in devices], **options}
+
+
+def _describe(st: _Static) -> bytes:
+    """``st`` as JSON bytes: everything needed to build it again in another process."""
+    config = st.config
+    why = ""
+    if not hasattr(config, "to_proto"):
+        why = f"its config is a {type(config).__name__}, not a me.EmbeddingConfig (no proto form)"
+    elif any(fn is not None for fn in getattr(config, "learning_rate_fns", ()) or ()):
+        why = ("its config has learning-rate callables, which are not data (inside jit they were "
+               "evaluated once, when traced). Fix: use DynamicLearningRate(tag) and pass learning_rates=")
+    keys = list(getattr(config, "feature_keys", ()) or ())
+    if not why and any(not isinstance(k, str) for k in keys):
+        why = f"its feature keys {keys!r} are not all strings"
+    if why:
+        raise InputError(f"Cannot serialize this me.jax EmbeddingState's static part: {why}.")
+    import meshembed
+
+    tables = {t.name: {"shards": st.shard_layouts[t.index].num_shards, "devices": st.shard_layouts[t.index].n_dev,
+                       "dtype": st.dtypes[t.index].name} for t in st.layout.tables}
+    desc = {"format": _FORMAT, "meshembed": meshembed.__version__,
+            "config": base64.b64encode(config.to_proto()).decode("ascii"), "feature_keys": keys,
+            "num_shards": st.num_shards, "mesh": _mesh_of(st.backend), "tables": tables}
+    return json.dumps(desc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _serialize_static(st: _Static) -> bytes:
+    key = st.key()
+    if key is None:
+        raise InputError(st._why)
+    return key
+
+
+def _deserialize_static(data: bytes) -> _Static:
+    """A :class:`_Static` built from :func:`_describe`'s bytes on this process's devices."""
+    from meshembed.config import EmbeddingConfig
+
+    try:
+        desc = json.loads(bytes(data).decode())
+        fmt = desc["format"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"Cannot read a me.jax EmbeddingState's static part: not meshembed's description ({exc}).") from None
+    if fmt != _FORMAT:
+        raise InputError(f"Cannot read a me.jax EmbeddingState's static part of format {fmt!r}: this meshembed "
+                         f"reads format {_FORMAT}. Fix: deserialize with the meshembed version that exported it.")
+    config = EmbeddingConfig.from_proto(base64.b64decode(desc["config"]))
+    if desc["feature_keys"]:
+        object.__setattr__(config, "feature_keys", tuple(desc["feature_keys"]))
+    layout = build_layout(config)
+    backend = _backend_from(desc["mesh"])
+    layouts, dtypes = {}, {}
+    for t in layout.tables:
+        entry = desc["tables"][t.name]
+        sl = backend.layout(Placement(t.vocabulary_size, int(entry["shards"]), layout.strategy))
+        if sl.n_dev != int(entry["devices"]):
+            raise InputError(
+                f"Cannot rebuild me.jax's EmbeddingState here: table {t.name!r} was sharded over {entry['devices']} "
+                f"device(s), here over {sl.n_dev}. Fix: deserialize on a host with the same JAX device count "
+                "(or the same mesh) as the one that exported it."
+            )
+        layouts[t.index], dtypes[t.index] = sl, np.dtype(entry["dtype"])
+    st = _Static(config, layout, backend, layouts, desc["num_shards"], dtypes)
+    st._key, st._why = bytes(data), ""
+    return st
 
 
 @jax.tree_util.register_pytree_node_class
@@ -73,10 +205,11 @@ class EmbeddingState:
 
     def parameters(self, table: str) -> dict[str, np.ndarray]:
         """``{"parameters": [V, D], <slot>: ...}`` as NumPy (what ``retrieve_parameters`` gives)."""
-        t = self._static.layout.table(table)
-        sl = self._static.shard_layouts[t.index]
-        return {k: self._static.backend.unshard(JaxShardedTable(self.tables[t.name][k], sl, t.dimension))
-                for k in self._static.names[t.index]}
+        st = _check_state(self)
+        t = st.layout.table(table)
+        _refuse_traced(self.tables[t.name], "EmbeddingState.parameters")
+        sl = st.shard_layouts[t.index]
+        return {k: st.backend.unshard(JaxShardedTable(self.tables[t.name][k], sl, t.dimension)) for k in st.names[t.index]}
 
     def __repr__(self) -> str:
         return f"EmbeddingState(tables={list(self.tables)}, step={self.step})"
@@ -87,6 +220,13 @@ class _FeatureStatic(NamedTuple):
     capacity: int
     num_slots: int
     weighted: bool
+    #: the config the batch was prepared for (a batch of another config is refused: its ids
+    #: could lie past this one's tables): table, its rows, dimension and combiner, output shape
+    table: str | None = None
+    vocabulary_size: int | None = None
+    dimension: int | None = None
+    combiner: str | None = None
+    output_shape: tuple = ()
 
 
 @jax.tree_util.register_pytree_node_class
@@ -106,27 +246,142 @@ class Batch:
     def tree_unflatten(cls, aux: tuple, children: tuple) -> "Batch":
         return cls(*children, *aux)
 
+    def config_key(self) -> tuple:
+        """Per feature: its name, table, the table's rows, dimension and combiner, its output
+        shape (as :attr:`_Static.batch_key`)."""
+        return tuple((f.name, f.table, f.vocabulary_size, f.dimension, f.combiner, tuple(f.output_shape))
+                     for f in self.features)
+
+
+def _serialize_batch(aux: tuple) -> bytes:
+    features, unique = aux
+    return json.dumps({"format": _FORMAT, "features": [list(f[:8]) + [list(f.output_shape)] for f in features],
+                       "unique": list(unique)}, separators=(",", ":")).encode()
+
+
+def _deserialize_batch(data: bytes) -> tuple:
+    desc = json.loads(bytes(data).decode())
+    if desc.get("format") != _FORMAT:
+        raise InputError(f"Cannot read a me.jax Batch's static part of format {desc.get('format')!r}: this "
+                         f"meshembed reads format {_FORMAT}.")
+    features = tuple(_FeatureStatic(*f[:8], tuple(f[8])) for f in desc["features"])
+    return features, tuple(desc["unique"])
+
+
+def _register_serialization() -> None:
+    """Both pytree types for ``jax.export`` (``Exported.serialize`` / ``jax.export.deserialize``)."""
+    try:
+        from jax import export as jexport
+    except ImportError:  # pragma: no cover - jax without jax.export
+        return
+    for cls, name, ser, de in ((EmbeddingState, "meshembed.jax.EmbeddingState", _serialize_static, _deserialize_static),
+                               (Batch, "meshembed.jax.Batch", _serialize_batch, _deserialize_batch)):
+        try:
+            jexport.register_pytree_node_serialization(cls, serialized_name=name, serialize_auxdata=ser,
+                                                       deserialize_auxdata=de)
+        except ValueError:  # already registered (the module imported twice)
+            pass
+
+
+_register_serialization()
+
 
 # -- backends and state --------------------------------------------------------------------
-_BACKENDS: dict[tuple[int, ...], JaxBackend] = {}
+class _AxisBackend(JaxBackend):
+    """The JAX backend with every table sharded over one axis of a user's mesh and replicated
+    over its other axes: the kernels' mesh is the user's devices with that axis named
+    ``shard`` (each replica runs the same update on the same ids and gradients)."""
+
+    def __init__(self, mesh: Any, axis: str) -> None:
+        from jax.sharding import Mesh
+
+        super().__init__(devices=list(np.asarray(mesh.devices, dtype=object).flat))
+        self.user_mesh, self.axis = mesh, axis
+        names = tuple(AXIS if a == axis else (f"{a}_" if a == AXIS else a) for a in mesh.axis_names)
+        self._table_mesh = Mesh(mesh.devices, names)
+
+    def _capabilities(self) -> Any:
+        import dataclasses
+
+        return dataclasses.replace(super()._capabilities(), devices=int(self.user_mesh.shape[self.axis]))
+
+    def layout(self, placement: Placement) -> ShardLayout:
+        found = self._layouts.get(placement)
+        if found is None:
+            super().layout(placement)  # its checks (e.g. ids past int32 without x64)
+            n = int(self.user_mesh.shape[self.axis])
+            if placement.num_shards % n:
+                raise ConfigError(
+                    f"Invalid shard count {placement.num_shards} for mesh axis {self.axis!r} of {n} devices: "
+                    f"each of its devices holds the same number of shards. Fix: a num_shards that is a multiple "
+                    f"of {n} (me.jax.init(config, mesh=..., axis={self.axis!r}, num_shards=...)), and tables of "
+                    f"at least that many rows."
+                )
+            found = self._layouts[placement] = ShardLayout(placement, n, self._table_mesh)
+        return found
 
 
-def _backend_for(mesh: Any) -> JaxBackend:
+_BACKENDS: dict[Any, JaxBackend] = {}
+
+
+def _backend_for(mesh: Any, axis: Any = None) -> JaxBackend:
     """The registry's JAX backend (kernels shared with ``TPUEmbedding``), or one placing
-    tables on ``mesh``'s devices in its order (a ``jax.sharding.Mesh`` or ``me.Mesh``)."""
+    tables on ``mesh``'s devices in its order (a ``jax.sharding.Mesh`` or ``me.Mesh``): over
+    all of them, or over the mesh axis ``axis`` (replicated over the others)."""
     from meshembed.backend import get_backend
 
     if mesh is None:
+        if axis is not None:
+            raise ConfigError(f"Invalid `axis`={axis!r} without a `mesh`. Fix: pass the jax.sharding.Mesh "
+                              "whose axis the tables are sharded over (me.jax.init(config, mesh=mesh, axis=...)).")
         return get_backend("jax")
     native = getattr(mesh, "native", mesh)
     devices = getattr(native, "devices", None)
     if devices is None:
         raise ConfigError(f"Invalid `mesh`. Expected a jax.sharding.Mesh or me.Mesh. Received: {mesh!r}")
-    flat = list(np.asarray(devices, dtype=object).reshape(-1))
-    key = tuple(d.id for d in flat)
+    ids = tuple(d.id for d in np.asarray(devices, dtype=object).flat)
+    if axis is None:
+        key: Any = ids
+        if key not in _BACKENDS:
+            _BACKENDS[key] = JaxBackend(devices=list(np.asarray(devices, dtype=object).flat))
+        return _BACKENDS[key]
+    names = tuple(getattr(native, "axis_names", ()))
+    if not isinstance(axis, str) or axis not in names:
+        raise ConfigError(f"Invalid `axis`. Expected one of the mesh's axis names {list(names)}. Received: axis={axis!r}")
+    key = (ids, np.shape(devices), names, axis)
     if key not in _BACKENDS:
-        _BACKENDS[key] = JaxBackend(devices=flat)
+        _BACKENDS[key] = _AxisBackend(native, axis)
     return _BACKENDS[key]
+
+
+def _backend_from(mesh: dict) -> JaxBackend:
+    """:func:`_backend_for` from :func:`_mesh_of`'s description, on this process's devices
+    (a backend of its own where the described capacity and dedup options differ)."""
+    from jax.sharding import Mesh
+
+    user_mesh, axis = None, None
+    if mesh["devices"] is not None:
+        here = {d.id: d for d in jax.devices()}
+        ids = np.asarray(mesh["devices"], dtype=np.int64)
+        missing = sorted(set(ids.reshape(-1).tolist()) - set(here))
+        if missing:
+            raise InputError(f"Cannot rebuild me.jax's EmbeddingState here: its tables were on JAX devices "
+                             f"{ids.reshape(-1).tolist()}, and devices {missing} do not exist in this process. "
+                             "Fix: deserialize where those devices exist (the same device count and mesh).")
+        devices = np.vectorize(lambda i: here[int(i)], otypes=[object])(ids)
+        if "axis" in mesh:
+            user_mesh, axis = Mesh(devices, tuple(mesh["axis_names"])), mesh["axis"]
+        else:
+            user_mesh = Mesh(devices.reshape(-1), ("devices",))
+    backend = _backend_for(user_mesh, axis)
+    if (backend.capacity, backend.dedup) == (mesh["capacity"], mesh["dedup"]):
+        return backend
+    if axis is not None:
+        backend = _AxisBackend(user_mesh, axis)
+    else:
+        backend = JaxBackend(devices=None if user_mesh is None else list(user_mesh.devices.flat))
+    backend.capacity, backend.dedup = mesh["capacity"], mesh["dedup"]
+    return backend
 
 
 def _int() -> Any:
@@ -149,6 +404,19 @@ def _same_devices(layout: Layout, layouts: dict[int, ShardLayout]) -> None:
             )
 
 
+def _refuse_dynamic(emb: TPUEmbedding) -> None:
+    """Dynamic vocabularies map keys to rows in the engine's enqueue, which me.jax's prepare
+    does not run: refused, never keys read as row ids."""
+    dynamic = set(getattr(emb, "vocabularies", None) or ())
+    for t in emb.layout.tables:
+        if t.name in dynamic:
+            raise ConfigError(
+                f"Table {t.name!r} has a dynamic vocabulary (TableConfig(dynamic=...)), which me.jax does not "
+                "support yet (prepare would read its keys as row ids). Nothing was created. Fix: train this "
+                "config with me.TPUEmbedding(config, backend='jax'), or drop dynamic= for me.jax."
+            )
+
+
 def from_engine(emb: TPUEmbedding) -> EmbeddingState:
     """The state of a ``TPUEmbedding`` on the JAX backend (its arrays, not copies: the engine
     must not step afterwards if the state is donated)."""
@@ -161,44 +429,121 @@ def from_engine(emb: TPUEmbedding) -> EmbeddingState:
             "me.jax's traced step does not run yet. Nothing was changed. Fix: use the engine "
             "(me.TPUEmbedding(config, backend='jax')), me.tpu or me.torch for low-precision tables, or store "
             "them in float32 for me.jax (docs/low_precision.md).")
-    tables, layouts = {}, {}
+    _refuse_dynamic(emb)
+    tables, layouts, dtypes = {}, {}, {}
     for t in emb.layout.tables:
         state = emb.state.tables[t.index]
         layouts[t.index] = state[0].layout
+        dtypes[t.index] = state[0].dtype
         names = ("parameters",) + emb.table_slot_names(t.name)
         tables[t.name] = {n: s.data for n, s in zip(names, state)}
     _same_devices(emb.layout, layouts)
-    static = _Static(emb.config, emb.layout, emb.backend, layouts, emb.num_shards)
+    static = _Static(emb.config, emb.layout, emb.backend, layouts, emb.num_shards, dtypes)
     # replicated on the tables' mesh, as a jitted step returns it (else the 2nd step retraces)
-    where = next(iter(layouts.values())).replicated if layouts else None
-    step = jax.device_put(np.asarray(emb.step, dtype=_int()), where)
+    step = jax.device_put(np.asarray(emb.step, dtype=_int()), static.replicated)
     return EmbeddingState(tables, step, static)
 
 
-def init(config: Any, *, mesh: Any = None, seed: int = 0, initializers: Mapping[str, Any] | None = None) -> EmbeddingState:
+def init(config: Any, *, mesh: Any = None, axis: str | None = None, num_shards: int | None = None, seed: int = 0,
+         initializers: Mapping[str, Any] | None = None) -> EmbeddingState:
     """Tables and slots initialised as ``TPUEmbedding(config, backend="jax", seed=seed)`` does,
-    sharded over ``mesh``'s devices (default: every JAX device)."""
-    backend = _backend_for(mesh)
-    return from_engine(TPUEmbedding(config, backend=backend, seed=seed, initializers=initializers))
+    sharded over ``mesh``'s devices (default: every JAX device), or with ``axis`` over that
+    axis of ``mesh`` only (e.g. ``"model"`` of a ``("data", "model")`` mesh: each table's
+    shards split over the ``model`` devices, replicated over ``data``). ``num_shards``: the
+    logical shards (default: the device count, or the axis size), a multiple of the axis size."""
+    backend = _backend_for(mesh, axis)
+    return from_engine(TPUEmbedding(config, backend=backend, num_shards=num_shards, seed=seed,
+                                    initializers=initializers))
 
 
-def to_engine(state: EmbeddingState) -> TPUEmbedding:
+def place(tree: Any, state: EmbeddingState) -> Any:
+    """``tree``'s arrays (dense parameters, optimizer state) replicated on the devices of
+    ``state``'s tables, where a jitted step that also takes ``state`` returns them: an array
+    first put on one device comes back from step 1 replicated, a new input sharding, so JAX
+    traces and compiles the step again at step 2 (its rule for any sharded input); placed
+    first, step 2 reuses step 1's program. Arrays you shard yourself need not pass here."""
+    return jax.device_put(tree, _check_state(state).replicated)
+
+
+def to_engine(state: EmbeddingState, *, allow_nonfinite: bool = False) -> TPUEmbedding:
     """A ``TPUEmbedding`` holding ``state``'s arrays (for ``save``, ``retrieve_parameters``)."""
-    st = state._static
+    st = _check_state(state)
+    _refuse_traced(state, "me.jax.to_engine")
+    step = _step_value(state)
     tables = {t.index: tuple(JaxShardedTable(state.tables[t.name][n], st.shard_layouts[t.index], t.dimension)
                              for n in st.names[t.index]) for t in st.layout.tables}
-    return TPUEmbedding(st.config, backend=st.backend, num_shards=st.num_shards,
-                        state=_EngineState(tables, int(state.step)))
+    return TPUEmbedding(st.config, backend=st.backend, num_shards=st.num_shards, allow_nonfinite=allow_nonfinite,
+                        state=_EngineState(tables, step))
 
 
-def save(state: EmbeddingState, path: Any) -> Any:
-    """A portable meshembed checkpoint (``TPUEmbedding.restore`` reads it on any backend)."""
-    return to_engine(state).save(path)
+def save(state: EmbeddingState, path: Any, *, allow_nonfinite: bool = False) -> Any:
+    """A portable meshembed checkpoint (``TPUEmbedding.restore`` reads it on any backend).
+    The engine's checks run before anything is written, so what is written restores: NaN/Inf
+    tables are refused unless ``allow_nonfinite=True`` (then restore them with it too), and
+    so are slots an optimizer needs non-negative. Call it outside ``jax.jit``."""
+    _refuse_traced(state, "me.jax.save")
+    return to_engine(state, allow_nonfinite=allow_nonfinite).save(path)
 
 
-def restore(path: Any, *, mesh: Any = None) -> EmbeddingState:
-    """The state of a meshembed checkpoint (written by any backend), on ``mesh``'s devices."""
-    return from_engine(TPUEmbedding.restore(path, backend=_backend_for(mesh)))
+def restore(path: Any, *, mesh: Any = None, axis: str | None = None, allow_nonfinite: bool = False) -> EmbeddingState:
+    """The state of a meshembed checkpoint (written by any backend), on ``mesh``'s devices
+    (over its axis ``axis``, as :func:`init`)."""
+    return from_engine(TPUEmbedding.restore(path, backend=_backend_for(mesh, axis), allow_nonfinite=allow_nonfinite))
+
+
+# -- checks of the pytrees -----------------------------------------------------------------
+def _traced(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _refuse_traced(tree: Any, call: str) -> None:
+    """Host-side calls (save, parameters) need values: inside jit they would get tracers."""
+    if any(_traced(x) for x in jax.tree.leaves(tree)):
+        raise StateError(
+            f"Cannot call `{call}()` inside `jax.jit` (or another JAX transformation): it reads the "
+            "tables' values on the host (a traced state has none yet). Nothing was written. Fix: call it "
+            "outside the jitted function, on the state the step returns."
+        )
+
+
+def _check_state(state: Any) -> _Static:
+    """``state`` is an EmbeddingState whose tables, slots and step have the shapes and dtypes
+    of its config (a dict with a table missing, a sliced or recast array: refused before use)."""
+    st = getattr(state, "_static", None)
+    if not isinstance(state, EmbeddingState) or not isinstance(st, _Static):
+        raise InputError("Invalid `state`. Expected the me.jax EmbeddingState of me.jax.init / restore / "
+                         f"from_engine (or a step's result). Received: {type(state).__name__}")
+    layout, tables = st.layout, state.tables
+    names = [t.name for t in layout.tables]
+    if not isinstance(tables, Mapping) or set(tables) != set(names):
+        got = sorted(map(str, tables)) if isinstance(tables, Mapping) else type(tables).__name__
+        raise InputError(f"Invalid `state`: expected tables {names}. Received: {got}")
+    for t in layout.tables:
+        slots, want = tables[t.name], st.names[t.index]
+        if not isinstance(slots, Mapping) or set(slots) != set(want):
+            got = sorted(map(str, slots)) if isinstance(slots, Mapping) else type(slots).__name__
+            raise InputError(f"Invalid `state`: table {t.name!r} needs the arrays {list(want)}. Received: {got}")
+        shape, dtype = st.shapes[t.index], st.dtypes[t.index]
+        for n in want:
+            a = slots[n]
+            got_shape, got_dtype = tuple(getattr(a, "shape", ())), getattr(a, "dtype", None)
+            if got_shape != shape or got_dtype is None or np.dtype(got_dtype) != dtype:
+                raise InputError(
+                    f"Invalid `state`: table {t.name!r} `{n}` must be a {dtype} array of shape {shape} "
+                    f"([shards, rows per shard, dimension]). Received: shape={got_shape}, dtype={got_dtype}. "
+                    "Fix: pass the state me.jax.init / restore or the previous step returned, unchanged."
+                )
+    step = state.step
+    if np.ndim(step) != 0 or not jnp.issubdtype(jnp.result_type(step), jnp.integer):
+        raise InputError(f"Invalid `state`: `step` must be an integer scalar. Received: {step!r}")
+    return st
+
+
+def _step_value(state: EmbeddingState) -> int:
+    step = int(state.step)
+    if step < 0:
+        raise InputError(f"Invalid `state`: `step` is {step}; a step count is >= 0.")
+    return step
 
 
 # -- prepare (host side) -------------------------------------------------------------------
@@ -207,6 +552,39 @@ def _layout_of(config: Any) -> tuple[Any, Layout]:
         return config.config, config._static.layout
     config = load_config(config)
     return config, build_layout(config)
+
+
+#: The largest capacity: positions in a feature's padded ids are int32.
+MAX_CAPACITY = 2**31 - 1
+
+
+def _capacity_value(value: Any, name: str, where: str) -> int | None:
+    """A capacity: None or an integer from 1 to :data:`MAX_CAPACITY` (a float, a string, a bool,
+    NaN/Inf or a huge value is an InputError naming the argument)."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError
+        v = operator.index(value)
+    except TypeError:
+        raise InputError(f"Invalid `{name}`{where}. Expected an integer from 1 to {MAX_CAPACITY}, or None. "
+                         f"Received: {name}={value!r} ({type(value).__name__})") from None
+    if not 1 <= v <= MAX_CAPACITY:
+        raise InputError(f"Invalid `{name}`{where}. Expected an integer from 1 to {MAX_CAPACITY} (positions are "
+                         f"int32), or None. Received: {name}={v}")
+    return v
+
+
+def _capacities(value: Any, name: str, keys: Sequence[str], what: str) -> list[int | None]:
+    """One checked capacity per key from an int, ``{key: int}`` or None."""
+    if isinstance(value, Mapping):
+        unknown = [k for k in value if k not in keys]
+        if unknown:
+            raise InputError(f"Invalid `{name}`: unknown {what}s {unknown!r}. Expected keys among {list(keys)}.")
+        return [_capacity_value(value.get(k), name, f" for {what} {k!r}") for k in keys]
+    one = _capacity_value(value, name, "")
+    return [one] * len(keys)
 
 
 def prepare(config: Any, features: Any, weights: Any = None, *, capacity: int | Mapping[str, int] | None = None,
@@ -221,15 +599,17 @@ def prepare(config: Any, features: Any, weights: Any = None, *, capacity: int | 
     updates (Adam, FTRL, ...) several times cheaper.
 
     Raises ``CapacityError`` when a feature has more ids than its capacity, or a table more
-    distinct ids than its unique capacity."""
+    distinct ids than its unique capacity; ``InputError`` for a capacity that is not an
+    integer from 1 to 2**31 - 1."""
     config, layout = _layout_of(config)
+    caps = _capacities(capacity, "capacity", [f.name for f in layout.features], "feature")
+    unique_caps = _capacities(unique_capacity, "unique_capacity", [t.name for t in layout.tables], "table")
     prepared = batches.prepare(layout, features, weights)  # the engine's checks and flattening
     ids, slots, scales, statics = [], [], [], []
-    for f, b in zip(layout.features, prepared.features):
+    for f, b, cap in zip(layout.features, prepared.features, caps):
         t = layout.tables[f.table]
         n = int(b.ids.shape[0])
-        cap = capacity.get(f.name) if isinstance(capacity, Mapping) else capacity
-        cap = bucket(n) if cap is None else int(cap)
+        cap = bucket(n) if cap is None else cap
         if n > cap:
             raise CapacityError(
                 f"Feature {f.name!r} (table {t.name!r}): {n} ids this batch exceed its capacity {cap}. "
@@ -238,31 +618,34 @@ def prepare(config: Any, features: Any, weights: Any = None, *, capacity: int | 
             )
         unit, scale = b.unit_scale, b.scale
         idt = np.int32 if t.vocabulary_size < 2**31 - 1 else np.int64
-        pid = np.full(cap, -1, idt)
+        try:
+            pid = np.full(cap, -1, idt)
+            pslot = np.full(cap, bucket(b.num_slots), np.int32)  # out of range: dropped by the lookup
+            pscale = np.zeros(cap, np.float32)
+        except MemoryError:
+            raise InputError(f"Invalid `capacity` for feature {f.name!r}: {cap} positions need "
+                             f"{cap * (np.dtype(idt).itemsize + 8)} bytes of host memory, more than this "
+                             f"machine has. Fix: a capacity near the batch's {n} ids.") from None
         pid[:n] = b.ids
-        pslot = np.full(cap, bucket(b.num_slots), np.int32)  # out of range: dropped by the lookup
         pslot[:n] = b.slots
-        pscale = np.zeros(cap, np.float32)
         pscale[:n] = scale.reshape(-1)
         ids.append(pid)
         slots.append(pslot)
         scales.append(pscale)
-        statics.append(_FeatureStatic(f.name, cap, int(b.num_slots), not unit))
+        statics.append(_FeatureStatic(f.name, cap, int(b.num_slots), not unit, *_feature_key(layout, f)[1:]))
     unique = []
-    for t in layout.tables:
-        cap = unique_capacity.get(t.name) if isinstance(unique_capacity, Mapping) else unique_capacity
+    for t, cap in zip(layout.tables, unique_caps):
         if cap is not None:
             mine = [ids[k] for k, f in enumerate(layout.features) if f.table == t.index]
             n_ids = sum(int(m.shape[0]) for m in mine)
-            trivial = int(cap) >= min(n_ids, t.vocabulary_size)  # no count needed
+            trivial = cap >= min(n_ids, t.vocabulary_size)  # no count needed
             count = 0 if trivial or not mine else _distinct(np.concatenate(mine), t.vocabulary_size)
-            if count > int(cap):
+            if count > cap:
                 raise CapacityError(
-                    f"Table {t.name!r}: {count} distinct ids this batch exceed its unique_capacity {int(cap)}. "
+                    f"Table {t.name!r}: {count} distinct ids this batch exceed its unique_capacity {cap}. "
                     f"Nothing was prepared. Fix: pass unique_capacity >= {count} (e.g. "
                     f"{{{t.name!r}: {bucket(count + count // 4)}}}), or leave it None (every id), or split the batch."
                 )
-            cap = int(cap)
         unique.append(cap)
     return Batch(tuple(ids), tuple(slots), tuple(scales), tuple(statics), tuple(unique))
 
@@ -279,25 +662,105 @@ def _distinct(ids: np.ndarray, vocabulary_size: int) -> int:
     return int(np.unique(ids).size)
 
 
-def _check_batch(layout: Layout, batch: Batch) -> None:
-    names = tuple(f.name for f in layout.features)
-    if not isinstance(batch, Batch) or tuple(s.name for s in batch.features) != names:
-        raise InputError(f"Invalid `batch`. Expected me.jax.prepare(config, ...) for features {list(names)}.")
+def _check_batch(st: _Static, batch: Any) -> None:
+    """``batch`` is a :class:`Batch` prepared for ``st``'s config (the engine's ``check_batch``:
+    ids of another config could lie past this one's tables, and read as zeros), its arrays
+    of the capacities it was prepared with."""
+    if not isinstance(batch, Batch):
+        raise InputError("Invalid `batch`. Expected a me.jax Batch (me.jax.prepare(config, features)). "
+                         f"Received: {type(batch).__name__}")
+    if batch.config_key() != st.batch_key:
+        tables = list(dict.fromkeys(f.table for f in batch.features))
+        raise InputError(
+            f"Invalid `batch`: it was prepared for another config (tables {tables}, features "
+            f"{[f.name for f in batch.features]}). Fix: prepare it with this state's config "
+            "(me.jax.prepare(state, features))."
+        )
+    arrays = (batch.ids, batch.slots, batch.scale)
+    for k, f in enumerate(batch.features):
+        for what, group in zip(("ids", "slots", "scale"), arrays):
+            a = group[k] if isinstance(group, (tuple, list)) and len(group) == len(batch.features) else None
+            kind = "f" if what == "scale" else "iu"
+            if a is None or tuple(getattr(a, "shape", ())) != (f.capacity,) or np.dtype(a.dtype).kind not in kind:
+                raise InputError(
+                    f"Invalid `batch`: feature {f.name!r} `{what}` must be a 1-D {'float' if kind == 'f' else 'integer'} "
+                    f"array of its capacity {f.capacity}. Received: "
+                    f"{None if a is None else (tuple(getattr(a, 'shape', ())), getattr(a, 'dtype', None))}. "
+                    "Fix: pass the Batch me.jax.prepare returned, unchanged."
+                )
+
+
+# -- transformations: what is differentiable -----------------------------------------------
+def _not_differentiable(what: str) -> InputError:
+    return InputError(
+        f"Cannot differentiate me.jax.{what} with respect to the embedding tables (or the batch): its row "
+        "kernels have no derivative, and the tables are not trained by jax.grad but by their own TPU "
+        "optimizer. What is differentiable: the activations `me.jax.lookup` returns. Fix: differentiate the "
+        "loss with respect to them and pass those gradients on: `acts = me.jax.lookup(state, batch); "
+        "grads = jax.grad(loss)(acts); state = me.jax.apply_gradients(state, batch, grads)`. Gradients of "
+        "other arguments (dense parameters) are fine: keep `state` and `batch` out of the differentiated "
+        "arguments (argnums, or close over them)."
+    )
+
+
+def _not_batchable(what: str) -> InputError:
+    return InputError(
+        f"Cannot jax.vmap me.jax.{what}: a me.jax Batch already holds a whole batch of samples and the state "
+        "one set of tables, and the row kernels have no batching rule. Fix: prepare one Batch with every "
+        "sample (me.jax.prepare), or step through several batches with jax.lax.scan / jax.lax.map or a "
+        "Python loop; vmap the dense part of the model only."
+    )
+
+
+def _in_transformations(what: str, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` (``args``: the arrays it reads), with ``jax.jvp``/``grad`` through it and
+    ``jax.vmap`` of it refused by a meshembed error, also where a ``jax.jit`` stands between
+    (``grad(jit(step))``). Only traced calls are wrapped: called eagerly it runs as it is."""
+    if not any(_traced(x) for x in jax.tree.leaves(args)):
+        return fn(*args)
+    from jax.custom_batching import custom_vmap
+
+    @jax.custom_jvp
+    def differentiable(*a: Any) -> Any:
+        return fn(*a)
+
+    @differentiable.defjvp
+    def _jvp(primals: Any, tangents: Any) -> Any:
+        raise _not_differentiable(what)
+
+    @custom_vmap
+    def batchable(*a: Any) -> Any:
+        return differentiable(*a)
+
+    @batchable.def_vmap
+    def _vmap(axis_size: int, in_batched: Any, *a: Any) -> Any:
+        raise _not_batchable(what)
+
+    return batchable(*args)
 
 
 # -- lookup --------------------------------------------------------------------------------
 def lookup(state: EmbeddingState, batch: Batch) -> dict[str, Any]:
     """Activations ``{feature: input_shape + [dim]}`` (RecvTPUEmbeddingActivations); for a config
     given a dict of features, keyed as that dict."""
-    st = state._static
+    st = _check_state(state)
+    _check_batch(st, batch)
+    layout = st.layout
+    params = tuple(state.tables[layout.tables[f.table].name]["parameters"] for f in layout.features)
+    acts = _in_transformations("lookup", lambda *a: _lookup(st, batch.features, *a), params,
+                               tuple(batch.ids), tuple(batch.slots), tuple(batch.scale))
+    out = {f.name: a for f, a in zip(layout.features, acts)}
+    return batches.structured(layout, list(acts)) if layout.keys else out
+
+
+def _lookup(st: _Static, features: tuple, params: tuple, ids: tuple, slots: tuple, scales: tuple) -> tuple:
     layout, be = st.layout, st.backend
-    _check_batch(layout, batch)
-    out = {}
+    out = []
     for k, f in enumerate(layout.features):
         t = layout.tables[f.table]
         sl, dim = st.shard_layouts[t.index], t.dimension
-        table = state.tables[t.name]["parameters"]
-        fs = batch.features[k]
+        table = params[k]
+        fs = features[k]
         nb, sb = fs.capacity, bucket(fs.num_slots)
         quant = getattr(t.optimizer, "simulated_quantization", None)
         if quant is not None and getattr(quant, "enabled", True):
@@ -306,15 +769,15 @@ def lookup(state: EmbeddingState, batch: Batch) -> dict[str, Any]:
             lo = -np.inf if quant.lower is None else quant.lower
             hi = np.inf if quant.upper is None else quant.upper
             gather = be._kernel(("lookup", sl, dim), lambda: kernels.make_lookup(sl, dim))
-            rows = quantize(be.xp, gather(table, jnp.asarray(batch.ids[k])), lo, hi, quant.num_buckets)
-            act = be.segment_sum_to(rows * jnp.asarray(batch.scale[k])[:, None], jnp.asarray(batch.slots[k]), fs.num_slots)
+            rows = quantize(be.xp, gather(table, jnp.asarray(ids[k])), lo, hi, quant.num_buckets)
+            act = be.segment_sum_to(rows * jnp.asarray(scales[k])[:, None], jnp.asarray(slots[k]), fs.num_slots)
         else:
             fn = be._kernel(("gather_combine", sl, dim, nb, sb, fs.weighted),
                             lambda: kernels.make_gather_combine(sl, dim, nb, sb, fs.weighted))
-            w = jnp.asarray(batch.scale[k], table.dtype) if fs.weighted else jnp.zeros(1, table.dtype)
-            act = fn(table, jnp.asarray(batch.ids[k]), jnp.asarray(batch.slots[k]), w)[: fs.num_slots]
-        out[f.name] = act.reshape(f.output_shape + (dim,))
-    return batches.structured(layout, [out[f.name] for f in layout.features]) if layout.keys else out
+            w = jnp.asarray(scales[k], table.dtype) if fs.weighted else jnp.zeros(1, table.dtype)
+            act = fn(table, jnp.asarray(ids[k]), jnp.asarray(slots[k]), w)[: fs.num_slots]
+        out.append(act.reshape(f.output_shape + (dim,)))
+    return tuple(out)
 
 
 # -- apply_gradients -----------------------------------------------------------------------
@@ -332,14 +795,12 @@ def _weak(x: Any) -> Any:
         return jnp.asarray(x, jnp.float32)
 
 
-def _traced(x: Any) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
 def _learning_rates(layout: Layout, learning_rates: Any) -> list[Any]:
     """The engine's learning-rate checks (a dict by tag, never its keys; the count; NaN/Inf
     and float32 overflow) on every concrete value; a traced one is checked for rank and dtype
     only (its value is not known while tracing)."""
+    if _traced(learning_rates) and jnp.ndim(learning_rates) == 1:  # a traced [n] array: one per tag
+        learning_rates = [learning_rates[k] for k in range(jnp.shape(learning_rates)[0])]
     lrs = steps.learning_rate_list(layout, learning_rates)
     if not lrs and layout.num_dynamic_inputs:
         lrs = steps.check_learning_rates(layout, None)  # the config's callables (TF2)
@@ -350,9 +811,10 @@ def _learning_rates(layout: Layout, learning_rates: Any) -> list[Any]:
         what = f"`learning_rates[{k}]`"
         if not _traced(v):
             steps.check_learning_rate(v, what)
-        elif jnp.ndim(v) != 0 or not jnp.issubdtype(jnp.result_type(v), jnp.number) \
-                or jnp.issubdtype(jnp.result_type(v), jnp.complexfloating):
-            raise InputError(f"Invalid {what}: expected a real scalar. Received: {v!r}")
+        elif jnp.ndim(v) != 0:
+            raise InputError(f"Invalid {what}: expected a scalar (rank 0). Received: shape={jnp.shape(v)}")
+        elif np.dtype(v.dtype).kind not in "fiu":
+            raise InputError(f"Invalid {what}: expected a real number. Received: a traced {v.dtype} value")
         out.append(_weak(v))
     return out
 
@@ -476,48 +938,99 @@ def _in_rounds(be: JaxBackend, sl: ShardLayout, dim: int, rule: UpdateRule, data
     return jax.lax.fori_loop(0, count, one, datas)
 
 
+class _ShapesOnly:
+    """A stand-in backend for the engine's gradient checks (``steps.check_gradient``) on a
+    traced gradient: its shape and dtype are known, its values are not."""
+
+    xp = np
+
+    @staticmethod
+    def is_traced(x: Any) -> bool:
+        return False
+
+    @staticmethod
+    def is_native(x: Any) -> bool:
+        return True
+
+    @staticmethod
+    def asarray(x: Any, dtype: Any = None) -> Any:
+        return x
+
+
+def _checked_gradients(st: _Static, gradients: Any, check_values: bool) -> list[Any]:
+    """The engine's gradient checks (``steps.check_gradient``: a real array of the activation's
+    shape, None as zeros with a warning) on every gradient, and its NaN/Inf check
+    (``steps.nonfinite_error``) on every concrete one when ``check_values``; float32 rows."""
+    layout, be = st.layout, st.backend
+    tracing = _traced(jnp.zeros(()))  # inside a trace even a constant gradient has no value now
+    rows = []
+    for f, g in zip(layout.features, batches.by_feature(layout, gradients, "gradients")):
+        if tracing or _traced(g):  # shape and dtype; values are checked by return_finite only
+            if g is not None and not hasattr(g, "dtype"):
+                g = inputs.to_host(g, None, f"gradient for feature {f.name!r}")
+            probe = g if g is None or isinstance(g, np.ndarray) else jax.ShapeDtypeStruct(g.shape, g.dtype)
+            checked = steps.check_gradient(_ShapesOnly, layout, f, probe)
+            g = jnp.asarray(checked if g is None else g).astype(jnp.float32)
+        else:
+            g = steps.check_gradient(be, layout, f, g)
+            if not be.is_native(g):  # None: the engine's zeros
+                g = jnp.asarray(g, jnp.float32)
+            if check_values and not be.all_finite(g):
+                raise steps.nonfinite_error(layout, f)
+        rows.append(g.reshape(-1, layout.tables[f.table].dimension))
+    return rows
+
+
 def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learning_rates: Sequence[Any] = (),
-                    *, allow_nonfinite: bool = False) -> EmbeddingState:
+                    *, allow_nonfinite: bool = False, return_finite: bool = False) -> Any:
     """SendTPUEmbeddingGradients as a pure function: ``gradients`` as :func:`lookup` returned
     the activations (a dict by feature name, or a list in config order), ``learning_rates[k]``
     for dynamic tag k (traced scalars: changing them never recompiles). Returns the new state.
 
     Called outside jit, the engine's checks hold: NaN/Inf gradients or learning rates raise
-    ``InputError`` naming the feature (unless ``allow_nonfinite=True``). Inside jit nothing can
-    be checked against the values: NaN/Inf gradients are applied as on a TPU. Called outside jit, the kernels donate ``state``'s
-    buffers: use the returned state, as after a donating ``jax.jit``."""
-    st = state._static
+    ``InputError`` naming the feature (unless ``allow_nonfinite=True``). Inside ``jax.jit`` the
+    values are not known while tracing: shapes, dtypes, the state and the batch are checked,
+    and NaN/Inf gradients are applied as on a TPU, unless ``return_finite=True``: then the
+    step returns ``(state, all_finite)``, a traced boolean over every gradient and learning
+    rate, and when it is false no table or slot is written and the step counter stays
+    (one pass over the gradients). Called outside jit, the kernels donate ``state``'s buffers:
+    use the returned state, as after a donating ``jax.jit``."""
+    allow_nonfinite = batches.check_bool(allow_nonfinite, "allow_nonfinite")
+    return_finite = batches.check_bool(return_finite, "return_finite")
+    if allow_nonfinite and return_finite:
+        raise InputError("Invalid `allow_nonfinite=True` with `return_finite=True`: the one applies NaN/Inf "
+                         "gradients, the other skips the step on them. Fix: pass one of them.")
+    st = _check_state(state)
+    _check_batch(st, batch)
+    rows = _checked_gradients(st, gradients, check_values=not (allow_nonfinite or return_finite))
+    lrs = _learning_rates(st.layout, learning_rates)
+    tables, finite = _in_transformations(
+        "apply_gradients", lambda *a: _apply(st, batch.features, batch.unique, return_finite, *a),
+        state.tables, rows, tuple(batch.ids), tuple(batch.slots), tuple(batch.scale), lrs)
+    if not return_finite:
+        return EmbeddingState(tables, state.step + 1, st)
+    return EmbeddingState(tables, state.step + finite.astype(jnp.result_type(state.step)), st), finite
+
+
+def _apply(st: _Static, features: tuple, unique: tuple, with_finite: bool, tables_in: dict, rows: list,
+           ids_in: tuple, slots: tuple, scales: tuple, lrs: list) -> tuple:
+    """Every table's update (the engine's routing, ``update_kind``); ``(tables, all_finite)``
+    where ``with_finite`` (else ``(tables, None)``)."""
     layout, be = st.layout, st.backend
-    _check_batch(layout, batch)
-    grads = batches.by_feature(layout, gradients, "gradients")
-    rows = []
-    for f, g in zip(layout.features, grads):
-        t = layout.tables[f.table]
-        shape = f.output_shape + (t.dimension,)
-        where = f"gradient for feature {f.name!r} (table {t.name!r})"
-        if g is None or tuple(jnp.shape(g)) != shape:
-            raise InputError(
-                f"Invalid {where}: expected shape {shape} "
-                f"(input_shape + [dimension]). Received: {None if g is None else tuple(jnp.shape(g))}"
-            )
-        dtype = np.dtype(jnp.result_type(g)) if hasattr(g, "dtype") else np.asarray(g).dtype
-        if dtype.kind not in "fiu":
-            raise InputError(f"Invalid {where}: expected a real (float or integer) array. Received: "
-                             f"dtype={dtype}. Fix: pass float32 gradients (complex, bool, string and "
-                             "object arrays are not gradients).")
-        g = jnp.asarray(g).astype(jnp.float32)
-        if not allow_nonfinite and not _traced(g) and not bool(jnp.all(jnp.isfinite(g))):
-            raise steps.nonfinite_error(layout, f)
-        rows.append(g.reshape(-1, t.dimension))
-    lrs = _learning_rates(layout, learning_rates)
+    batch = Batch(ids_in, slots, scales, features, unique)
+    finite = None
+    if with_finite:  # sum(x * 0): 0 where every value is finite, NaN otherwise (cannot overflow)
+        zero = sum(jnp.sum(r * 0) for r in rows) + sum(jnp.asarray(v, jnp.float32) * 0 for v in lrs)
+        finite = jnp.isfinite(zero)
     # The tables are written in place after the gradients exist: when those come from this
     # step's lookup (they do in training), the lookup's reads are done by then, so XLA need
     # not copy a table around the in-place update (W1: 0.2 s a step).
-    tables_in, rows = jax.lax.optimization_barrier((state.tables, rows))
+    tables_in, rows = jax.lax.optimization_barrier((tables_in, rows))
     # a runtime value, as the engine's guard: constant, XLA would unroll the kernels' one-trip
-    # loops around their in-place FFI calls and copy each table twice (W1: 0.5 s a step)
-    guard = jax.lax.optimization_barrier(jnp.asarray(True))
-    tables = dict(state.tables)
+    # loops around their in-place FFI calls and copy each table twice (W1: 0.5 s a step);
+    # with return_finite the updates write nothing unless every value is finite
+    guard = jax.lax.optimization_barrier(jnp.asarray(True) if finite is None else finite)
+    tables = dict(tables_in)
     for t in layout.tables:
         parts = [(k, f) for k, f in enumerate(layout.features) if f.table == t.index]
         if not parts:
@@ -547,4 +1060,37 @@ def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learnin
             cap = _unique_cap(batch, t.index, int(ids.shape[0]))  # a bound prepare checked
             new = _step(be, sl, dim, rule, datas, values, guard, cap, ids, source, (segs, w, weighted))
         tables[t.name] = dict(zip(names, new))
-    return EmbeddingState(tables, state.step + 1, st)
+    return tables, finite
+
+
+# -- jax.export ----------------------------------------------------------------------------
+def _cpu_export_error(exc: BaseException) -> ConfigError:
+    return ConfigError(
+        "Cannot export this me.jax step for platform 'cpu': on CPU it runs meshembed's C++ row kernels "
+        "(XLA FFI custom calls named meshembed_*, compiled on this machine; a fused update also holds the "
+        "address of a kernel generated in this process), and an exported artifact cannot carry them. Fix: "
+        "export for the platform that will run it, e.g. platforms=('tpu',) or ('cuda',): there those "
+        "kernels are absent (a CPU-only branch) and the artifact serializes; or, for a CPU artifact, run the "
+        "exporting process with MESHEMBED_JAX_CPU_KERNELS=0 (the pure-XLA kernels: the same numbers, slower). "
+        f"(JAX: {str(exc).splitlines()[0]})"
+    )
+
+
+def export(fun: Callable, *, platforms: Sequence[str] | None = None, **kwargs: Any) -> Callable:
+    """``jax.export.export(fun, platforms=...)`` for a step that calls me.jax, with a meshembed
+    error saying why and what to do where JAX refuses the CPU kernels' custom calls (a CPU
+    export while those kernels are on). The result's ``Exported.serialize()`` and
+    ``jax.export.deserialize`` carry ``EmbeddingState`` and ``Batch`` (both registered)."""
+    from jax import export as jexport
+
+    exporter = jexport.export(fun if hasattr(fun, "lower") else jax.jit(fun), platforms=platforms, **kwargs)
+
+    def run(*args: Any, **kw: Any) -> Any:
+        try:
+            return exporter(*args, **kw)
+        except ValueError as exc:
+            if "custom call" in str(exc) and "meshembed_" in str(exc):
+                raise _cpu_export_error(exc) from exc
+            raise
+
+    return run
