@@ -91,3 +91,18 @@ def test_load_once_sets_signatures_and_warns_once_when_unusable(tmp_path, monkey
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert native.load_once(broken, source, "add", {"me_sub": (None, [])}, "adding is") is None
+
+
+def test_both_backends_bind_the_shared_drivers():
+    """The dense chunked update, the all-finite check, the row gather and the huge-page hint
+    are written once (meshembed_native/drivers.h): the torch and JAX sources call them and hold
+    no loop of their own for them."""
+    root = pathlib.Path(native.INCLUDE_DIR).parent
+    torch_src = (root / "meshembed_torch" / "dense_cpu.cc").read_text() + (root / "meshembed_torch" / "fused_cpu.cc").read_text()
+    jax_src = (root / "meshembed_jax" / "cpu_kernels.cc").read_text()
+    for src in (torch_src, jax_src):
+        assert '#include "drivers.h"' in src
+        for driver in ("meshembed::DenseUpdate<", "meshembed::AllFinite(", "meshembed::GatherRowRange("):
+            assert driver in src, driver
+        assert "madvise(" not in src and "0x7f800000" not in src  # no second huge-page hint or finite test
+    assert "meshembed::AdviseHugePages(" in jax_src

@@ -18,11 +18,8 @@
 #include <type_traits>
 #include <thread>
 #include <vector>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
-#include "row_kernels.h"
+#include "drivers.h"  // includes row_kernels.h
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -120,8 +117,6 @@ struct Groups {
 
 // Table rows are random reads and writes (mostly cache misses): loops prefetch every line
 // of the rows ahead (meshembed::PrefetchAhead).
-constexpr int64_t kStreamMinBytes = int64_t(16) << 20;  // outputs this large skip the caches
-
 // Rows ix[j + ...] of a [m, d] array ahead of position j (meshembed::PrefetchAhead); ids
 // outside [0, m) have none.
 template <class T, class I>
@@ -333,9 +328,9 @@ inline std::vector<int64_t> WorkCuts(const Groups& gr, int64_t n_dest, int64_t p
 // A generated row kernel (meshembed_native.codegen): the rule's formula over one row of the
 // table and of each slot, in place, with the summed gradient row g and the parameter block hp.
 template <class T>
-using RowFn = void (*)(T* const* rows, const T* g, int64_t dim, const double* hp);
+using RowFn = meshembed::RowKernel<T>;
 
-constexpr size_t kMaxArrays = 8;  // a table and up to 7 slots
+constexpr size_t kMaxArrays = meshembed::kMaxArrays;  // a table and up to 7 slots
 
 // The parameter block as doubles: F64 as is, U32/S32 pairs holding the doubles' bits (the
 // engine's values, exact without jax_enable_x64), or F32 widened (traced float32 values).
@@ -506,76 +501,51 @@ ffi::Error DenseUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::Remaini
   }
   // Tasks of at most kDenseTask elements, so both threads get work with one tensor or many.
   constexpr int64_t kDenseTask = int64_t(1) << 18;
-  std::vector<std::pair<int64_t, int64_t>> tasks;  // (tensor, start)
-  for (int64_t n = 0; n < count; ++n)
-    for (int64_t lo = 0; lo < size[n]; lo += kDenseTask) tasks.emplace_back(n, lo);
+  const meshembed::DenseChunks chunks(count, size.data(), kDenseTask);
+  auto on_pool = [&](int64_t n_tasks, const auto& body) { ParallelFor(pool, n_tasks, body); };
   auto run = [&](auto t) {
     using T = decltype(t);
-    const RowFn<T> kernel = reinterpret_cast<RowFn<T>>(fn);
-    ParallelFor(pool, int64_t(tasks.size()), [&](int64_t j) {
-      const auto [n, lo] = tasks[j];
-      T* rows[kMaxArrays];
-      for (int64_t k = 0; k < k_targets; ++k) rows[k] = static_cast<T*>(data[n * k_targets + k]) + lo;
-      kernel(rows, static_cast<const T*>(grads[n]) + lo, std::min(kDenseTask, size[n] - lo),
-             params.data() + n * n_params);
-    });
+    meshembed::DenseUpdate<T>(reinterpret_cast<RowFn<T>>(fn), chunks, size.data(), k_targets,
+                              reinterpret_cast<const T* const*>(grads.data()),
+                              [&](int64_t k, int64_t n) { return static_cast<T*>(data[n * k_targets + k]); },
+                              params.data(), n_params, kDenseTask, on_pool);
   };
   if (type == ffi::DataType::F64) run(double{});
   else run(float{});
   return ffi::Error::Success();
 }
 
-// out = whether every element of every array is finite: the engine's NaN/Inf guard. A
-// float is not finite when its exponent bits are all ones, an integer test that vectorises
+// out = whether every element of every array is finite: the engine's NaN/Inf guard, the
+// driver of drivers.h (exponent bits, an integer test that vectorises) on the pool's threads
 // (XLA's reduction for the same check runs on one thread: docs/benchmarks.md, "Measurements
 // behind design choices in the code", JAX backend).
-template <class T, class U>
-bool AllFiniteRange(const T* x, int64_t lo, int64_t hi, U exponent) {
-  U bad = 0;
-  for (int64_t i = lo; i < hi; ++i) {
-    U bits;
-    std::memcpy(&bits, x + i, sizeof(T));
-    bad |= U((bits & exponent) == exponent);
-  }
-  return bad == 0;
-}
-
 ffi::Error AllFiniteImpl(ffi::ThreadPool pool, ffi::RemainingArgs arrays, ffi::Result<ffi::AnyBuffer> out) {
   if (out->element_type() != ffi::DataType::PRED) return Unsupported("guard dtype");
-  std::atomic<bool> finite{true};
-  for (size_t a = 0; a < arrays.size(); ++a) {
+  const size_t count = arrays.size();
+  std::vector<int64_t> numels(count);
+  std::vector<const void*> ptrs(count);
+  std::vector<char> f64(count);
+  for (size_t a = 0; a < count; ++a) {
     auto x = arrays.get<ffi::AnyBuffer>(a);
     if (!x.has_value() || !IsFloat(x->element_type())) return Unsupported("guard operand dtype");
-    const bool f64 = x->element_type() == ffi::DataType::F64;
-    const void* data = x->untyped_data();
-    ParallelRanges(pool, x->element_count(), int64_t(1) << 18, [&](int64_t lo, int64_t hi) {
-      const bool ok = f64 ? AllFiniteRange(static_cast<const double*>(data), lo, hi, uint64_t(0x7ff0000000000000ull))
-                          : AllFiniteRange(static_cast<const float*>(data), lo, hi, uint32_t(0x7f800000u));
-      if (!ok) finite.store(false, std::memory_order_relaxed);
-    });
+    numels[a] = x->element_count();
+    ptrs[a] = x->untyped_data();
+    f64[a] = x->element_type() == ffi::DataType::F64;
   }
-  *static_cast<bool*>(out->untyped_data()) = finite.load();
+  constexpr int64_t kTask = int64_t(1) << 18;
+  const meshembed::DenseChunks chunks(int64_t(count), numels.data(), kTask);
+  *static_cast<bool*>(out->untyped_data()) = meshembed::AllFinite(
+      chunks, numels.data(), ptrs.data(), [&](int64_t n) { return f64[n] != 0; }, kTask,
+      [&](int64_t n_tasks, const auto& body) { ParallelFor(pool, n_tasks, body); });
   return ffi::Error::Success();
 }
 
-// A fresh output of >= 32 MiB is a new mmap (glibc) every call, one first-touch fault per
-// 4 KiB written (most of a per-id lookup's time: docs/benchmarks.md, "The per-id
-// (sequence-feature) step"): asked for 2 MiB pages before the first write. A hint only, as
-// meshembed_native.pages.
-void AdviseHugePages(void* p, int64_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(1) << 21;
-  if (bytes < (int64_t(32) << 20)) return;
-  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  const uintptr_t lo = (a + kHuge - 1) & ~(kHuge - 1), hi = (a + uintptr_t(bytes)) & ~(kHuge - 1);
-  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
-#else
-  (void)p;
-  (void)bytes;
-#endif
-}
-
-// rows[j] = table[idx[j]] on the pool's threads, zeros where idx[j] is outside [0, m).
+// rows[j] = table[idx[j]] on the pool's threads, zeros where idx[j] is outside [0, m): the
+// driver of drivers.h (GatherRowRange). A fresh output of >= 32 MiB is a new mmap (glibc) every
+// call, one first-touch fault per 4 KiB written (most of a per-id lookup's time:
+// docs/benchmarks.md, "The per-id (sequence-feature) step"): asked for 2 MiB pages before the
+// first write. An output beyond the caches (a per-id lookup) is written with streaming stores:
+// its lines are not read first (as torch's gather).
 ffi::Error GatherRows(ffi::ThreadPool& pool, ffi::AnyBuffer table, ffi::AnyBuffer idx,
                       ffi::Result<ffi::AnyBuffer>& rows) {
   if (rows->element_type() != table.element_type()) return Unsupported("row dtype");
@@ -585,23 +555,14 @@ ffi::Error GatherRows(ffi::ThreadPool& pool, ffi::AnyBuffer table, ffi::AnyBuffe
     using T = decltype(t);
     using I = decltype(i);
     const int64_t m = Rows(table), d = Dim(table), c = idx.element_count();
-    const T* tab = static_cast<const T*>(table.untyped_data());
+    const char* tab = static_cast<const char*>(table.untyped_data());
     const I* ix = static_cast<const I*>(idx.untyped_data());
-    T* o = static_cast<T*>(rows->untyped_data());
+    char* o = static_cast<char*>(rows->untyped_data());
     const int64_t row_bytes = int64_t(sizeof(T)) * d;
-    AdviseHugePages(o, row_bytes * c);
-    // an output beyond the caches (a per-id lookup) is written with streaming stores: its
-    // lines are not read first (as torch's gather: docs/benchmarks.md, "The per-id step")
-    const bool stream = row_bytes * c >= kStreamMinBytes && meshembed::Streamable(o, row_bytes);
+    meshembed::AdviseHugePages(o, row_bytes * c);
+    const bool stream = row_bytes * c >= meshembed::kStreamMinBytes && meshembed::Streamable(o, row_bytes);
     ParallelRanges(pool, c, kRowsPerTask, [&](int64_t lo, int64_t hi) {
-      for (int64_t j = lo; j < hi; ++j) {
-        PrefetchRowsAhead(tab, ix, j, hi, m, d, false);
-        const int64_t r = ix[j];
-        if (r < 0 || r >= m) std::memset(o + j * d, 0, row_bytes);
-        else if (stream) meshembed::StreamRow(o + j * d, tab + r * d, row_bytes);
-        else std::memcpy(o + j * d, tab + r * d, row_bytes);
-      }
-      if (stream) meshembed::StreamFence();
+      meshembed::GatherRowRange(tab, m, ix, lo, hi, row_bytes, o, stream);
     });
   });
 }

@@ -17,16 +17,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "row_kernels.h"
+#include "drivers.h"  // includes row_kernels.h
 
 namespace {
 
-constexpr int kMaxArrays = 8;  // codegen.MAX_ARRAYS: the table and up to 7 slots
-
-// The generated kernel's C ABI (codegen.py): rows[k] = this row of array k, g = its summed
-// gradient, hp = the dynamic values.
-template <class T>
-using RowKernel = void (*)(T* const* rows, const T* g, int64_t dim, const double* hp);
+using meshembed::kMaxArrays;
+using meshembed::RowKernel;
 
 template <class T>
 struct Problem {
@@ -145,29 +141,17 @@ MESHEMBED_FUSED_UPDATE(float, meshembed_fused_update_float32)
 MESHEMBED_FUSED_UPDATE(double, meshembed_fused_update_float64)
 
 // out[i] = table[ids[i]] for rows of `row_bytes` bytes (any dtype: a copy of bits), or -1 if
-// an id is outside [0, num_rows) (out is then partly written). Threads take contiguous ranges
-// of ids; with 64-byte aligned rows the stores stream past the caches (row_kernels.h), for
-// outputs larger than the caches (the caller decides: fused_cpu.gather_rows).
+// an id is outside [0, num_rows) (out is then partly written). The driver of drivers.h
+// (GatherRowRange), each thread a contiguous range of ids; with 64-byte aligned rows the stores
+// stream past the caches, for outputs larger than the caches (the caller decides:
+// fused_cpu.gather_rows).
 extern "C" int64_t meshembed_gather_rows(const char* table, int64_t num_rows, const int64_t* ids, int64_t n,
                                          int64_t row_bytes, char* out, int threads) {
   const bool stream = meshembed::Streamable(out, row_bytes);
+  const int parts = std::max(1, threads);
   int64_t bad = 0;
-#pragma omp parallel num_threads(std::max(1, threads)) reduction(+ : bad)
-  {
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      meshembed::PrefetchAhead(i, n, row_bytes, false, [&](int64_t q) -> const void* {
-        return ids[q] >= 0 && ids[q] < num_rows ? table + ids[q] * row_bytes : nullptr;
-      });
-      const int64_t r = ids[i];
-      if (r < 0 || r >= num_rows) {
-        ++bad;
-        continue;
-      }
-      if (stream) meshembed::StreamRow(out + i * row_bytes, table + r * row_bytes, row_bytes);
-      else std::copy(table + r * row_bytes, table + (r + 1) * row_bytes, out + i * row_bytes);
-    }
-    if (stream) meshembed::StreamFence();
-  }
+#pragma omp parallel for schedule(static, 1) num_threads(parts) reduction(+ : bad)
+  for (int t = 0; t < parts; ++t)
+    bad += meshembed::GatherRowRange(table, num_rows, ids, n * t / parts, n * (t + 1) / parts, row_bytes, out, stream);
   return bad ? -1 : n;
 }

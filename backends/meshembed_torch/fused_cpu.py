@@ -38,7 +38,8 @@ _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes
 _GATHER_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                 ctypes.c_int]
 
-#: Outputs of :func:`gather_rows` from this size on are written with streaming stores: faster
+#: Outputs of :func:`gather_rows` from this size on (``meshembed::kStreamMinBytes`` of
+#: meshembed_native/drivers.h, whose gather both backends run) are written with streaming stores: faster
 #: from this size on, slower below it, even when read right after (docs/benchmarks.md,
 #: "Measurements behind design choices in the code", torch backend).
 STREAM_MIN_BYTES = 16 << 20
