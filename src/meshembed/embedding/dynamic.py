@@ -358,9 +358,10 @@ class HashIndex:
         return self._probe(keys)[0]
 
     def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Insert distinct keys that are not in the index."""
+        """Insert distinct keys that are not in the index (``rows`` distinct too)."""
         if self.live + self.tombstones + keys.shape[0] > (3 * self.size) // 4:
             self._rebuild()
+        rows = np.asarray(rows, dtype=np.int32)
         pos = self._home(keys)
         active = np.arange(keys.shape[0])
         mask = self.size - 1
@@ -370,13 +371,15 @@ class HashIndex:
             free = r < 0
             cand, cp = active[free], p[free]
             if cand.size:
-                first_slots, first = np.unique(cp, return_index=True)  # one key per free slot this round
-                win = cand[first]
-                self.tombstones -= int(np.count_nonzero(self.slot_row[first_slots] == -2))
-                self.slot_key[first_slots] = keys[win]
-                self.slot_row[first_slots] = rows[win]
+                # Several keys may reach one free slot in a round: all write their row, the one
+                # whose row stays there wins (no sort), the others probe on.
+                tomb = r[free] == -2
+                self.slot_row[cp] = rows[cand]
+                win = self.slot_row[cp] == rows[cand]
+                self.slot_key[cp[win]] = keys[cand[win]]
+                self.tombstones -= int(np.count_nonzero(tomb & win))
                 placed = np.zeros(keys.shape[0], dtype=bool)
-                placed[win] = True
+                placed[cand[win]] = True
                 keep = ~placed[active]
             else:
                 keep = np.ones(active.shape[0], dtype=bool)
@@ -611,20 +614,33 @@ def _sketch_buckets(spec: DynamicVocabulary, shape: tuple[int, int], keys: np.nd
                      for d in range(depth)])
 
 
+def _kth_smallest(vals: np.ndarray, k: int) -> int:
+    """The ``k``-th smallest (1-based) of non-negative int64 ``vals``: a capped histogram
+    above the minimum when the answer lies near it (steps and small counts: the usual case,
+    two passes), a partition otherwise."""
+    lo = int(vals.min())
+    cap = 1 << 12
+    hist = np.bincount(np.minimum(vals - lo, cap), minlength=cap + 1)
+    at = int(np.searchsorted(np.cumsum(hist), k))
+    if at < cap:
+        return lo + at
+    return int(np.partition(vals, k - 1)[k - 1])
+
+
 def _smallest(k: int, cand: np.ndarray, order: Sequence[np.ndarray]) -> np.ndarray:
-    """The ``k`` entries of ``cand`` that come first by ``order`` (arrays indexed by row,
-    most significant first; ``cand`` ascending breaks the last ties), in that order. A
-    partition on the first key, then a sort of the entries it cannot separate."""
+    """The ``k`` entries of ``cand`` (ascending rows) that come first by ``order`` (arrays
+    indexed by row, most significant first; the lower row breaks the last ties), in that
+    order: a threshold on the first key, then a sort of the entries it cannot separate."""
     if k <= 0 or cand.size == 0:
         return cand[:0]
 
-    def sort(rows: np.ndarray) -> np.ndarray:
+    def sort(rows: np.ndarray) -> np.ndarray:  # lexsort is stable: equal keys keep row order
         return rows[np.lexsort(tuple(o[rows] for o in reversed(order)))] if rows.size else rows
 
     if k >= cand.size:
         return sort(cand)
     first = order[0][cand]
-    v = np.partition(first, k - 1)[k - 1]
+    v = _kth_smallest(first, k)
     below = sort(cand[first < v])
     tie = sort(cand[first == v])
     return np.concatenate([below, tie[: k - below.shape[0]]])
@@ -736,9 +752,9 @@ def assign(state: DynamicVocabularyState, keys: Any, step: int, *, training: boo
     if need > 0 and order is not None:
         cand = np.flatnonzero(evictable())
         if isinstance(order, LRU):
-            victims = _smallest(need, cand, (st.last_seen, st.count, np.arange(st.capacity)))
+            victims = _smallest(need, cand, (st.last_seen, st.count))
         else:
-            victims = _smallest(need, cand, (st.count, st.last_seen, np.arange(st.capacity)))
+            victims = _smallest(need, cand, (st.count, st.last_seen))
         evict(victims)
     given = np.concatenate([free, victims]).astype(np.int64)
     admitted = miss[: given.size]
