@@ -169,7 +169,9 @@ def test_bad_input_names_the_feature_and_changes_nothing():
     with pytest.raises(me.InputError, match="Missing: \\['seq'\\]"):
         ec({"bag": feats["bag"]})
     with pytest.raises(me.InputError, match="'seq'.*expected shape"):
-        ec({"bag": (torch.from_numpy(values), torch.from_numpy(offsets)), "seq": torch.from_numpy(seq[:2])})
+        ec({"bag": (torch.from_numpy(values), torch.from_numpy(offsets)), "seq": torch.from_numpy(seq[:, :2])})
+    with pytest.raises(me.InputError, match="'seq'.*7 samples, more than the batch size 6"):
+        ec({"bag": (torch.from_numpy(values), torch.from_numpy(offsets)), "seq": torch.zeros(BATCH + 1, SEQ).long()})
     for k, v in ec.state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
     assert ec._batches == {}
@@ -473,7 +475,7 @@ def test_custom_ops_schema_and_fake_kernels():
     values, offsets, _, seq = batch(np.random.default_rng(10))
     tensors = [torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(seq)]
     for spec, anchor in (("o;d|T", ec.anchor), ("o;d|I", ec.anchor.detach())):
-        torch.library.opcheck(torch.ops.meshembed.ec_forward.default, (ec._handle, spec, anchor, tensors, None),
+        torch.library.opcheck(torch.ops.meshembed.ec_lookup.default, (ec._handle, spec, anchor, tensors, None),
                               test_utils=("test_schema", "test_faketensor"))
     assert ec._batches == {}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-import socket
+import signal
 import subprocess
 import sys
 import textwrap
@@ -23,8 +23,15 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+# Multi-process runs must pass on a loaded 2-core machine: every rank runs one thread, the
+# ranks meet through a fresh file (no TCP port to race for), collectives wait at most
+# PG_TIMEOUT_S, the whole run at most RUN_TIMEOUT_S (then every process of it is killed and the
+# test fails with its output), and each rank destroys its process group before it exits (a
+# rank leaving gloo's threads running aborts with "terminate called without an active exception").
+PG_TIMEOUT_S, RUN_TIMEOUT_S = 300, 900
+
 WORKER = textwrap.dedent('''
-    import os, sys, pathlib
+    import os, sys, pathlib, traceback
     from datetime import timedelta
     import numpy as np, torch, torch.distributed as dist
     import meshembed as me
@@ -37,59 +44,76 @@ WORKER = textwrap.dedent('''
                                    epsilon=1e-6), combiner="mean")],
             features=[me.FeatureConfig("t", (B,), name="bag"), me.FeatureConfig("t", (B, 2), name="seq")])
 
-    def run(rank, world, port, mode, tmp):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    def work(rank, world, mode, tmp):
+        ec = me.torch.EmbeddingCollection(cfg(), seed=2)
+        assert ec.engine.num_shards == world
+        if mode == "train":
+            emb = me.TPUEmbedding(cfg(), backend="torch", seed=2)
+            rng = np.random.default_rng(10 + rank)
+            for _ in range(3):
+                lengths = rng.integers(0, 4, B)
+                values = rng.integers(0, VOCAB, int(lengths.sum()))
+                offsets = np.concatenate([[0], np.cumsum(lengths)])
+                seq = rng.integers(0, VOCAB, (B, 2))
+                out = ec({"bag": (torch.from_numpy(values), torch.from_numpy(offsets)), "seq": torch.from_numpy(seq)})
+                sum(((a - 0.5) ** 2).sum() for a in out.values()).backward()
+                emb.enqueue([me.RaggedIds(offsets, values), seq])
+                acts = [a.requires_grad_() for a in emb.dequeue()]
+                sum(((a - 0.5) ** 2).sum() for a in acts).backward()
+                emb.apply_gradients([a.grad for a in acts])
+            for k, v in emb.retrieve_parameters("t").items():
+                np.testing.assert_array_equal(ec.engine.retrieve_parameters("t")[k], v)
+        else:
+            ec.load_state_dict(torch.load(tmp / "sd2.pt", weights_only=True))
+        sd = ec.state_dict()
+        if rank == 0:
+            torch.save(sd, tmp / f"sd{world}.pt")
+
+    def run(rank, world, mode, tmp, timeout_s):
+        torch.set_num_threads(1)  # spawned ranks do not inherit the parent's setting
+        tmp = pathlib.Path(tmp)
         try:
-            tmp = pathlib.Path(tmp)
-            ec = me.torch.EmbeddingCollection(cfg(), seed=2)
-            assert ec.engine.num_shards == world
-            if mode == "train":
-                emb = me.TPUEmbedding(cfg(), backend="torch", seed=2)
-                rng = np.random.default_rng(10 + rank)
-                for _ in range(3):
-                    lengths = rng.integers(0, 4, B)
-                    values = rng.integers(0, VOCAB, int(lengths.sum()))
-                    offsets = np.concatenate([[0], np.cumsum(lengths)])
-                    seq = rng.integers(0, VOCAB, (B, 2))
-                    out = ec({"bag": (torch.from_numpy(values), torch.from_numpy(offsets)), "seq": torch.from_numpy(seq)})
-                    sum(((a - 0.5) ** 2).sum() for a in out.values()).backward()
-                    emb.enqueue([me.RaggedIds(offsets, values), seq])
-                    acts = [a.requires_grad_() for a in emb.dequeue()]
-                    sum(((a - 0.5) ** 2).sum() for a in acts).backward()
-                    emb.apply_gradients([a.grad for a in acts])
-                for k, v in emb.retrieve_parameters("t").items():
-                    np.testing.assert_array_equal(ec.engine.retrieve_parameters("t")[k], v)
-            else:
-                ec.load_state_dict(torch.load(tmp / "sd2.pt", weights_only=True))
-            sd = ec.state_dict()
-            if rank == 0:
-                torch.save(sd, tmp / f"sd{world}.pt")
+            dist.init_process_group("gloo", init_method=(tmp / f"rendezvous-{mode}-{world}").as_uri(), rank=rank,
+                                    world_size=world, timeout=timedelta(seconds=timeout_s))
+            work(rank, world, mode, tmp)
             dist.barrier()
+        except BaseException:
+            print(f"rank {rank} of {world} ({mode}) failed:\\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            raise
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
     if __name__ == "__main__":
-        world, port, mode, tmp = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-        torch.set_num_threads(1)
-        torch.multiprocessing.spawn(run, args=(world, port, mode, tmp), nprocs=world)
+        world, mode, tmp, timeout_s = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+        torch.multiprocessing.spawn(run, args=(world, mode, tmp, timeout_s), nprocs=world)
         print("OK")
 ''')
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _run_bounded(args: list[str], what: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    """Run a multi-process job in its own session; past RUN_TIMEOUT_S every process of it is
+    killed and the test fails with what it printed (never a hang, never an orphaned rank)."""
+    env = {**os.environ, "MESHEMBED_TORCH_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{what} did not finish within {RUN_TIMEOUT_S} s; killed.\nstdout:\n{out[-3000:]}\n"
+                    f"stderr:\n{err[-5000:]}")
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
 def _spawn(tmp: pathlib.Path, world: int, mode: str) -> None:
     script = tmp / "worker.py"
     script.write_text(WORKER)
-    env = {**os.environ, "MESHEMBED_TORCH_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, str(script), str(world), str(_free_port()), mode, str(tmp)],
-                         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+    out = _run_bounded([sys.executable, str(script), str(world), mode, str(tmp), str(PG_TIMEOUT_S)],
+                       f"{world} ranks ({mode})", ROOT)
+    assert out.returncode == 0 and "OK" in out.stdout, (
+        f"{world} ranks ({mode}) exited with {out.returncode}:\n{out.stderr[-5000:]}")
 
 
 def test_state_dict_round_trips_over_2_4_and_1_ranks(tmp_path):
@@ -132,10 +156,8 @@ def test_dlrm_example_on_two_gloo_ranks(tmp_path):
     dicts saved by the ranks and restored in one process. Eager here (the compiled run is the
     1-process test above; both were run compiled on 2 ranks by hand)."""
     ckpt = tmp_path / "dlrm.pt"
-    env = {**os.environ, "MESHEMBED_TORCH_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "torch_dlrm.py"), "--world-size", "2", "--steps",
-                          "60", "--eager", "--checkpoint", str(ckpt)], capture_output=True, text=True, timeout=600,
-                         env=env, cwd=ROOT)
+    out = _run_bounded([sys.executable, str(ROOT / "examples" / "torch_dlrm.py"), "--world-size", "2", "--steps",
+                        "60", "--eager", "--checkpoint", str(ckpt)], "the DLRM example on 2 ranks", ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     losses = [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("step")]
     assert losses[-1] < losses[0] - 0.05, out.stdout
