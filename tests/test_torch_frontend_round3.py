@@ -525,3 +525,12 @@ def test_sparse_ids_with_torch_per_id_weights():
             ec({"bag": sp, "seq": seq}, {"bag": bad})
     with pytest.raises(me.InputError, match="ids for feature 'bag'"):
         ec({"bag": ("abc", torch.from_numpy(offsets)), "seq": seq})
+
+
+@pytest.mark.parametrize("value", ["no", "False", 0, None])
+def test_fused_optimizer_must_be_a_bool(value):
+    """A string is truthy: ``fused_optimizer="no"`` would fuse. Refused, naming the argument."""
+    cfg = me.EmbeddingConfig(tables=[me.TableConfig("t", 10, 2, optimizer=me.embedding.SGD(0.1))],
+                             features=[me.FeatureConfig("t", (4,), name="a")])
+    with pytest.raises(me.ConfigError, match="fused_optimizer"):
+        me.torch.EmbeddingCollection(cfg, fused_optimizer=value)

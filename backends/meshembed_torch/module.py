@@ -413,7 +413,7 @@ class EmbeddingCollection(torch.nn.Module):
                     "features (input_shape of rank 2 or more). Fix: use me.torch.EmbeddingCollection, which "
                     "takes both.")
         self.engine = engine
-        self.fused_optimizer = bool(fused_optimizer)
+        self.fused_optimizer = batches.check_bool(fused_optimizer, "fused_optimizer", ConfigError)  # "no" is truthy
         # Output structure: `_nest` (a feature_config nest, packed as me.tpu does), else a dict
         # keyed by `_keys` (a dict-of-features EmbeddingConfig: its keys, in the order given;
         # otherwise the feature names)
