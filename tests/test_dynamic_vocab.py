@@ -489,3 +489,52 @@ def test_the_proto_stays_tensorflow_readable():
     cfg = config()
     back = me.EmbeddingConfig.from_proto(cfg.to_proto())  # the proto has no dynamic option
     assert back.tables[0].dynamic is None and back.tables[0].vocabulary_size == 16
+
+
+# ----------------------------------------------------------------------------- example and benchmark
+def test_example_trains_on_a_growing_vocabulary(capsys):
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "dynamic_vocab.py"
+    spec = importlib.util.spec_from_file_location("dynamic_vocab_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = module.main(["--steps", "100", "--every", "50"])
+    assert out["last_loss"] < out["first_loss"]
+    assert out["keys_seen"] > out["resident"] == 2048  # more keys passed than the table holds
+    assert "hit rate" in capsys.readouterr().out
+
+
+def test_benchmark_quick():
+    from benchmarks.dynamic_vocab import main
+
+    rows = main(["--quick"])
+    impls = {r["implementation"] for r in rows}
+    assert "Python dict + OrderedDict LRU" in impls and "meshembed hash index (pure)" in impls
+    assert all(r["keys_per_s"] > 0 and r["full"] for r in rows)
+    mapping = [r for r in rows if r["case"] == "host mapping"]
+    assert len({round(r["hit_rate"], 6) for r in mapping if r["implementation"].startswith("meshembed")}) == 1
+
+
+def test_low_precision_dynamic_table(tmp_path):
+    """A bfloat16 dynamic table: keyed initial values rounded to its storage, exported and
+    resumed as exact float32 values."""
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig("t", 32, D, optimizer=me.embedding.SGD(0.1), combiner="sum",
+                               precision=me.embedding.Precision(parameters="bfloat16", rounding="nearest"),
+                               dynamic=dv.DynamicVocabulary(eviction=dv.LFU()))],
+        features=[me.FeatureConfig("t", (B,), name="f")])
+    emb = me.TPUEmbedding(cfg, backend="numpy", seed=2)
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        emb.enqueue([rng.integers(-1000, 1000, B) * 977])
+        emb.dequeue()
+        emb.apply_gradients([np.ones((B, D), np.float32)])
+    keys, values = emb.export_dynamic("t")
+    table = emb.retrieve_parameters("t")["parameters"]
+    np.testing.assert_array_equal(values, table[emb.vocabulary("t").rows_of(keys)])
+    assert np.array_equal(values.astype(np.float32).view(np.uint32) & 0xFFFF, np.zeros_like(values, np.uint32))
+    restored = me.TPUEmbedding.restore(emb.save(tmp_path / "ckpt"))
+    k2, v2 = restored.export_dynamic("t")
+    np.testing.assert_array_equal(k2, keys)
+    np.testing.assert_array_equal(v2, values)

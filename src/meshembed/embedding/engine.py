@@ -623,9 +623,14 @@ class TPUEmbedding:
         self.flush()
         t = self.layout.table(table)
         keys, rows = st.resident()
+        return keys, self._rows_of(t, rows)
+
+    def _rows_of(self, t: TableSpec, rows: np.ndarray) -> np.ndarray:
+        """float32 [n, dimension]: the parameters of ``rows`` of table ``t`` (exact values)."""
         values = self.backend.to_numpy(self.backend.gather(self.state.tables[t.index][0],
                                                            self.backend.asarray(rows, dtype="int64")))
-        return keys, np.asarray(values).astype(np.float32).reshape(rows.shape[0], t.dimension)
+        values = precision.from_storage(np.asarray(values), precision.array_dtypes(t)[0])
+        return values.reshape(rows.shape[0], t.dimension)
 
     def _check_key_batch(self, batch: Any) -> None:
         if isinstance(batch, Batch) and (batch.layout is self.key_layout or batch.layout == self.key_layout):
@@ -679,9 +684,7 @@ class TPUEmbedding:
         t = self.layout.tables[index]
         norms = np.zeros(st.capacity, np.float64)
         if rows.size:
-            values = self.backend.to_numpy(self.backend.gather(self.state.tables[index][0],
-                                                               self.backend.asarray(rows, dtype="int64")))
-            v = np.asarray(values).astype(np.float64).reshape(rows.shape[0], t.dimension)
+            v = self._rows_of(t, rows).astype(np.float64)
             norms[rows] = np.sqrt(np.einsum("ij,ij->i", v, v))
         return norms
 
