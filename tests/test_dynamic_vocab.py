@@ -538,3 +538,29 @@ def test_low_precision_dynamic_table(tmp_path):
     k2, v2 = restored.export_dynamic("t")
     np.testing.assert_array_equal(k2, keys)
     np.testing.assert_array_equal(v2, values)
+
+
+def test_me_tpu_maps_keys_through_the_engine(monkeypatch):
+    """me.tpu's enqueue is the engine's: once its TableConfig passes `dynamic=` to the
+    engine's TableConfig (the one missing piece, see docs/dynamic_vocab.md), keys are mapped.
+    Here the pass-through is patched in."""
+    from meshembed.tpu import TableConfig as TFTable
+
+    original = TFTable._engine
+
+    def with_dynamic(self, name, optimizer):
+        return original(self, name, optimizer).replace(dynamic=dv.DynamicVocabulary())
+
+    monkeypatch.setattr(TFTable, "_engine", with_dynamic)
+    E = me.tpu
+    table = E.TableConfig(vocabulary_size=8, dim=D, name="item", combiner="sum")
+    emb = E.TPUEmbedding(feature_config={"item": E.FeatureConfig(table)}, optimizer=E.SGD(learning_rate=0.5))
+    keys = np.array([10**15, -7, 10**15])
+    emb.enqueue({"item": keys}, training=True)
+    acts = emb.dequeue()
+    vocab = emb.engine.vocabulary("item")
+    np.testing.assert_array_equal(np.asarray(acts["item"])[0], np.asarray(acts["item"])[2])
+    np.testing.assert_array_equal(np.asarray(acts["item"]),
+                                  dv.keyed_initial_values(None, keys, D, 0, 0))
+    emb.apply_gradients({"item": np.ones((3, D), np.float32)})
+    assert vocab.size == 2 and emb.engine.vocabulary("item").stats["lookups"] == 3
