@@ -735,11 +735,13 @@ def assign(state: DynamicVocabularyState, keys: Any, step: int, *, training: boo
     if isinstance(adm, AfterOccurrences) and miss.size:
         buckets = _sketch_buckets(spec, st.sketch.shape, uniq[miss])
         depth = st.sketch.shape[0]
-        add = occ[miss].astype(np.uint64)
-        for d in range(depth):
-            row = st.sketch[d].astype(np.uint64)
-            np.add.at(row, buckets[d], add)
-            st.sketch[d] = np.minimum(row, np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        add = occ[miss].astype(np.int64)
+        for d in range(depth):  # only the touched counters: O(keys), saturating at 2**32 - 1
+            touched, inv = np.unique(buckets[d], return_inverse=True)
+            sums = np.zeros(touched.shape[0], np.int64)
+            np.add.at(sums, inv, add)
+            total = st.sketch[d][touched].astype(np.int64) + sums
+            st.sketch[d][touched] = np.minimum(total, 0xFFFFFFFF).astype(np.uint32)
         estimate = np.min(np.stack([st.sketch[d][buckets[d]] for d in range(depth)]), axis=0)
         miss = miss[estimate >= adm.count]
     elif isinstance(adm, Probability) and miss.size:
