@@ -601,6 +601,8 @@ class EmbeddingCollection(torch.nn.Module):
             values = e.retrieve_parameters(table)
             engine.load_parameters(table, values.pop("parameters"), **values)
         engine.step = e.step
+        for table, vocabulary in e.vocabularies.items():  # dynamic tables: the same keys on the same rows
+            engine.load_vocabulary(table, vocabulary)
         new = type(self)._from_engine(engine, self.fused_optimizer, self._nest)
         new._learning_rates = None if self._learning_rates is None else list(self._learning_rates)
         memo[id(self)] = new
@@ -741,10 +743,17 @@ class EmbeddingCollection(torch.nn.Module):
                                                                          engine.backend)
         # config-order lists, in the engine's structure (a dict when the config's features were);
         # this forward's own batch: nothing of the engine's (its pending batch) is touched
-        pending = steps.prepare_on(engine.backend, layout, batches.structured(layout, feats),
+        pending = steps.prepare_on(engine.backend, engine.key_layout, batches.structured(layout, feats),
                                    None if all(w is None for w in weights) else batches.structured(layout, weights),
                                    training=training)
         with self._update_lock:  # rows as of one update, never half of another thread's
+            if engine.vocabularies:  # dynamic tables: keys -> rows; rows awaiting a backward are kept
+                if wanted:
+                    raise InputError("Per-id weights with requires_grad are not supported with dynamic "
+                                     "vocabulary tables (keys without a row leave the batch). Fix: pass "
+                                     "weights without requires_grad.")
+                kept = [entry[0] for entry in self._batches.values()] + [entry[0] for entry in self._accumulated]
+                pending = engine.map_batch(pending, keep=kept)
             acts = steps.lookup(engine.backend, engine.state, pending)
             jacobians = {i: self._weight_jacobian(i, pending, acts[i], feats[i], weights[i]) + (wt.shape, wt.dtype)
                          for i, wt in wanted.items()}

@@ -153,7 +153,7 @@ def _dense_batch(ids: np.ndarray, info: inputs.FeatureInfo, w: np.ndarray | None
 
 def _feature_batch(engine: TPUEmbedding, k: int, index: Any, ids: Any, w: Any, ragged: bool | None) -> inputs.FeatureBatch:
     """One feature of an Arbitrary/Sparse/Ragged tensor batch → FeatureBatch."""
-    info = feature_info(engine.layout, engine.layout.features[k])
+    info = feature_info(engine.key_layout, engine.layout.features[k])
     index = _host(index)
     ids = inputs.int_array(ids, "embedding_indices", info, None).reshape(-1)
     wts = _weights(w)
@@ -177,7 +177,7 @@ def _enqueue_per_feature(engine, indices, ids, weights, combiners, mode_override
     indices, ids, weights, mode, comb = _enqueue_args(engine, "feature", indices, ids, weights, combiners,
                                                       mode_override)
     batches = [_feature_batch(engine, k, indices[k], ids[k], weights[k], ragged) for k in range(len(ids))]
-    engine.enqueue_batch(from_feature_batches(engine.layout, batches, mode, comb))
+    engine.enqueue_batch(from_feature_batches(engine.key_layout, batches, mode, comb))
 
 
 def enqueue_tpu_embedding_arbitrary_tensor_batch(
@@ -280,7 +280,7 @@ def _enqueue_sparse_batch(engine, sample_indices, embedding_indices, aggregation
         engine, "table", sample_indices, embedding_indices, aggregation_weights, combiners, mode_override)
     batches = []
     for k, f in enumerate(engine.layout.features):
-        info = feature_info(engine.layout, f)
+        info = feature_info(engine.key_layout, f)
         ids = inputs.int_array(embedding_indices[k], "embedding_indices", info, None).reshape(-1)
         slots = _host(sample_indices[k]).reshape(-1)
         w = _weights(weights[k])
@@ -294,7 +294,7 @@ def _enqueue_sparse_batch(engine, sample_indices, embedding_indices, aggregation
                 f"{ids.shape[0]} ids."
             )
         batches.append(inputs.make_batch(ids, slots, _check_weights(w, ids, info), info))
-    engine.enqueue_batch(from_feature_batches(engine.layout, batches, mode, comb))
+    engine.enqueue_batch(from_feature_batches(engine.key_layout, batches, mode, comb))
 
 
 def enqueue_tpu_embedding_integer_batch(
@@ -311,10 +311,10 @@ def _enqueue_integer_batch(engine, batch, mode_override) -> None:
     mode = _mode(engine, mode_override)
     batches = []
     for k, f in enumerate(engine.layout.features):
-        info = feature_info(engine.layout, f)
+        info = feature_info(engine.key_layout, f)
         ids = inputs.int_array(batch[k], "batch", info, None).reshape(-1)
         batches.append(_dense_batch(ids, info, None))
-    engine.enqueue_batch(from_feature_batches(engine.layout, batches, mode, ["sum"] * len(engine.layout.tables)))
+    engine.enqueue_batch(from_feature_batches(engine.key_layout, batches, mode, ["sum"] * len(engine.layout.tables)))
 
 
 # -- Recv / Send -----------------------------------------------------------------------------

@@ -137,7 +137,7 @@ class TableConfig:
     def __init__(self, vocabulary_size: int, dim: int, initializer: Callable[..., Any] | None = None,
                  optimizer: OptimizerSpec | CustomOptimizer | None = None, combiner: str = "mean",
                  name: str | None = None, quantization_config: QuantizationConfig | None = None,
-                 layout: Any = None, dtype: Any = "float32", *, precision: Any = None) -> None:
+                 layout: Any = None, dtype: Any = "float32", *, precision: Any = None, dynamic: Any = None) -> None:
         where = "TableConfig" + (f" '{name}'" if name else "")
         _positive_int("vocabulary_size", vocabulary_size, where)
         _positive_int("dim", dim, where)
@@ -171,6 +171,7 @@ class TableConfig:
         self.dtype = dtype_name
         #: meshembed's extension: 16-bit storage of the table and its slots (me.embedding.Precision)
         self.precision = precision
+        self.dynamic = dynamic  # a me.embedding.DynamicVocabulary (ids are then raw int64 keys)
 
     def _engine(self, name: str, optimizer: Any) -> _cfg.TableConfig:
         """The engine's frozen TableConfig under ``name`` with ``optimizer`` (this object is not changed)."""
@@ -180,7 +181,8 @@ class TableConfig:
             init = lambda shape: user(shape)  # noqa: E731 - TF's contract: one argument, the shape
         return _cfg.TableConfig(name, self.vocabulary_size, self.dim, optimizer=optimizer,
                                 combiner=self.combiner, initializer=init,
-                                quantization=self.quantization_config, dtype=self.dtype, precision=self.precision)
+                                quantization=self.quantization_config, dtype=self.dtype, precision=self.precision,
+                                dynamic=self.dynamic)
 
     def __repr__(self) -> str:
         return (f"TableConfig(vocabulary_size={self.vocabulary_size!r}, dim={self.dim!r}, "
