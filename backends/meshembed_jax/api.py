@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshembed.embedding import batch as batches
+from meshembed.embedding import dynamic
 from meshembed.embedding import inputs
 from meshembed.embedding import precision
 from meshembed.embedding import step as steps
@@ -53,9 +54,9 @@ _FORMAT = 1
 
 class _Static:
     """What never changes between steps (config, layout, backend, placements): the pytree's
-    aux data. Compared by identity first (a state handed from step to step never retraces),
-    else by its serialized description (:meth:`key`: config, shard counts, devices), so a
-    state whose static part came back from ``jax.export.deserialize`` equals a live one."""
+    aux data, compared by identity (a state handed from step to step never retraces). One
+    rebuilt by ``jax.export.deserialize`` also equals a live one with the same description
+    (:meth:`key`: config, shard counts, devices), so ``Exported.call`` takes this process's state."""
 
     def __init__(self, config: Any, layout: Layout, backend: JaxBackend, shard_layouts: dict[int, ShardLayout],
                  num_shards: int | None, dtypes: Mapping[int, Any]) -> None:
@@ -71,12 +72,14 @@ class _Static:
         self.batch_key = tuple(_feature_key(layout, f) for f in layout.features)
         self.rules = steps.make_rules(backend, layout)  # the engine's rules, built once
         self._key: Any = None
+        self._why = ""
+        self.deserialized = False
 
     def key(self) -> bytes | None:
-        """The serialized description (None, with :attr:`_why` set, where it cannot be)."""
+        """The serialized description (None, with :attr:`_why` saying why, where it cannot be)."""
         if self._key is None:
             try:
-                self._key, self._why = _describe(self), ""
+                self._key = _describe(self)
             except (InputError, ConfigError, TypeError, ValueError) as exc:
                 self._key, self._why = b"", str(exc)
         return self._key or None
@@ -86,6 +89,8 @@ class _Static:
             return True
         if not isinstance(other, _Static):
             return NotImplemented
+        if not (self.deserialized or other.deserialized):  # two live ones: identity (their traces stay apart)
+            return False
         mine = self.key()
         return mine is not None and mine == other.key()
 
@@ -104,6 +109,15 @@ def _feature_key(layout: Layout, f: Any) -> tuple:
     return (f.name, t.name, t.vocabulary_size, t.dimension, t.combiner, tuple(f.output_shape))
 
 
+def _step_signature(layout: Layout, rules: Mapping[int, UpdateRule]) -> tuple:
+    """Everything of a config the jitted step depends on: features and tables (sizes,
+    combiners), the strategy and mode, and each table's rule and constant values."""
+    probe = [0.0] * layout.num_dynamic_inputs
+    return (layout.strategy, layout.mode, layout.num_dynamic_inputs, layout.per_table_layout, layout.keys,
+            tuple(_feature_key(layout, f) for f in layout.features),
+            tuple((t.name, rules[t.index], tuple(rule_values(t, rules[t.index], probe))) for t in layout.tables))
+
+
 def _mesh_of(backend: JaxBackend) -> Any:
     """The backend's device description: None (the registry's backend: every JAX device),
     ``{"devices": ids}`` (a user's devices in its order) or, tables on one axis of a user's
@@ -117,8 +131,20 @@ def _mesh_of(backend: JaxBackend) -> Any:
     return {"devices": None if devices is None else [d.id for d in devices], **options}
 
 
+def _config_from(desc: dict) -> Any:
+    """The EmbeddingConfig of a description: its proto, with what the proto has no field for
+    (combiners, a dict's keys) put back as the checkpoints do."""
+    from meshembed.config import EmbeddingConfig
+
+    config = EmbeddingConfig.from_proto(base64.b64decode(desc["config"]), combiners=desc["combiners"])
+    if desc["feature_keys"]:
+        object.__setattr__(config, "feature_keys", tuple(desc["feature_keys"]))
+    return config
+
+
 def _describe(st: _Static) -> bytes:
-    """``st`` as JSON bytes: everything needed to build it again in another process."""
+    """``st`` as JSON bytes: everything needed to build it again in another process. Refused
+    (InputError) for a config whose step depends on more than those bytes carry."""
     config = st.config
     why = ""
     if not hasattr(config, "to_proto"):
@@ -137,7 +163,12 @@ def _describe(st: _Static) -> bytes:
                        "dtype": st.dtypes[t.index].name} for t in st.layout.tables}
     desc = {"format": _FORMAT, "meshembed": meshembed.__version__,
             "config": base64.b64encode(config.to_proto()).decode("ascii"), "feature_keys": keys,
+            "combiners": {t.name: t.combiner for t in st.layout.tables},
             "num_shards": st.num_shards, "mesh": _mesh_of(st.backend), "tables": tables}
+    layout = build_layout(_config_from(desc))
+    if _step_signature(layout, steps.make_rules(st.backend, layout)) != _step_signature(st.layout, st.rules):
+        raise InputError("Cannot serialize this me.jax EmbeddingState's static part: its config holds something "
+                         "the TPUEmbeddingConfiguration proto cannot carry that changes the step.")
     return json.dumps(desc, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -150,8 +181,6 @@ def _serialize_static(st: _Static) -> bytes:
 
 def _deserialize_static(data: bytes) -> _Static:
     """A :class:`_Static` built from :func:`_describe`'s bytes on this process's devices."""
-    from meshembed.config import EmbeddingConfig
-
     try:
         desc = json.loads(bytes(data).decode())
         fmt = desc["format"]
@@ -160,9 +189,7 @@ def _deserialize_static(data: bytes) -> _Static:
     if fmt != _FORMAT:
         raise InputError(f"Cannot read a me.jax EmbeddingState's static part of format {fmt!r}: this meshembed "
                          f"reads format {_FORMAT}. Fix: deserialize with the meshembed version that exported it.")
-    config = EmbeddingConfig.from_proto(base64.b64decode(desc["config"]))
-    if desc["feature_keys"]:
-        object.__setattr__(config, "feature_keys", tuple(desc["feature_keys"]))
+    config = _config_from(desc)
     layout = build_layout(config)
     backend = _backend_from(desc["mesh"])
     layouts, dtypes = {}, {}
@@ -177,7 +204,7 @@ def _deserialize_static(data: bytes) -> _Static:
             )
         layouts[t.index], dtypes[t.index] = sl, np.dtype(entry["dtype"])
     st = _Static(config, layout, backend, layouts, desc["num_shards"], dtypes)
-    st._key, st._why = bytes(data), ""
+    st._key, st.deserialized = bytes(data), True
     return st
 
 
@@ -404,19 +431,6 @@ def _same_devices(layout: Layout, layouts: dict[int, ShardLayout]) -> None:
             )
 
 
-def _refuse_dynamic(emb: TPUEmbedding) -> None:
-    """Dynamic vocabularies map keys to rows in the engine's enqueue, which me.jax's prepare
-    does not run: refused, never keys read as row ids."""
-    dynamic = set(getattr(emb, "vocabularies", None) or ())
-    for t in emb.layout.tables:
-        if t.name in dynamic:
-            raise ConfigError(
-                f"Table {t.name!r} has a dynamic vocabulary (TableConfig(dynamic=...)), which me.jax does not "
-                "support yet (prepare would read its keys as row ids). Nothing was created. Fix: train this "
-                "config with me.TPUEmbedding(config, backend='jax'), or drop dynamic= for me.jax."
-            )
-
-
 def from_engine(emb: TPUEmbedding) -> EmbeddingState:
     """The state of a ``TPUEmbedding`` on the JAX backend (its arrays, not copies: the engine
     must not step afterwards if the state is donated)."""
@@ -429,7 +443,7 @@ def from_engine(emb: TPUEmbedding) -> EmbeddingState:
             "me.jax's traced step does not run yet. Nothing was changed. Fix: use the engine "
             "(me.TPUEmbedding(config, backend='jax')), me.tpu or me.torch for low-precision tables, or store "
             "them in float32 for me.jax (docs/low_precision.md).")
-    _refuse_dynamic(emb)
+    dynamic.refuse(emb.config, "me.jax", "its prepare would read the keys as row ids")
     tables, layouts, dtypes = {}, {}, {}
     for t in emb.layout.tables:
         state = emb.state.tables[t.index]
@@ -452,6 +466,7 @@ def init(config: Any, *, mesh: Any = None, axis: str | None = None, num_shards: 
     shards split over the ``model`` devices, replicated over ``data``). ``num_shards``: the
     logical shards (default: the device count, or the axis size), a multiple of the axis size."""
     backend = _backend_for(mesh, axis)
+    dynamic.refuse(load_config(config), "me.jax", "its prepare would read the keys as row ids")  # before any table
     return from_engine(TPUEmbedding(config, backend=backend, num_shards=num_shards, seed=seed,
                                     initializers=initializers))
 
