@@ -187,6 +187,31 @@ def test_grad_jvp_vmap_through_the_tables_say_what_is_differentiable():
     assert gw.shape == (4, 1) and int(new.step) == 1
 
 
+def test_scan_over_batches_equals_step_by_step():
+    """What the vmap error recommends: jax.lax.scan over stacked batches (the state as the
+    carry) gives the bits of one jitted step per batch."""
+    cfg = _config()
+    rng = np.random.default_rng(0)
+    caps = {"adam": 50, "ftrl": 40, "clipped": 26}
+    batches = [me.jax.prepare(cfg, _features(cfg, rng, sparse=False), capacity=64, unique_capacity=caps)
+               for _ in range(3)]
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *batches)
+    lrs = jnp.asarray([[0.1, 0.2], [0.05, 0.1], [0.02, 0.3]], jnp.float32)
+
+    def body(state, xs):
+        b, lr = xs
+        return _step(state, b, [lr[0], lr[1]])[0], None
+
+    scanned, _ = jax.jit(lambda s, bs, lr: jax.lax.scan(body, s, (bs, lr)))(me.jax.init(cfg, seed=1), stacked, lrs)
+    state, step = me.jax.init(cfg, seed=1), jax.jit(_step)
+    for b, lr in zip(batches, lrs):
+        state = step(state, b, [lr[0], lr[1]])[0]
+    assert int(scanned.step) == int(state.step) == 3
+    for t in cfg.tables:
+        for k, v in scanned.parameters(t.name).items():
+            np.testing.assert_array_equal(v, state.parameters(t.name)[k], err_msg=f"{t.name}/{k}")
+
+
 # -- #35.3: tables over one mesh axis; dense state placed once ---------------------------------
 def test_tables_on_one_axis_of_a_user_mesh():
     """init(config, mesh=Mesh(2 x 4, ("data", "model")), axis="model") on 8 CPU devices:
