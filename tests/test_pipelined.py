@@ -194,3 +194,23 @@ def test_me_tpu_pipeline_execution_with_tensor_core_runs_the_pipelined_schedule(
         outs[flag] = acts
     np.testing.assert_array_equal(outs[True][1], outs[False][0])  # step 2 still sees step 0's tables
     np.testing.assert_array_equal(outs[True][2], outs[False][1])
+
+
+def test_me_torch_module_pipelined_equals_the_pipelined_engine():
+    torch = pytest.importorskip("torch")
+    emb = me.TPUEmbedding(config(), backend="torch", seed=7, pipelined=True)
+    ec = me.torch.EmbeddingCollection(config(), seed=7, pipelined=True)
+    for s in range(4):
+        x = inputs(s)
+        emb.enqueue(x)
+        want = emb.dequeue()
+        emb.apply_gradients(grads_of(emb, want))
+        got = ec(dict(zip(["a", "seq", "c"], x)))
+        for k, name in enumerate(["a", "seq", "c"]):
+            np.testing.assert_array_equal(got[name].detach().numpy(), emb.backend.to_numpy(want[k]), err_msg=name)
+        torch.autograd.backward([got[n] for n in ("a", "seq", "c")],
+                                [torch.as_tensor(g) for g in grads_of(emb, [got[n].detach() for n in ("a", "seq", "c")])])
+    assert ec.engine.flush() and emb.flush()
+    for t in ("t", "u"):
+        for name, arr in emb.retrieve_parameters(t).items():
+            np.testing.assert_array_equal(ec.engine.retrieve_parameters(t)[name], arr, err_msg=f"{t}/{name}")

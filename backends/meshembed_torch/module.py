@@ -368,6 +368,9 @@ class EmbeddingCollection(torch.nn.Module):
     and ``"<table>.<slot>"`` whole logical tables. ``discard_gradients()`` drops what
     ``fused_optimizer=False`` kept. Threads: forward/backward may run in several threads on
     one module (each table update and each lookup holds one lock; no update is lost).
+    ``pipelined=True``: the TPU's pipelined schedule, as ``me.TPUEmbedding(pipelined=True)``
+    (a backward's update is applied right after the next forward's lookup; ``state_dict`` and
+    ``save`` apply it first).
     """
 
     _pooled_only = False  # EmbeddingBagCollection: every feature pooled
@@ -375,7 +378,7 @@ class EmbeddingCollection(torch.nn.Module):
     def __init__(self, config: Any, *, num_shards: int | None = None, process_group: Any = None,
                  device: Any = None, seed: int = 0, fused_optimizer: bool = True,
                  initializers: Mapping[str, Any] | None = None, optimizer: Any = None,
-                 batch_size: int | None = None) -> None:
+                 batch_size: int | None = None, pipelined: bool = False) -> None:
         super().__init__()
         from meshembed.config import EmbeddingConfig
         from meshembed_torch.backend import TorchBackend
@@ -387,11 +390,13 @@ class EmbeddingCollection(torch.nn.Module):
                     raise ConfigError(
                         f"Invalid `{name}`: it is for a feature_config nest (me.tpu.FeatureConfig leaves); an "
                         f"EmbeddingConfig carries its own optimizers and input shapes. Received: {name}={value!r}")
-            engine = TPUEmbedding(config, backend=backend, num_shards=num_shards, seed=seed, initializers=initializers)
+            engine = TPUEmbedding(config, backend=backend, num_shards=num_shards, seed=seed, initializers=initializers,
+                                  pipelined=pipelined)
             self._attach(engine, fused_optimizer)
             return
         engine = _engine_of_nest(config, optimizer, batch_size, initializers,
-                                 dict(backend=backend, num_shards=num_shards, seed=seed))
+                                 dict(backend=backend, num_shards=num_shards, seed=seed,
+                                      pipeline_execution_with_tensor_core=pipelined))
         self._attach(engine, fused_optimizer, nest=config)
 
     @classmethod
@@ -596,7 +601,7 @@ class EmbeddingCollection(torch.nn.Module):
         learning rates (copying the handle would route the copy's ops to this module)."""
         e = self.engine
         engine = TPUEmbedding(e.config, backend=e.backend, num_shards=e.num_shards, seed=e.seed,
-                              initializers={t: "zeros" for t in e.table_names})
+                              initializers={t: "zeros" for t in e.table_names}, pipelined=e.pipelined)
         for table in e.table_names:
             values = e.retrieve_parameters(table)
             engine.load_parameters(table, values.pop("parameters"), **values)
@@ -755,6 +760,7 @@ class EmbeddingCollection(torch.nn.Module):
                 kept = [entry[0] for entry in self._batches.values()] + [entry[0] for entry in self._accumulated]
                 pending = engine.map_batch(pending, keep=kept)
             acts = steps.lookup(engine.backend, engine.state, pending)
+            engine.flush()  # pipelined: the previous step's update, right after this lookup
             jacobians = {i: self._weight_jacobian(i, pending, acts[i], feats[i], weights[i]) + (wt.shape, wt.dtype)
                          for i, wt in wanted.items()}
         keep = training or bool(jacobians)
@@ -829,10 +835,8 @@ class EmbeddingCollection(torch.nn.Module):
         engine = self.engine
         if lrs is None:
             lrs = self._learning_rates if self._learning_rates is not None else ()
-        with self._update_lock:
-            engine.state = steps.apply_gradients(engine.backend, engine.state, pending,
-                                                 batches.structured(engine.layout, list(grads)), lrs,
-                                                 allow_nonfinite=engine.allow_nonfinite, rules=engine.rules)
+        with self._update_lock:  # applied now, or kept until the next lookup (pipelined)
+            engine.send(pending, batches.structured(engine.layout, list(grads)), lrs)
 
 
 class EmbeddingBagCollection(EmbeddingCollection):

@@ -379,6 +379,20 @@ class TPUEmbedding:
             finally:
                 self._applying = None
 
+    def send(self, batch: Batch, gradients: Any, learning_rates: Any = (), *,
+             allow_nonfinite: bool | None = None) -> None:
+        """SendTPUEmbeddingGradients for a batch the caller holds (a front end keeping one
+        Batch per forward, as me.torch does): applied now, or — pipelined — checked now and
+        applied right after the next lookup (``flush``), exactly as ``apply_gradients``."""
+        allow = self.allow_nonfinite if allow_nonfinite is None else _check_bool(
+            allow_nonfinite, "allow_nonfinite", InputError)
+        with self._lock:
+            if self._pipelined:
+                self._defer(batch, gradients, learning_rates, allow)
+            else:
+                self.state = steps.apply_gradients(self.backend, self.state, batch, gradients, learning_rates,
+                                                   allow_nonfinite=allow, rules=self.rules)
+
     # -- the pipelined schedule -------------------------------------------------------------
     @property
     def pipelined(self) -> bool:
