@@ -214,3 +214,29 @@ def test_me_torch_module_pipelined_equals_the_pipelined_engine():
     for t in ("t", "u"):
         for name, arr in emb.retrieve_parameters(t).items():
             np.testing.assert_array_equal(ec.engine.retrieve_parameters(t)[name], arr, err_msg=f"{t}/{name}")
+
+
+def test_me_jax_pipelined_is_an_order_of_the_pure_functions():
+    """me.jax has no flag: the pipelined schedule is the order a jitted step calls the pure
+    functions in (look up batch t+1 on the state before batch t's update, then update) —
+    the same bits as the pipelined engine (README, me.jax)."""
+    pytest.importorskip("jax")
+    emb = me.TPUEmbedding(config(), backend="jax", seed=7, pipelined=True)
+    state = me.jax.from_engine(me.TPUEmbedding(config(), backend="jax", seed=7))
+    previous = None
+    for s in range(4):
+        emb.enqueue(inputs(s))
+        want = emb.dequeue()
+        emb.apply_gradients(grads_of(emb, want))
+        batch = me.jax.prepare(config(), inputs(s))
+        acts = me.jax.lookup(state, batch)  # on the tables before the previous step's update
+        if previous is not None:
+            state = me.jax.apply_gradients(state, *previous)
+        previous = (batch, grads_of(emb, [acts[n] for n in ("a", "seq", "c")]))
+        for k, name in enumerate(["a", "seq", "c"]):
+            np.testing.assert_array_equal(np.asarray(acts[name]), emb.backend.to_numpy(want[k]), err_msg=name)
+    state = me.jax.apply_gradients(state, *previous)
+    emb.flush()
+    for t in ("t", "u"):
+        for name, arr in emb.retrieve_parameters(t).items():
+            np.testing.assert_array_equal(state.parameters(t)[name], arr, err_msg=f"{t}/{name}")
