@@ -29,10 +29,13 @@ namespace {
 // Runs body(chunk) for chunk in [0, n_chunks) on the caller and the pool's threads.
 // Deadlock-free whatever the pool is doing: the caller never waits for a chunk nobody has
 // claimed, and a helper that starts late finds no chunk left (it only touches `state`).
+// Subnormals are kept while a thread runs chunks (meshembed::KeepSubnormals: XLA's threads
+// flush them), so every kernel here computes what the NumPy reference does.
 template <class Body>
 void ParallelFor(ffi::ThreadPool& pool, int64_t n_chunks, const Body& body) {
   int64_t helpers = std::min<int64_t>(pool.num_threads(), n_chunks - 1);
   if (helpers <= 0) {
+    meshembed::KeepSubnormals ieee;
     for (int64_t c = 0; c < n_chunks; ++c) body(c);
     return;
   }
@@ -43,6 +46,7 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n_chunks, const Body& body) {
   auto state = std::make_shared<State>();
   const Body* work = &body;
   auto run = [state, work, n_chunks]() {
+    meshembed::KeepSubnormals ieee;
     for (int64_t c; (c = state->next.fetch_add(1)) < n_chunks;) {
       (*work)(c);
       state->done.fetch_add(1, std::memory_order_release);

@@ -17,6 +17,9 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 #include "row_kernels.h"
 
@@ -124,6 +127,26 @@ int64_t GatherRowRange(const char* table, int64_t m, const I* ids, int64_t lo, i
   if (stream) StreamFence();
   return bad;
 }
+
+// IEEE subnormals on this thread while it lives, the previous mode restored after: a caller
+// that flushes them (XLA's CPU runtime sets FTZ and DAZ on its threads) would otherwise make a
+// kernel read a subnormal input as 0 and write 0 for a subnormal result, where the NumPy
+// reference keeps them. (x86's MXCSR; elsewhere nothing.)
+class KeepSubnormals {
+ public:
+#if defined(__SSE__)
+  KeepSubnormals() : saved_(_mm_getcsr()) {
+    constexpr unsigned kFlushToZero = 1u << 15, kDenormalsAreZero = 1u << 6;
+    if (saved_ & (kFlushToZero | kDenormalsAreZero)) _mm_setcsr(saved_ & ~(kFlushToZero | kDenormalsAreZero));
+  }
+  ~KeepSubnormals() {
+    if (_mm_getcsr() != saved_) _mm_setcsr(saved_);
+  }
+
+ private:
+  unsigned saved_;
+#endif
+};
 
 // Asks Linux for 2 MiB pages over the whole huge pages inside [p, p + bytes) where bytes >=
 // min_bytes, before the first write (MADV_HUGEPAGE): a fresh large buffer is otherwise one
