@@ -32,7 +32,9 @@ def test_precedence_explicit_scope_env_default(monkeypatch):
     finally:
         me.set_backend(None)
         registry._extra.pop("loopback", None)
-        registry._instances.pop("loopback", None)
+        registry._factories.pop("loopback", None)
+        for key in [k for k in registry._instances if k[0] == "loopback"]:
+            del registry._instances[key]
 
 
 def test_unknown_backend_error_names_choices():

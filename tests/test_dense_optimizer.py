@@ -318,7 +318,7 @@ def test_jax_dense_steps_donate_run_one_pass_per_output_and_match_numpy(monkeypa
         return apply_rule(be.xp, rule, values, g, *t)
 
     assert be._pass_order(step, [x], [lr], [[x], [x], [x]]) == [0, 2, 1]
-    monkeypatch.setenv("MESHEMBED_JAX_FUSED", "0")
+    monkeypatch.setattr(be, "fused", False)  # the XLA passes (the switch is read once, by the constructor)
     run = be.compile_update(rule, 1)
     targets = [[jax.numpy.ones(3100, jax.numpy.float32) * k] for k in (1, 2, 3)]
     run([x], [(0.1,)], *targets)

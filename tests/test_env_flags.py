@@ -50,26 +50,47 @@ def test_env_int(monkeypatch):
 
 
 def test_the_backends_switches_read_off_as_off(monkeypatch):
-    """Every boolean switch of the torch and JAX backends goes through env_flag: "off" is off
-    (it was on for some readers) and a typo is an error, not a silent default."""
-    import importlib
-
-    readers = {"MESHEMBED_TORCH_FUSED": ("meshembed_torch.fused_cpu", "enabled"),
-               "MESHEMBED_JAX_FUSED": ("meshembed_jax.cpu_kernels", "fused_enabled"),
-               "MESHEMBED_JAX_CPU_KERNELS": ("meshembed_jax.cpu_kernels", "enabled")}
-    for name, (module, fn) in readers.items():
-        if module.startswith("meshembed_torch"):
-            pytest.importorskip("torch")
-        read = getattr(importlib.import_module(module), fn)
+    """Every boolean switch of the torch and JAX backends goes through env_flag, read by the
+    backend's constructor: "off" is off (it was on for some readers) and a typo is an error,
+    not a silent default."""
+    readers = {"MESHEMBED_TORCH_FUSED": (_torch, lambda b: b.fused),
+               "MESHEMBED_JAX_FUSED": (_jax, lambda b: b.fused),
+               "MESHEMBED_JAX_CPU_KERNELS": (_jax, lambda b: b.use_cpu_kernels)}
+    for name, (make, read) in readers.items():
         monkeypatch.setenv(name, "Off")
-        assert read() is False, name
+        assert read(make()) is False, name
         monkeypatch.setenv(name, "on")
-        assert read() is True, name
+        assert read(make()) is True, name
         monkeypatch.setenv(name, "maybe")
         with pytest.raises(ConfigError, match=name):
-            read()
+            make()
         monkeypatch.delenv(name)
-        assert read() is True, name
+        assert read(make()) is True, name
+
+
+@pytest.mark.parametrize("name, make, read", [
+    ("MESHEMBED_TORCH_FUSED", lambda: _torch(), lambda b: b.fused),
+    ("MESHEMBED_JAX_FUSED", lambda: _jax(), lambda b: b.fused),
+    ("MESHEMBED_JAX_CPU_KERNELS", lambda: _jax(), lambda b: b.use_cpu_kernels),
+])
+def test_a_backend_reads_its_switches_once(monkeypatch, name, make, read):
+    """Read in the constructor, never again: changing the variable afterwards changes nothing
+    of an existing backend (its attribute switches it), and ``me.get_backend(name)`` hands out
+    the instance made under the current values, the same one again once they are back."""
+    import meshembed as me
+
+    monkeypatch.delenv(name, raising=False)
+    be = make()
+    backend_name = be.name
+    assert name in type(be).environment
+    default = me.get_backend(backend_name)
+    monkeypatch.setenv(name, "0")
+    assert read(be) is True and read(default) is True  # nothing re-reads the environment
+    off = me.get_backend(backend_name)
+    assert off is not default and read(off) is False
+    assert me.get_backend(backend_name) is off
+    monkeypatch.delenv(name)
+    assert me.get_backend(backend_name) is default
 
 
 def test_env_choice(monkeypatch):

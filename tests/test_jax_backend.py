@@ -86,7 +86,7 @@ def make_fn(xp, algorithm: str, lr: float, hp: dict) -> dict:
 @pytest.fixture(autouse=True)
 def _xla_update_step(monkeypatch):
     """These tests are about the XLA update step (capacity, pieces, donation); the generated
-    fused kernels have their own tests (test_jax_fused.py, test_jax_generated.py)."""
+    fused kernels have their own tests (conformance/test_fused_kernels.py, test_jax_fused.py)."""
     monkeypatch.setenv("MESHEMBED_JAX_FUSED", "0")
 
 
@@ -637,3 +637,8 @@ def test_module_imports_without_jax():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr
+
+
+def test_invalid_dedup_is_a_config_error():
+    with pytest.raises(me.errors.ConfigError, match="Invalid `dedup`.*Received: dedup='hash'"):
+        JaxBackend(dedup="hash")

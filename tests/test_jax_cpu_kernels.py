@@ -34,10 +34,8 @@ needs_compiler = pytest.mark.skipif(
 
 def _backend(monkeypatch, ffi: bool) -> JaxBackend:
     """A fresh backend (own kernel cache) tracing with or without the FFI row kernels; the
-    XLA update step (the generated fused kernels: test_jax_generated.py)."""
-    monkeypatch.setenv("MESHEMBED_JAX_CPU_KERNELS", "1" if ffi else "0")
-    monkeypatch.setenv("MESHEMBED_JAX_FUSED", "0")
-    return JaxBackend()
+    XLA update step (the generated fused kernels: conformance/test_fused_kernels.py)."""
+    return JaxBackend(cpu_kernels=ffi, fused=False)
 
 
 def _rule(update, slots: tuple = ()) -> UpdateRule:

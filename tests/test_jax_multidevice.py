@@ -107,9 +107,9 @@ def _hlo_worker() -> None:
 
     rule = UpdateRule(math=OptimizerMath("custom", update, None, ()), slot_names=("s",))
     be.gather(tables[0], ids)
-    os.environ["MESHEMBED_JAX_FUSED"] = "0"  # the XLA step first (this worker's own process)
+    be.fused = False  # the XLA step first
     be.update_rows(tables, ids, grads, rule, values=(1.0,))
-    del os.environ["MESHEMBED_JAX_FUSED"]
+    be.fused = True
     texts = {}
     gids, ggrads, _, _ = be._global_batch(tables[0].layout, ids, grads)
     for key, kernel in be._kernels.items():

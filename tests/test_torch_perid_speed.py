@@ -116,8 +116,8 @@ def test_fused_check_refuses_and_writes_nothing(be, optimizer, form, bad, monkey
     for t, b in zip(tables, before):
         np.testing.assert_array_equal(be.to_numpy(t.data), b)
     assert be.stats().get("fused_updates", 0) == calls
-    # without the fused kernel (MESHEMBED_TORCH_FUSED=0) the backend checks first: same outcome
-    monkeypatch.setenv("MESHEMBED_TORCH_FUSED", "0")
+    # without the fused kernel (fused=False, MESHEMBED_TORCH_FUSED=0) the backend checks first: same outcome
+    monkeypatch.setattr(be, "fused", False)
     with pytest.raises(NonFiniteError):
         be.update_rows(tables, be.asarray(ids), be.asarray(grads), rule, values=values, check_finite=True, **kw)
     for t, b in zip(tables, before):

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from meshembed.backend.env import env_choice, env_int
+from meshembed.backend.env import env_choice, env_flag, env_int
 from meshembed.backend.protocol import Backend, Capabilities, RowUpdate, check_rule
 from meshembed.errors import CapacityError, ConfigError, InputError, NonFiniteError
 from meshembed.math.rule import UpdateRule, apply_rule
@@ -67,12 +67,20 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
             x64 off ids are int32 (int64 input range-checked and narrowed), tables, slots
             and counters 32-bit, and float64 tables are refused.
         devices: the devices tables are placed on (default ``jax.devices()``).
+        cpu_kernels: whether the CPU FFI row kernels (:mod:`.cpu_kernels`) serve CPU tables;
+            ``None``: ``MESHEMBED_JAX_CPU_KERNELS`` (default on).
+        fused: whether the fused updates generated from the rules run where they apply;
+            ``None``: ``MESHEMBED_JAX_FUSED`` (default on).
+
+    The environment is read here, once (:attr:`environment`); the attributes ``capacity``,
+    ``dedup``, ``use_cpu_kernels`` and ``fused`` switch an existing backend.
     """
 
     name = "jax"
+    environment = ("MESHEMBED_JAX_CAPACITY", "MESHEMBED_JAX_DEDUP", "MESHEMBED_JAX_CPU_KERNELS", "MESHEMBED_JAX_FUSED")
 
     def __init__(self, capacity: int | None = None, dedup: str | None = None, enable_x64: bool | None = None,
-                 devices: Sequence[Any] | None = None):
+                 devices: Sequence[Any] | None = None, cpu_kernels: bool | None = None, fused: bool | None = None):
         import jax
 
         if enable_x64 and not jax.config.jax_enable_x64:
@@ -86,6 +94,8 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         self._devices = None if devices is None else list(devices)
         self.capacity = capacity if capacity is not None else env_int("MESHEMBED_JAX_CAPACITY")
         self.dedup = dedup or env_choice("MESHEMBED_JAX_DEDUP", ("dense", "sort"))
+        self.use_cpu_kernels = env_flag("MESHEMBED_JAX_CPU_KERNELS", True) if cpu_kernels is None else bool(cpu_kernels)
+        self.fused = env_flag("MESHEMBED_JAX_FUSED", True) if fused is None else bool(fused)
         if self.dedup is not None and self.dedup not in ("dense", "sort"):
             raise ConfigError(f"Invalid `dedup` for the jax backend. Expected one of ('dense', 'sort') or None (pick "
                               f"per table). Received: dedup={self.dedup!r}")
@@ -115,11 +125,12 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
 
     @property
     def capabilities(self) -> Capabilities:
-        x64 = bool(self._jax.config.jax_enable_x64)  # devices and processes are fixed by now
+        # devices and processes are fixed by now; x64 and the switches may change
+        key = (bool(self._jax.config.jax_enable_x64), self.fused, self.use_cpu_kernels)
         cached = self.__dict__.get("_caps")
-        if cached is None or cached.float64 != x64:
-            cached = self._caps = self._capabilities()
-        return cached
+        if cached is None or cached[0] != key:
+            cached = self._caps = (key, self._capabilities())
+        return cached[1]
 
     def _capabilities(self) -> Capabilities:
         jax = self._jax
@@ -136,6 +147,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
             shaped_rows=True,  # gather and update_rows shape / flatten rows inside their programs
             # with several processes each one holds its own gradients: check before updating
             guarded_updates=jax.process_count() == 1,
+            generated_kernels=self.fused and self.use_cpu_kernels and platform == "cpu",
         )
 
     def hlo_program(self, table_name: str, program: bytes, num_slots: int) -> dict[str, Any]:
@@ -177,7 +189,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
 
         jnp = self._jax.numpy
         arrays = [self.asarray(a) for a in arrays]
-        if (arrays and all(len(a.sharding.device_set) == 1 for a in arrays)
+        if (arrays and self.use_cpu_kernels and all(len(a.sharding.device_set) == 1 for a in arrays)
                 and cpu_kernels.usable(next(iter(arrays[0].devices())).platform, *(a.dtype for a in arrays))):
             check = self._kernel(("finite_guard_ffi", len(arrays)), lambda: self._jax.jit(
                 lambda *xs: cpu_kernels.all_finite(list(xs))))
@@ -288,7 +300,8 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
 
         Where the rule has a generated row kernel (``cpu_kernels.row_kernel``: every
         elementwise rule, float32/float64 CPU tables, automatic capacity) the step is one C++
-        pass per device instead of the XLA program; ``MESHEMBED_JAX_FUSED=0`` turns it off.
+        pass per device instead of the XLA program; ``fused=False`` (``MESHEMBED_JAX_FUSED=0``)
+        turns it off.
 
         Table and slot buffers are donated. On overflow of an explicit capacity it raises
         ``CapacityError`` with every table unchanged; with ``guard`` (a device boolean) false
@@ -396,7 +409,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         from meshembed_jax import cpu_kernels, kernels
 
         dtypes = [np.dtype(d) for d in dtypes]
-        if self.capacity is not None or not cpu_kernels.fused_enabled() or len(set(dtypes)) != 1:
+        if self.capacity is not None or not self.fused or len(set(dtypes)) != 1:
             return None
         if not kernels.use_cpu_kernels(layout, dtypes[0]):
             return None

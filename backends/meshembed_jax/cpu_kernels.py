@@ -10,7 +10,9 @@ The shared library is compiled once per source/jax version with the system C++ c
 (``$CXX`` or ``g++``) into ``$MESHEMBED_CACHE`` (default ``~/.cache/meshembed``), see
 :mod:`meshembed_native.build`. Where it cannot be built (no compiler) or on another
 platform the backend uses its pure-XLA kernels, which compute the same numbers;
-``MESHEMBED_JAX_CPU_KERNELS=0`` forces them.
+``JaxBackend(cpu_kernels=False)`` / ``MESHEMBED_JAX_CPU_KERNELS=0`` force them, and
+``JaxBackend(fused=False)`` / ``MESHEMBED_JAX_FUSED=0`` the XLA update step (the backend's
+constructor reads the environment, once; nothing here does).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from typing import Any
 import numpy as np
 
 from meshembed_native import build as native
-from meshembed.backend.env import env_flag
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 _TARGETS = {
@@ -37,16 +38,6 @@ _TARGETS = {
     "meshembed_all_finite": "MeshembedAllFinite",
 }
 _state: dict[str, Any] = {}
-
-
-def enabled() -> bool:
-    """Whether the FFI kernels are wanted (``MESHEMBED_JAX_CPU_KERNELS``, default on)."""
-    return env_flag("MESHEMBED_JAX_CPU_KERNELS", True)
-
-
-def fused_enabled() -> bool:
-    """Whether the generated fused updates are wanted (``MESHEMBED_JAX_FUSED``, default on)."""
-    return env_flag("MESHEMBED_JAX_FUSED", True)
 
 
 def _key() -> str:
@@ -92,8 +83,9 @@ def load() -> bool:
 
 
 def usable(platform: str, *dtypes: Any) -> bool:
-    """Whether a kernel for ``platform`` with these row dtypes can use the FFI kernels."""
-    if platform != "cpu" or not enabled():
+    """Whether a kernel for ``platform`` with these row dtypes can use the FFI kernels (built
+    and loaded here; whether the caller wants them is its own switch)."""
+    if platform != "cpu":
         return False
     if any(np.dtype(d) not in (np.float32, np.float64) for d in dtypes):
         return False
@@ -238,12 +230,10 @@ _kernels: dict[tuple, Any] = {}
 
 def row_kernel(rule: Any, n_arrays: int, dtype: Any) -> Any:
     """The generated row kernel of ``rule`` over ``n_arrays`` ``dtype`` arrays
-    (``meshembed_native.codegen.row_kernel``), or None: the rule cannot be generated, no
-    compiler, or ``MESHEMBED_JAX_FUSED=0``. Cached per (rule, n_arrays, dtype)."""
+    (``meshembed_native.codegen.row_kernel``), or None: the rule cannot be generated or no
+    compiler. Cached per (rule, n_arrays, dtype)."""
     import dataclasses
 
-    if not fused_enabled():
-        return None
     name = np.dtype(dtype).name
     key = (rule, n_arrays, name)
     if key not in _kernels:

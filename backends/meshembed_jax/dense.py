@@ -162,10 +162,11 @@ class JaxDenseMixin:
 
     def _row_kernel(self, rule: UpdateRule) -> Any:
         """The generated row kernel of ``rule`` (``meshembed_native.codegen``) where the FFI
-        kernels run here and ``MESHEMBED_JAX_FUSED`` is on, else None."""
+        kernels run here and the backend's ``fused`` and ``use_cpu_kernels`` are on, else None."""
         from meshembed_jax import cpu_kernels
 
-        if not rule.elementwise or not cpu_kernels.fused_enabled() or not cpu_kernels.usable("cpu", rule.dtype):
+        if not (rule.elementwise and self.fused and self.use_cpu_kernels  # type: ignore[attr-defined]
+                and cpu_kernels.usable("cpu", rule.dtype)):
             return None
         from meshembed_native import codegen
 

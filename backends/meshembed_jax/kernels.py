@@ -66,9 +66,10 @@ DEDUP_STRATEGIES = ("dense", "sort")
 
 
 def use_cpu_kernels(layout: ShardLayout, *dtypes: Any) -> bool:
-    """Whether the FFI row kernels (``cpu_kernels``) serve this layout: CPU devices,
-    float32/float64 rows, the library built. Otherwise the pure-XLA kernels below run."""
-    return cpu_kernels.usable(layout.mesh.devices.flat[0].platform, *dtypes)
+    """Whether the FFI row kernels (``cpu_kernels``) serve this layout: switched on for it
+    (``layout.cpu_kernels``), CPU devices, float32/float64 rows, the library built. Otherwise
+    the pure-XLA kernels below run."""
+    return layout.cpu_kernels and cpu_kernels.usable(layout.mesh.devices.flat[0].platform, *dtypes)
 
 
 def on_platform(layout: ShardLayout, ffi: Callable[[], Any], xla: Callable[[], Any], *dtypes: Any) -> Any:

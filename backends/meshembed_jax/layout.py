@@ -10,10 +10,11 @@ one row fewer than ``max_rows`` keep a padding row that no id ever reaches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from meshembed.backend.env import env_flag
 from meshembed.sharding.placement import Placement
 
 AXIS = "shard"
@@ -30,6 +31,10 @@ class ShardLayout:
     placement: Placement
     n_dev: int
     mesh: Any  # jax.sharding.Mesh over n_dev devices, axis AXIS
+    #: Whether the CPU FFI row kernels may serve this layout (``kernels.use_cpu_kernels``): the
+    #: backend's switch (``JaxBackend(cpu_kernels=)``); a layout made elsewhere reads
+    #: ``$MESHEMBED_JAX_CPU_KERNELS`` (default on) once, when it is made.
+    cpu_kernels: bool = field(default_factory=lambda: env_flag("MESHEMBED_JAX_CPU_KERNELS", True))
 
     @property
     def num_shards(self) -> int:

@@ -178,7 +178,7 @@ class JaxTables:
                 "jax.config.update('jax_enable_x64', True) at startup, or use a smaller vocabulary."
             )
         devices = choose_devices(placement.num_shards, list(self._devices or jax.devices()), jax.process_count())
-        key = (placement, tuple(d.id for d in devices))
+        key = (placement, tuple(d.id for d in devices), self.use_cpu_kernels)  # type: ignore[attr-defined]
         found = self._layouts.get(key)
         if found is None:
             mesh = self._meshes.get(key[1])
@@ -188,7 +188,7 @@ class JaxTables:
                 from meshembed_jax.layout import AXIS
 
                 mesh = self._meshes[key[1]] = Mesh(np.array(devices, dtype=object), (AXIS,))
-            found = self._layouts[key] = ShardLayout(placement, len(devices), mesh)
+            found = self._layouts[key] = ShardLayout(placement, len(devices), mesh, key[2])
         return found
 
     def create_table(self, values: Any, placement: Placement) -> JaxShardedTable:

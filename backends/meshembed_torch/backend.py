@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from meshembed.backend.env import env_choice
+from meshembed.backend.env import env_choice, env_flag
 from meshembed.backend.protocol import Backend, Capabilities, RowUpdate, check_rule, occurrence_rounds, walk_blocks
 from meshembed.errors import InputError, NonFiniteError
 from meshembed.math.rule import UpdateRule, apply_rule
@@ -33,6 +33,7 @@ from meshembed_torch.table import TorchShardedTable
 
 DEVICE_ENV = "MESHEMBED_TORCH_DEVICE"
 COMPILE_ENV = "MESHEMBED_TORCH_COMPILE"
+FUSED_ENV = "MESHEMBED_TORCH_FUSED"
 #: Elements an update must touch before ``torch.compile`` is used on CPU (measured: README).
 COMPILE_MIN_ELEMENTS = 1 << 20
 _COMPILE_MODES = {"auto": "auto", "1": "always", "true": "always", "always": "always",
@@ -45,6 +46,7 @@ class TorchBackend(TorchDenseMixin, Backend):
     else CPU."""
 
     name = "torch"
+    environment = (DEVICE_ENV, COMPILE_ENV, FUSED_ENV)
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -57,11 +59,16 @@ class TorchBackend(TorchDenseMixin, Backend):
             return f"{DEVICE_ENV}={wanted} but torch sees no CUDA device"
         return None
 
-    def __init__(self, device: Any = None, compile: str | bool | None = None, process_group: Any = None):
+    def __init__(self, device: Any = None, compile: str | bool | None = None, process_group: Any = None,
+                 fused: bool | None = None):
         """``compile``: ``"auto"`` (default; ``$MESHEMBED_TORCH_COMPILE``), ``True``/``"always"``
         or ``False``/``"never"`` — whether ``update_rows`` runs the optimizer step through
         ``torch.compile``. ``process_group``: the ranks tables are sharded over (any
-        ``dist.new_group`` this rank is in); None = the default (world) group."""
+        ``dist.new_group`` this rank is in); None = the default (world) group. ``fused``:
+        whether the C++ kernels generated from the rules run where they apply (the fused
+        sparse and dense updates, the one-pass finite check, the streaming gather); None =
+        ``$MESHEMBED_TORCH_FUSED``, default on. The environment is read here, once: set the
+        attribute ``fused`` to switch an existing backend."""
         import torch
 
         from meshembed_torch import distributed, kernels
@@ -81,6 +88,7 @@ class TorchBackend(TorchDenseMixin, Backend):
                 f"Invalid `compile`. Expected one of ['auto', 'always', 'never'] or a bool. Received: compile={compile!r}"
             )
         self._compile_mode = mode
+        self.fused = env_flag(FUSED_ENV, True) if fused is None else bool(fused)
         self._compile_broken = False
         # torch.compile'd gather -> rule -> scatter by (rule, row layout, function); the C++
         # fused row updates (fused_cpu) are cached by the codegen, not here
@@ -113,6 +121,7 @@ class TorchBackend(TorchDenseMixin, Backend):
             compiles=True,
             distributed=True,
             checked_updates=not distributed,
+            generated_kernels=self.fused and cpu and not distributed,
         )
 
     def stats(self) -> dict[str, int]:
@@ -295,8 +304,8 @@ class TorchBackend(TorchDenseMixin, Backend):
             rows = self.__dict__.setdefault("_recycled_rows", self._k.RecycledRows())
             out = rows.empty((ids.shape[0], table.data.shape[1]), table.data.dtype, table.data.device)
             index = table.rowmap.local_index(ids)
-            # large outputs: streaming stores, twice as fast at 32 MiB (fused_cpu.gather_rows)
-            if fused_cpu.gather_rows(table.data, index, out):
+            # large outputs: streaming stores (fused_cpu.gather_rows)
+            if self.fused and fused_cpu.gather_rows(table.data, index, out):
                 return out
             return self._torch.index_select(table.data, 0, index, out=out)
         seg = self._k.segments(ids)  # send each distinct id once
@@ -403,7 +412,7 @@ class TorchBackend(TorchDenseMixin, Backend):
                     f"Invalid `grads`: expected one row per id ({ids.shape[0]}). Received: shape={tuple(g_src.shape)}"
                 )
             kernel = None
-            if first.group is None and ids.numel() and ids.numel() < 2**31:
+            if self.fused and first.group is None and ids.numel() and ids.numel() < 2**31:
                 kernel = fused_cpu.kernel_for(fn, values, [t.data for t in tables], g_src, ids.numel(), rows_of, w)
             if check_finite and kernel is None and not self.all_finite(g_src):
                 raise NonFiniteError()

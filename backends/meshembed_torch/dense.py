@@ -128,7 +128,7 @@ class TorchDenseMixin:
 
         from meshembed_torch import dense_cpu
 
-        ok = dense_cpu.all_finite(list(arrays), torch.get_num_threads())
+        ok = dense_cpu.all_finite(list(arrays), torch.get_num_threads()) if self.fused else None  # type: ignore[attr-defined]
         return super().finite_guard(arrays) if ok is None else torch.tensor(ok)  # type: ignore[misc]
 
     def in_place_group(self, rule: UpdateRule) -> int:
@@ -136,7 +136,9 @@ class TorchDenseMixin:
         OpenMP, no compile time); else the default groups of the compiled core function."""
         from meshembed_torch import dense_cpu
 
-        return 64 if dense_cpu.kernel_for(rule) is not None else super().in_place_group(rule)  # type: ignore[misc]
+        if self.fused and dense_cpu.kernel_for(rule) is not None:  # type: ignore[attr-defined]
+            return 64
+        return super().in_place_group(rule)  # type: ignore[misc]
 
     def compile_update(self, rule: UpdateRule, count: int) -> Callable[..., Any]:
         """The generated row kernel of ``rule`` over the ``count`` tensors in one call
@@ -148,7 +150,7 @@ class TorchDenseMixin:
         from meshembed_torch import dense_cpu
 
         fallback = super().compile_update(rule, count)  # type: ignore[misc]
-        kernel = dense_cpu.kernel_for(rule)
+        kernel = dense_cpu.kernel_for(rule) if self.fused else None  # type: ignore[attr-defined]
         if kernel is None:
             return fallback
 

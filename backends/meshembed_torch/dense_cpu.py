@@ -6,7 +6,8 @@ and float64) one C call updates all the staged tensors in place, each tensor cut
 spread over OpenMP threads: each element of the gradient, the variable and the slots is read
 once and written once (the W2 memory bound). The formula is the generated one — the core's
 math, recorded — so this module holds no formula; it only checks the tensors and passes
-pointers. ``MESHEMBED_TORCH_FUSED=0`` turns it off (the core function, compiled, runs).
+pointers. ``TorchBackend(fused=False)`` / ``MESHEMBED_TORCH_FUSED=0`` turn it off (the core
+function, compiled, runs).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import ctypes
 from pathlib import Path
 from typing import Any, Sequence
 
-from meshembed.backend.env import env_flag
 from meshembed.math.rule import UpdateRule
 
 _SOURCE = Path(__file__).with_name("dense_cpu.cc")
@@ -23,10 +23,6 @@ _SOURCE = Path(__file__).with_name("dense_cpu.cc")
 #: spread one tensor over the threads.
 CHUNK = 1 << 16
 _state: dict[str, Any] = {}
-
-
-def enabled() -> bool:
-    return env_flag("MESHEMBED_TORCH_FUSED", True)
 
 
 _UPDATE_ARGS = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
@@ -46,9 +42,9 @@ def _library() -> Any:
 
 
 def kernel_for(rule: UpdateRule) -> Any:
-    """The generated row kernel of ``rule`` (the variable and its slots), or None: switched
-    off, not element-wise, no generator or no compiler."""
-    if not enabled() or not isinstance(rule, UpdateRule) or not rule.elementwise:
+    """The generated row kernel of ``rule`` (the variable and its slots), or None: not
+    element-wise or no compiler."""
+    if not isinstance(rule, UpdateRule) or not rule.elementwise:
         return None
     from meshembed_native import codegen
 
@@ -96,7 +92,7 @@ def all_finite(arrays: Sequence[Any], threads: int) -> bool | None:
     caller then uses the framework's reductions."""
     import torch
 
-    if not enabled() or not arrays:
+    if not arrays:
         return None
     dtype = arrays[0].dtype if isinstance(arrays[0], torch.Tensor) else None
     if dtype not in (torch.float32, torch.float64) or any(

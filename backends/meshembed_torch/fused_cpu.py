@@ -6,7 +6,8 @@ call of the optimizer's row kernel — generated from the core's math by
 (what fbgemm's TBE does). Every element-wise optimizer, float32 and float64, with clipping and
 weight decay; the learning rate and other dynamic values are the kernel's parameters, so a
 value that changes every step compiles nothing. It is an *optimisation* of the core function:
-``MESHEMBED_TORCH_FUSED=0`` turns it off, and tests compare it with the core function and NumPy.
+``TorchBackend(fused=False)`` / ``MESHEMBED_TORCH_FUSED=0`` (read by the backend's constructor)
+turn it off, and tests compare it with the core function and NumPy.
 The sums can also check every gradient element for NaN/Inf before anything is written (the
 engine's policy, ``update_rows(check_finite=True)``) without a pass of its own; and
 :func:`gather_rows` is the lookup of large outputs (a per-id feature's rows) with streaming stores.
@@ -24,7 +25,6 @@ from typing import Any, Sequence
 
 from meshembed_native import build as native
 from meshembed_native import codegen
-from meshembed.backend.env import env_flag
 from meshembed.errors import InputError, NonFiniteError
 from meshembed.math.rule import UpdateRule
 
@@ -45,10 +45,6 @@ _GATHER_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64
 STREAM_MIN_BYTES = 16 << 20
 
 
-def enabled() -> bool:
-    return env_flag("MESHEMBED_TORCH_FUSED", True)
-
-
 def _library() -> Any:
     """The loaded driver library, or None (with one warning) where it cannot be built."""
     signatures = {f"meshembed_fused_update_{dtype}": (ctypes.c_int64, _ARGS) for dtype in ("float32", "float64")}
@@ -65,7 +61,7 @@ def kernel_for(rule: Any, values: Sequence[float], datas: Sequence[Any], grads: 
     of the expected shapes, else None (the core function then runs, and reports any error)."""
     import torch
 
-    if not enabled() or not isinstance(rule, UpdateRule) or not 1 <= len(datas) <= codegen.MAX_ARRAYS:
+    if not isinstance(rule, UpdateRule) or not 1 <= len(datas) <= codegen.MAX_ARRAYS:
         return None
     dtype = {torch.float32: "float32", torch.float64: "float64"}.get(datas[0].dtype)
     if dtype is None or any(t.dtype != datas[0].dtype or t.device.type != "cpu" or not t.is_contiguous()
@@ -121,7 +117,7 @@ def gather_rows(data: Any, index: Any, out: Any) -> bool:
     ``index``: int64 rows of ``data``, already checked against its row count."""
     import torch
 
-    if (not enabled() or out.device.type != "cpu" or data.device.type != "cpu" or data.dim() != 2
+    if (out.device.type != "cpu" or data.device.type != "cpu" or data.dim() != 2
             or out.dtype != data.dtype or tuple(out.shape) != (index.numel(), data.shape[1])
             or index.dtype != torch.int64 or not (data.is_contiguous() and out.is_contiguous())
             or out.numel() * out.element_size() < STREAM_MIN_BYTES or _library() is None):

@@ -51,6 +51,12 @@ class Capabilities:
     #: the fused kernel sums them, saving a pass over the gradients). Single process only;
     #: not used where ``guarded_updates`` (the guard covers every gradient).
     checked_updates: bool = False
+    #: ``update_rows`` (and the dense step of ``compile_update``) run row kernels generated
+    #: from the rule (``meshembed_native.codegen``) where they apply, bit-identical to the NumPy
+    #: reference and counted in :meth:`Backend.stats` (``fused_updates``,
+    #: ``fused_dense_updates``); the constructor's ``fused=False`` turns them off. The fused-kernel
+    #: conformance module (``conformance/test_fused_kernels.py``) runs where this is true.
+    generated_kernels: bool = False
 
 
 class ShardedTable(abc.ABC):
@@ -96,6 +102,10 @@ class Backend(abc.ABC):
     ``meshembed.backends`` and instantiated lazily, once per process."""
 
     name: str = "abstract"
+    #: The environment variables (``MESHEMBED_*`` switches) the constructor reads, once: an
+    #: instance never reads them again, and ``me.get_backend(name)`` hands out the instance
+    #: made under their current values (:mod:`meshembed.backend.registry`).
+    environment: tuple[str, ...] = ()
 
     # -- discovery ---------------------------------------------------------------------
     @classmethod

@@ -3,6 +3,11 @@
 Backends are found through the entry-point group ``meshembed.backends`` (meshembed's own
 register the same way) and loaded lazily. Precedence of the default:
 explicit ``backend=`` argument > ``use_backend`` > ``MESHEMBED_BACKEND`` > ``"numpy"``.
+
+A backend reads its ``MESHEMBED_*`` switches once, in its constructor (``Backend.environment``
+names them); :func:`get_backend` hands out, per name, the instance made under the switches'
+current values (one per distinct set of values, made on first use), so an instance's
+behaviour never changes under it and a switch set before an engine is built applies to it.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import contextvars
 import importlib
 import os
 from importlib.metadata import entry_points
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from meshembed.backend.protocol import Backend
 from meshembed.errors import BackendUnavailableError
@@ -39,7 +44,9 @@ _INSTALL_HINT = {
 }
 
 _extra: dict[str, Callable[[], Backend] | str] = {}
-_instances: dict[str, Backend] = {}
+#: (name, the values of the backend's environment switches) -> its instance
+_instances: dict[tuple[str, tuple[str | None, ...]], Backend] = {}
+_factories: dict[str, Any] = {}  # name -> its resolved factory (once imported)
 _process_default: str | None = None
 _scoped: contextvars.ContextVar[str | None] = contextvars.ContextVar("meshembed_backend", default=None)
 
@@ -55,12 +62,22 @@ def _targets() -> dict[str, Callable[[], Backend] | str]:
 def register_backend(name: str, factory: Callable[[], Backend] | str) -> None:
     """Register a backend by hand (a ``"module:Class"`` string or a zero-argument factory)."""
     _extra[name] = factory
-    _instances.pop(name, None)
+    _factories.pop(name, None)
+    for key in [k for k in _instances if k[0] == name]:
+        del _instances[key]
+
+
+def _switches(factory: Any) -> tuple[str | None, ...]:
+    """The current values of the environment switches ``factory``'s constructor reads."""
+    return tuple(os.environ.get(v) for v in getattr(factory, "environment", ()))
 
 
 def _load(name: str) -> Backend:
-    if name in _instances:
-        return _instances[name]
+    factory = _factories.get(name)
+    if factory is not None:
+        found = _instances.get((name, _switches(factory)))
+        if found is not None:
+            return found
     targets = _targets()
     if name not in targets and name in _NOT_SHIPPED:
         raise BackendUnavailableError(f"Backend {name!r} is unavailable: {_NOT_SHIPPED[name]}.")
@@ -83,8 +100,11 @@ def _load(name: str) -> Backend:
         # The backend's own reason says what is missing; add an install hint only where we know one.
         fix = f" Fix: {_INSTALL_HINT[name]}." if name in _INSTALL_HINT else ""
         raise BackendUnavailableError(f"Backend {name!r} is unavailable here: {reason}.{fix}")
-    _instances[name] = factory()
-    return _instances[name]
+    key = (name, _switches(factory))
+    if key not in _instances:
+        _instances[key] = factory()
+    _factories[name] = factory
+    return _instances[key]
 
 
 def available_backends() -> tuple[str, ...]:
