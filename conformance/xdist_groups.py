@@ -17,7 +17,8 @@ import re
 import pytest
 
 #: Files whose tests launch communicating processes with short rank timeouts (gloo ranks).
-PROCESS_FILES = ("test_torch_distributed.py", "test_torch_ranks_agree.py", "test_torch_conformance_ranks.py")
+PROCESS_FILES = ("test_torch_distributed.py", "test_torch_ranks_agree.py", "test_torch_conformance_ranks.py",
+                 "test_ranks_disagree.py")
 #: Such tests in files that are otherwise one process (node id prefixes).
 PROCESS_TESTS = (
     "tests/test_jax_api.py::test_jax_backend_agree_over_two_processes",

@@ -12,16 +12,32 @@ the process group's own timeout (``init_process_group(timeout=...)``) bounds the
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from meshembed.errors import MeshembedError
+from meshembed.backend.env import env_int
+from meshembed.errors import ConfigError, MeshembedError
 
 
 class RankFailureError(MeshembedError, RuntimeError):
     """A collective failed: another rank died, crashed or did not answer in time."""
+
+
+def agree_timeout() -> float:
+    """Seconds a rank waits for the others to agree on a call (``MESHEMBED_AGREE_TIMEOUT``,
+    read once; default 60)."""
+    global _AGREE_TIMEOUT
+    if _AGREE_TIMEOUT is None:
+        _AGREE_TIMEOUT = float(env_int("MESHEMBED_AGREE_TIMEOUT", 60))
+        if _AGREE_TIMEOUT <= 0:
+            raise ConfigError(f"Invalid MESHEMBED_AGREE_TIMEOUT={_AGREE_TIMEOUT:g}. Expected seconds > 0.")
+    return _AGREE_TIMEOUT
+
+
+_AGREE_TIMEOUT: float | None = None
 
 
 def is_initialized() -> bool:
@@ -91,10 +107,22 @@ class RankGroup:
 
     def statuses(self, status: int, device: Any) -> tuple[int, ...]:
         """Every rank's ``status``, in rank order (one all-reduce of a ``[world]`` vector in
-        which each rank fills its own entry)."""
+        which each rank fills its own entry). Waits at most ``agree_timeout()`` seconds: a rank
+        that skipped a step (or died) fails every other rank within it, not after the process
+        group's timeout (30 minutes by default)."""
         flags = torch.zeros(self.world, dtype=torch.int64, device=device)
         flags[self.rank] = status
-        self._run("all_reduce (agree)", lambda: dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.pg))
+        seconds = agree_timeout()
+        try:
+            work = dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.pg, async_op=True)
+            work.wait(timeout=timedelta(seconds=seconds))
+        except (RuntimeError, dist.DistError) as exc:
+            raise RankFailureError(
+                f"torch.distributed ranks did not all reach the same meshembed call within {seconds:g} s "
+                f"(rank {self.rank} of {self.world} waited): another rank skipped a step, called something "
+                "else, or died. Nothing of this call was applied on this rank. Fix: call the same engine "
+                "methods in the same order on every rank; restart every rank from the last checkpoint. "
+                f"The wait is MESHEMBED_AGREE_TIMEOUT seconds (default 60). Cause: {exc}") from exc
         return tuple(int(v) for v in flags.tolist())
 
     def all_gather_rows(self, what: str, local: torch.Tensor, rows: int) -> list[torch.Tensor]:

@@ -28,7 +28,7 @@ def status_of(exc: BaseException) -> int:
 
 def peer_error(what: str, statuses: tuple[int, ...]) -> MeshembedError:
     """The error a process whose own input was valid raises when another's was not."""
-    bad = [r for r, s in enumerate(statuses) if s]
+    bad = [r for r, s in enumerate(statuses) if s > 0]  # <= 0: valid (a negative one carries a digest)
     kind = KINDS[statuses[bad[0]] - 1] if 0 < statuses[bad[0]] <= len(KINDS) else MeshembedError
     ranks = ", ".join(str(r) for r in bad)
     return kind(

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 from meshembed.backend.status import KINDS, peer_error, status_of  # noqa: F401 (re-exported)
+from meshembed.errors import ConfigError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -79,18 +81,38 @@ def agreed(what: str, backend_of: Callable[..., Any] = _own_backend) -> Callable
 first_argument = _first_argument  #: ``backend_of`` for functions whose first argument is the backend
 
 
-def validated(backend: Any) -> None:
+def validated(backend: Any, digest: int | None = None, subject: str = "", error: type = ConfigError) -> None:
     """The end of a decorated call's validation: agree that every process's input is valid,
-    or raise :func:`peer_error`. Outside an :func:`agreed` call it agrees on its own."""
+    or raise :func:`peer_error`. Outside an :func:`agreed` call it agrees on its own.
+
+    ``digest`` (:func:`fingerprint` of what every process must pass alike: the config, this
+    step's learning rates, the mode) travels in the same exchange: processes that differ all
+    raise ``error`` naming ``subject`` and the ranks, before anything changes — no rank trains
+    on with other values, and none waits for a collective the others never reach."""
     call = _CURRENT.get()
     if call is None:
-        _agree(_Call(backend, "this call"))
+        _agree(_Call(backend, "this call"), digest, subject, error)
     elif not call.agreed:
-        _agree(call)
+        _agree(call, digest, subject, error)
 
 
-def _agree(call: _Call) -> None:
+def fingerprint(*parts: Any) -> int:
+    """A 30-bit fingerprint of plain values (numbers, strings, tuples of them)."""
+    return zlib.crc32(repr(parts).encode()) & 0x3FFFFFFF
+
+
+def _agree(call: _Call, digest: int | None = None, subject: str = "", error: type = ConfigError) -> None:
     call.agreed = True
-    statuses = tuple(call.backend.agree(0))
-    if any(statuses):
+    # a valid input's status is 0, or -(1 + digest): errors are the positive codes
+    statuses = tuple(call.backend.agree(0 if digest is None else -(1 + digest)))
+    if any(s > 0 for s in statuses):
         raise peer_error(call.what, statuses)
+    if len(set(statuses)) > 1:
+        groups: dict[int, list[int]] = {}
+        for rank, s in enumerate(statuses):
+            groups.setdefault(s, []).append(rank)
+        sides = "; ".join(f"ranks {ranks}" for ranks in groups.values())
+        raise error(
+            f"`{call.what}`: the ranks disagree on {subject or 'their arguments'} ({sides} passed different "
+            "values). Nothing was changed on any rank. Fix: pass the same values on every rank (a "
+            "config, num_shards, seed, learning rates and training mode are global, not per rank).")

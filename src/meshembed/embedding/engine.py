@@ -148,6 +148,9 @@ class TPUEmbedding:
         unknown = set(overrides) - {t.name for t in self.layout.tables}
         if unknown:
             raise ConfigError(f"Invalid `initializers`: unknown tables {sorted(unknown)}.")
+        # every process builds the same engine (one process's other config would train on)
+        validated(self.backend, steps.config_fingerprint(self.layout, self.num_shards, explicit, self.seed),
+                  "the config, num_shards or seed")
         self._placements: dict[int, Placement] = {}
         self._init_dynamic(overrides)  # dynamic vocabularies (see "dynamic vocabularies" below)
         tables: dict[int, tuple[Any, ...]] = {}
@@ -296,7 +299,7 @@ class TPUEmbedding:
         if not isinstance(batch, Batch) or (batch.layout is not self.layout and batch.layout != self.layout):
             raise InputError("Invalid `batch`: expected a Batch prepared for this engine's config "
                              "(meshembed.embedding.batch.prepare(engine.layout, ...)).")
-        validated(self.backend)  # every process's batch is valid: only then is it stored
+        validated(self.backend, *steps.mode_agreement(batch.mode))  # valid everywhere: only then stored
         self._pending = _Pending(batch)
 
     @property
@@ -506,6 +509,7 @@ class TPUEmbedding:
         self.load_tables({table: dict(slots, parameters=parameters)}, num_shards=num_shards, shard_id=shard_id,
                          allow_nonfinite=allow_nonfinite)
 
+    @agreed("load_parameters")
     def load_tables(self, values: Mapping[str | int, Mapping[str, Any]], *, num_shards: int | None = None,
                     shard_id: int | None = None, allow_nonfinite: bool | None = None) -> None:
         """Load several tables at once, ``{table: {"parameters": ..., <slot>: ...}}``: every
@@ -516,6 +520,7 @@ class TPUEmbedding:
             arrays = dict(arrays)
             parameters = arrays.pop("parameters", None)
             plans.append(self._plan_load(table, parameters, num_shards, shard_id, allow_nonfinite, arrays))
+        validated(self.backend)  # every process's arrays are valid: none loads half (a NaN on one rank)
         new = dict(self._loaded_state(plan) for plan in plans)
         self.state = self.state.replace(new)
 

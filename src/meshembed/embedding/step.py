@@ -21,7 +21,7 @@ import numpy as np
 
 from meshembed.backend import Backend
 from meshembed.embedding import combiners, inputs, precision
-from meshembed.embedding.agreement import agreed, first_argument, validated
+from meshembed.embedding.agreement import agreed, fingerprint, first_argument, validated
 from meshembed.embedding.batch import Batch, by_feature, prepare
 from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec
 from meshembed.embedding.updates import apply_table, is_non_lazy, make_rule, rule_values, update_kind
@@ -74,8 +74,37 @@ def prepare_on(backend: Any, layout: Layout, features: Any, weights: Any = None,
     """``batch.prepare`` for ``backend``, agreed by every process: one rank's bad batch fails
     the call on every rank (before any collective), so none waits for the others."""
     prepared = prepare(layout, features, weights, backend=backend, **options)
-    validated(backend)
+    validated(backend, *mode_agreement(prepared.mode))
     return prepared
+
+
+def mode_agreement(mode: str) -> tuple:
+    """``validated``'s arguments for a batch: every process enqueues in the same mode."""
+    return fingerprint(mode), "the batch's mode (training / inference / backward_pass_only)", InputError
+
+
+def _plain(value: Any) -> Any:
+    """A value as the same text on every process (no object addresses)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    if hasattr(value, "tag") and not isinstance(value, (int, float)):
+        return ("tag", int(value.tag))
+    return type(value).__name__
+
+
+def config_fingerprint(layout: Layout, *parts: Any) -> int:
+    """What every process of a multi-process engine must agree on: tables (vocabulary,
+    dimension, combiner, optimizer and its hyper-parameters), features, sharding, mode, and
+    ``parts`` (e.g. num_shards, seed)."""
+    tables = tuple((t.name, t.vocabulary_size, t.dimension, t.combiner, type(t.optimizer).__name__,
+                    _plain(getattr(t.optimizer, "learning_rate", None)),
+                    tuple(sorted((k, _plain(v)) for k, v in t.optimizer.hyperparameters().items())))
+                   for t in layout.tables)
+    features = tuple((f.name, f.table, f.output_shape) for f in layout.features)
+    return fingerprint(tables, features, layout.strategy, layout.mode, layout.num_dynamic_inputs,
+                       _plain(layout.keys), *(_plain(p) for p in parts))
 
 
 # -- lookup ------------------------------------------------------------------------------------
@@ -358,7 +387,9 @@ def apply_gradients(
                 backend.check_update(state.tables[t.index], np.concatenate(ids))
             except CapacityError as exc:
                 raise CapacityError(f"Table {t.name!r}: {exc}") from None
-    validated(backend)  # every process's input is valid: now the row exchange
+    # every process's input is valid and its step, learning rates and mode agree: now the row exchange
+    validated(backend, fingerprint(state.step, tuple(lrs), batch.mode, bool(allow_nonfinite)),
+              "the step, the learning rates or allow_nonfinite", InputError)
     step = _TableUpdates(backend, state, batch, grads, rules, values, lrs, guard)
     new = {}
     try:
