@@ -15,7 +15,6 @@ without torch and :meth:`TorchBackend.unavailable_reason` says what is missing.
 from __future__ import annotations
 
 import collections
-import inspect
 import os
 from typing import Any, Callable, Sequence
 
@@ -24,18 +23,16 @@ import numpy as np
 from meshembed.backend.env import env_choice, env_flag
 from meshembed.backend.protocol import Backend, Capabilities, RowUpdate, check_rule, occurrence_rounds, walk_blocks
 from meshembed.errors import InputError, NonFiniteError
-from meshembed.math.rule import UpdateRule, apply_rule
+from meshembed.math.rule import UpdateRule
 from meshembed.sharding.placement import Placement
 from meshembed.sharding.placement import unshard as unshard_numpy
 from meshembed_torch import fused_cpu
 from meshembed_torch.dense import TorchDenseMixin  # imports torch lazily, like this module
-from meshembed_torch.table import TorchShardedTable
+from meshembed_torch.table import TorchShardedTable, empty_table
 
 DEVICE_ENV = "MESHEMBED_TORCH_DEVICE"
 COMPILE_ENV = "MESHEMBED_TORCH_COMPILE"
 FUSED_ENV = "MESHEMBED_TORCH_FUSED"
-#: Elements an update must touch before ``torch.compile`` is used on CPU (measured: README).
-COMPILE_MIN_ELEMENTS = 1 << 20
 _COMPILE_MODES = {"auto": "auto", "1": "always", "true": "always", "always": "always",
                   "0": "never", "false": "never", "never": "never"}
 
@@ -87,13 +84,12 @@ class TorchBackend(TorchDenseMixin, Backend):
             raise ValueError(
                 f"Invalid `compile`. Expected one of ['auto', 'always', 'never'] or a bool. Received: compile={compile!r}"
             )
-        self._compile_mode = mode
         self.fused = env_flag(FUSED_ENV, True) if fused is None else bool(fused)
-        self._compile_broken = False
-        # torch.compile'd gather -> rule -> scatter by (rule, row layout, function); the C++
-        # fused row updates (fused_cpu) are cached by the codegen, not here
-        self._compiled_updates: dict[Any, Callable] = {}
-        self._rule_updates: dict[UpdateRule, Callable] = {}
+        # when and what torch.compile compiles (gather -> rule -> scatter by rule and row
+        # layout); the C++ fused row updates (fused_cpu) are cached by the codegen, not here
+        self._compiler = kernels.UpdateCompiler(mode, self.xp)
+        self._compile_mode = mode
+        self._compiled_updates = self._compiler.entries
         self._stats: collections.Counter[str] = collections.Counter()  # see stats()
 
     # -- discovery -----------------------------------------------------------------------
@@ -126,6 +122,11 @@ class TorchBackend(TorchDenseMixin, Backend):
 
     def stats(self) -> dict[str, int]:
         return dict(self._stats)
+
+    @property
+    def _compile_broken(self) -> bool:
+        """Whether torch.compile failed once (the backend then runs eager for good)."""
+        return self._compiler.broken
 
     @property
     def xp(self) -> Any:
@@ -210,21 +211,14 @@ class TorchBackend(TorchDenseMixin, Backend):
                 f"Invalid table values: expected shape ({placement.vocabulary_size}, dim). "
                 f"Received: shape={vals.shape}"
             )
-        table = self._empty_table(vals.shape[1], self.torch_dtype(vals.dtype), placement)
+        table = empty_table(vals.shape[1], self.torch_dtype(vals.dtype), placement, self._rank_group(), self.device)
         table.write_block(0, vals)
         return table
 
     def create_table_from_blocks(self, shape: tuple[int, int], blocks: Any, placement: Placement) -> TorchShardedTable:
-        table = self._empty_table(shape[1], self._torch.float32, placement)
+        table = empty_table(shape[1], self._torch.float32, placement, self._rank_group(), self.device)
         walk_blocks(shape, blocks, table.write_block)
         return table
-
-    def _empty_table(self, dim: int, dtype: Any, placement: Placement) -> TorchShardedTable:
-        group = self._rank_group()
-        world, rank = (1, 0) if group is None else (group.world, group.rank)
-        held = tuple(s for s in range(placement.num_shards) if s % world == rank)
-        rowmap = self._k.RowMap(placement.vocabulary_size, placement.num_shards, placement.strategy, held, self.device)
-        return TorchShardedTable(self._k.empty_rows((rowmap.local_rows, dim), dtype, self.device), placement, rowmap, group)
 
     def unshard(self, table: TorchShardedTable) -> np.ndarray:
         """The logical table as a new NumPy array (collective: all-gather of every shard)."""
@@ -248,55 +242,15 @@ class TorchBackend(TorchDenseMixin, Backend):
         return unshard_numpy([shards[s] for s in range(p.num_shards)], p)
 
     def _ids(self, ids: Any, table: TorchShardedTable) -> Any:
-        """Ids as a 1-D int64 tensor on the table's device, checked against the vocabulary
-        (an out-of-range id would otherwise land on another shard's row under MOD)."""
-        return self._ids_in_range(ids, table)[0]
-
-    def _ids_in_range(self, ids: Any, table: TorchShardedTable) -> tuple[Any, tuple[int, int]]:
-        """``(_ids(ids, table), (min, max))``: the range the check found, for callers that
-        would otherwise scan the ids for it again."""
-        t = self.asarray(ids)
-        if t.dtype != self._torch.int64:
-            if t.is_floating_point() or t.dtype == self._torch.bool:
-                raise InputError(f"Invalid `ids`. Expected integer ids. Received: dtype={t.dtype}")
-            t = t.to(self._torch.int64)
-        t = t.reshape(-1).to(table.data.device)
-        lo, hi = 0, -1
-        if t.numel():
-            lo, hi = (int(v) for v in self._torch.aminmax(t))
-            vocab = table.placement.vocabulary_size
-            if lo < 0 or hi >= vocab:
-                raise InputError(
-                    f"Invalid `ids`. Expected ids in [0, {vocab}) for a table of vocabulary_size "
-                    f"{vocab}. Received: min={lo}, max={hi}"
-                )
-        return t, (lo, hi)
-
-    def _owner_rank(self, table: TorchShardedTable, ids: Any) -> Any:
-        owner = table.rowmap.owner(ids)
-        return owner if table.placement.num_shards == table.group.world else owner % table.group.world
-
-    def _refuse(self, table: TorchShardedTable, what: str, exc: BaseException) -> None:
-        """This rank's input to ``what`` was invalid (``exc``; the caller re-raises it).
-        Distributed, the rank still takes part in the call's first exchange, with a failure
-        status, so every rank raises at once instead of waiting for this one
-        (:class:`meshembed_torch.distributed.Route`). A plain ``try`` costs nothing when
-        nothing fails, so single-process calls pay nothing."""
-        if table.group is None:
-            return
-        from meshembed.backend.status import status_of
-        from meshembed.errors import MeshembedError
-
-        try:
-            self._dist.Route(table.group, table.data.new_zeros(0, dtype=self._torch.int64), what, status_of(exc))
-        except MeshembedError:  # the peers' view of this failure; ours is exc
-            pass
+        """Ids as a 1-D int64 tensor on the table's device, checked against its vocabulary
+        (:meth:`TorchShardedTable.checked_ids`)."""
+        return table.checked_ids(self.asarray(ids))[0]
 
     def gather(self, table: TorchShardedTable, ids: Any) -> Any:
         try:
             ids = self._ids(ids, table)
         except Exception as exc:
-            self._refuse(table, "gather", exc)
+            table.refuse("gather", exc)
             raise
         if table.group is None:
             # a per-id lookup's rows are >= 32 MiB at W1 sizes: glibc maps such blocks fresh
@@ -309,7 +263,7 @@ class TorchBackend(TorchDenseMixin, Backend):
                 return out
             return self._torch.index_select(table.data, 0, index, out=out)
         seg = self._k.segments(ids)  # send each distinct id once
-        route = self._dist.Route(table.group, self._owner_rank(table, seg.unique), "gather")
+        route = self._dist.Route(table.group, table.owner_rank(seg.unique), "gather")
         asked = route.send("ids", seg.unique)
         rows = route.reply("rows", table.data.index_select(0, table.rowmap.local_index(asked)))
         return rows.index_select(0, self._k.inverse(seg))
@@ -320,10 +274,10 @@ class TorchBackend(TorchDenseMixin, Backend):
             rows = self.asarray(rows).to(device=table.data.device, dtype=table.data.dtype)
             rows = rows.reshape(ids.shape[0], table.data.shape[1])
         except Exception as exc:
-            self._refuse(table, "scatter", exc)
+            table.refuse("scatter", exc)
             raise
         if table.group is not None:
-            route = self._dist.Route(table.group, self._owner_rank(table, ids), "scatter")
+            route = self._dist.Route(table.group, table.owner_rank(ids), "scatter")
             rows = route.send("rows", rows)
             ids = route.send("ids", ids)
         table.data.index_copy_(0, table.rowmap.local_index(ids), rows)
@@ -349,7 +303,7 @@ class TorchBackend(TorchDenseMixin, Backend):
             seg_ids = self.asarray(segment_ids).to(torch.int64).reshape(-1)
             w = None if weights is None else self.asarray(weights).reshape(-1).to(table.data.dtype)
         except Exception as exc:
-            self._refuse(table, "gather_combine", exc)
+            table.refuse("gather_combine", exc)
             raise
         if w is not None and self._k.all_ones(w):
             w = None
@@ -357,7 +311,7 @@ class TorchBackend(TorchDenseMixin, Backend):
             source, index = table.data, table.rowmap.local_index(ids)
         else:
             seg = self._k.segments(ids)
-            route = self._dist.Route(table.group, self._owner_rank(table, seg.unique), "gather_combine")
+            route = self._dist.Route(table.group, table.owner_rank(seg.unique), "gather_combine")
             asked = route.send("ids", seg.unique)
             source = route.reply("rows", table.data.index_select(0, table.rowmap.local_index(asked)))
             index = self._k.inverse(seg)
@@ -403,7 +357,7 @@ class TorchBackend(TorchDenseMixin, Backend):
         first = tables[0]
         try:
             values = check_rule(fn, u.values, self.name)
-            ids, id_range = self._ids_in_range(ids, first)
+            ids, id_range = first.checked_ids(self.asarray(ids))
             g_src = self.asarray(grads).to(first.data.device)
             rows_of = None if grad_index is None else self.asarray(grad_index).to(torch.int64).reshape(-1)
             w = None if grad_weights is None else self.asarray(grad_weights).reshape(-1)
@@ -417,7 +371,7 @@ class TorchBackend(TorchDenseMixin, Backend):
             if check_finite and kernel is None and not self.all_finite(g_src):
                 raise NonFiniteError()
         except Exception as exc:
-            self._refuse(first, "update_rows", exc)
+            first.refuse("update_rows", exc)
             raise
         if u.guard is not None and not bool(u.guard):  # the protocol's guard: write nothing
             return tables
@@ -440,17 +394,18 @@ class TorchBackend(TorchDenseMixin, Backend):
                 datas = [t.data for t in tables]
                 layout = tuple((d.shape[1], d.dtype) for d in datas) + (
                     flat.dtype, psw is not None, rows_of is not None, small)
-                compiled = self._compiled_update(fn, index.shape[0] * first.data.shape[1], first.data.device,
-                                                 layout, self._k.bag_update_scatter)
+                compiler = self._compiler
+                compiled = compiler.entry(fn, index.shape[0] * first.data.shape[1], first.data.device,
+                                          layout, self._k.bag_update_scatter)
                 if compiled is not None:
-                    update = self._update_fn(fn)
-                    self._run_compiled(compiled, self._k.bag_update_scatter, update, self._hyper(values, first.data.device),
-                                       flat, seg.perm, seg.starts, rows_of, psw, small, index, *datas)
+                    compiler.run(compiled, self._k.bag_update_scatter, compiler.update_fn(fn),
+                                 compiler.hyper(values, first.data.device),
+                                 flat, seg.perm, seg.starts, rows_of, psw, small, index, *datas)
                     return list(tables)
         g = self._k.sum_segments(seg, g_src, weights=w, rows=rows_of)
         uids = seg.unique
         if first.group is not None:  # owners sum the contributions of every rank
-            uids, g = self._to_owners(first, uids, g)
+            uids, g = first.to_owners(uids, g)
             seg = self._k.segments(uids)
             uids, g = seg.unique, self._k.sum_segments(seg, g)
         self._update_held(tables, uids, g, fn, values)
@@ -480,9 +435,9 @@ class TorchBackend(TorchDenseMixin, Backend):
                     f"Received: shapes {tuple(g.shape)}, {tuple(keys.shape)}"
                 )
         except Exception as exc:
-            self._refuse(first, "update_rows_in_order", exc)
+            first.refuse("update_rows_in_order", exc)
             raise
-        route = self._dist.Route(first.group, self._owner_rank(first, ids), "update_rows_in_order")
+        route = self._dist.Route(first.group, first.owner_rank(ids), "update_rows_in_order")
         g = route.send("gradients", g.reshape(ids.shape[0], first.data.shape[1]))
         ids, keys = route.send("ids", ids), route.send("groups", keys)
         order = torch.sort(keys, stable=True)[1]  # by group; source rank, then position, within it
@@ -493,45 +448,10 @@ class TorchBackend(TorchDenseMixin, Backend):
             self._update_held(tables, ids.index_select(0, pick), g.index_select(0, pick), fn, values)
         return list(tables)
 
-    def _to_owners(self, table: TorchShardedTable, ids: Any, g: Any) -> tuple[Any, Any]:
-        """``(ids, rows)`` that every rank sent to this one (the rows it owns), grouped by
-        source rank in each rank's order. Collective (three all-to-alls), even with no ids."""
-        route = self._dist.Route(table.group, self._owner_rank(table, ids), "update_rows")
-        g = route.send("gradients", g.reshape(ids.shape[0], table.data.shape[1]))
-        return route.send("ids", ids), g
-
     def _update_held(self, tables: Sequence[TorchShardedTable], uids: Any, g: Any, fn: UpdateRule,
                      values: Sequence[Any]) -> None:
         """``fn`` on the rows of *unique* ids held here: gather → fn → scatter in place."""
-        first = tables[0]
-        index = first.rowmap.local_index(uids)
-        datas = [t.data for t in tables]
-        compiled = self._compiled_update(fn, index.shape[0] * first.data.shape[1], first.data.device,
-                                         tuple((d.shape[1], d.dtype) for d in datas) + ((g.dtype,) if g.dim() > 1 else ()))
-        update = self._update_fn(fn)
-        if compiled is None:  # eager: the values as Python floats, exactly the NumPy reference's
-            self._k.gather_update_scatter(update, tuple(values), g, index, *datas)
-        else:
-            self._run_compiled(compiled, self._k.gather_update_scatter, update, self._hyper(values, first.data.device),
-                               g, index, *datas)
-
-    def _update_fn(self, fn: UpdateRule) -> Callable:
-        """``update(values, g, *rows) -> new rows``: the rule through ``apply_rule`` (one
-        function object per rule, so a compiled caller sees the same one every step)."""
-        update = self._rule_updates.get(fn)
-        if update is None:
-            xp = self.xp
-
-            def update(values: Any, g: Any, *rows: Any) -> tuple:
-                return apply_rule(xp, fn, values, g, *rows)
-
-            self._rule_updates[fn] = update
-        return update
-
-    def _hyper(self, values: Sequence[Any], device: Any) -> tuple:
-        """A rule's values as 0-d float64 tensors: inputs of a compiled update, not constants,
-        so a new learning rate compiles nothing (float64: the precision of a Python float)."""
-        return self._torch.tensor([float(v) for v in values], dtype=self._torch.float64, device=device).unbind()
+        self._compiler.update_rows([t.data for t in tables], tables[0].rowmap.local_index(uids), g, fn, values)
 
     # -- processes -------------------------------------------------------------------------------
     @property
@@ -559,88 +479,8 @@ class TorchBackend(TorchDenseMixin, Backend):
         return group.all_ok(bool(ok), self.device)
 
     # -- compilation ---------------------------------------------------------------------------
-    def _wants_compile(self, elements: int, device: Any) -> bool:
-        """The measured rule (README, "Compilation"): inductor wins on CPU once an update
-        touches about a million elements; below that eager is as fast and compiling (seconds
-        per new function) would only slow tests and small models down."""
-        if self._compile_mode == "never" or self._compile_broken:
-            return False
-        if self._compile_mode == "always":
-            return True
-        return device.type == "cpu" and elements >= COMPILE_MIN_ELEMENTS
-
-    def _compiled_update(self, fn: UpdateRule, elements: int, device: Any, layout: tuple = (),
-                         func: Callable | None = None) -> Callable | None:
-        """A ``torch.compile``d gather → rule → scatter for the rule ``fn``, or None for eager.
-
-        One compiled entry per rule (its static part) and row layout (``layout``: each table's
-        row width and dtype); the rule's values are tensor inputs, so a learning rate that
-        changes every step reuses the entry. Only the row counts are
-        dynamic: a static row width lets inductor unroll and vectorise the row loop without a
-        tail (faster at W1: docs/benchmarks.md), and one
-        entry per width keeps each entry's dynamo cache small. ``func`` is what gets compiled
-        (default :func:`.kernels.gather_update_scatter`; :func:`.kernels.bag_update_scatter` also sums)."""
-        if not self._wants_compile(elements, device):
-            return None
-        func = func or self._k.gather_update_scatter
-        key = (fn, layout, func.__name__)
-        entry = self._compiled_updates.get(key)
-        if entry is None:
-            entry = self._k.Compiled(self._torch, self._k.distinct_code(func, len(self._compiled_updates)), rows_dynamic=True)
-            self._compiled_updates[key] = entry
-        return entry
-
-    def _run_compiled(self, compiled: Callable, eager: Callable, *args: Any) -> Any:
-        """Run ``compiled``; if it fails but ``eager`` succeeds, the compiler is at fault: warn
-        once and stay eager from then on. An error eager raises too is the caller's, as is."""
-        try:
-            return compiled(*args)
-        except Exception as exc:  # noqa: BLE001 - decided below
-            out = eager(*args)
-            import warnings
-
-            self._compile_broken = True
-            warnings.warn(f"torch.compile failed ({type(exc).__name__}: {str(exc)[:200]}); the torch "
-                          "backend runs eager from now on.", RuntimeWarning, stacklevel=3)
-            return out
-
     def compile(self, fn: Callable, **options: Any) -> Callable:
-        """``torch.compile`` where it pays: ``force=True`` always compiles; otherwise the
-        function runs eager on small inputs and compiled once its tensor arguments (also
-        inside lists and tuples) hold ``COMPILE_MIN_ELEMENTS`` elements together on CPU — what
-        one call reads and writes (see :meth:`_wants_compile`)."""
-        torch = self._torch
-        if options.pop("force", False):
-            forced = torch.compile(fn, dynamic=options.pop("dynamic", True), **options)
-
-            def run_forced(*args: Any, **kwargs: Any) -> Any:
-                with self._k.SpecializeFloats(torch):  # see kernels.Compiled
-                    return forced(*args, **kwargs)
-
-            run_forced.__wrapped__ = fn  # type: ignore[attr-defined]
-            return run_forced
-        if self._compile_mode == "never":
-            return fn
-        backend = self
-        compiled: list[Callable] = []
-        # Its own code object, so each compile() call has its own dynamo cache and recompile
-        # budget (dynamo keys both on code, so two compile() of one function would share).
-        traced = self._k.distinct_code(fn, next(self._k.COMPILE_IDS)) if inspect.isfunction(fn) else fn
-
-        def dispatch(*args: Any, **kwargs: Any) -> Any:
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
-            elements = sum(t.numel() for t in tensors)
-            device = tensors[0].device if tensors else torch.device("cpu")
-            if backend._wants_compile(elements, device):
-                if not compiled:
-                    compiled.append(self._k.Compiled(torch, traced))
-                floats: list = []
-                self._k.python_floats([args, kwargs], floats)
-                runner = compiled[0].for_values(tuple(floats))  # fn's own constants are fixed
-                if runner is not None:
-                    return backend._run_compiled(lambda *a: runner(*a, **kwargs), lambda *a: fn(*a, **kwargs), *args)
-            return fn(*args, **kwargs)
-
-        dispatch.__wrapped__ = fn  # type: ignore[attr-defined]
-        return dispatch
+        """``torch.compile`` where it pays (:meth:`meshembed_torch.kernels.UpdateCompiler.function`):
+        ``force=True`` always compiles; otherwise the function runs eager on small inputs and
+        compiled once its tensor arguments hold a million elements together on CPU."""
+        return self._compiler.function(fn, options)

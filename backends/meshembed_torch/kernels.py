@@ -452,3 +452,140 @@ def distinct_code(func: Callable, n: int) -> Callable:
     copy = types.FunctionType(code, func.__globals__, code.co_name, func.__defaults__, func.__closure__)
     copy.__kwdefaults__ = func.__kwdefaults__
     return copy
+
+
+#: Elements an update must touch before ``torch.compile`` is used on CPU (the measured rule:
+#: README, "Compilation").
+COMPILE_MIN_ELEMENTS = 1 << 20
+
+
+class UpdateCompiler:
+    """When and how the torch backend compiles: the backend's ``compile`` mode, the
+    ``torch.compile``d gather → rule → scatter entries of ``update_rows`` and the warn-once
+    fallback to eager when the compiler fails. A part of :class:`~meshembed_torch.TorchBackend`
+    (``backend._compiler``), holding what it compiled."""
+
+    def __init__(self, mode: str, xp: Any):
+        self.mode = mode  # "auto" | "always" | "never"
+        self.broken = False  # the compiler failed once: eager from then on
+        #: compiled entries by (rule, row layout, function name)
+        self.entries: dict[Any, Compiled] = {}
+        self._xp = xp
+        self._rule_updates: dict[Any, Callable] = {}
+
+    def wants(self, elements: int, device: Any) -> bool:
+        """The measured rule (README, "Compilation"): inductor wins on CPU once an update
+        touches about a million elements; below that eager is as fast and compiling (seconds
+        per new function) would only slow tests and small models down."""
+        if self.mode == "never" or self.broken:
+            return False
+        if self.mode == "always":
+            return True
+        return device.type == "cpu" and elements >= COMPILE_MIN_ELEMENTS
+
+    def entry(self, rule: Any, elements: int, device: Any, layout: tuple = (),
+              func: Callable | None = None) -> Callable | None:
+        """A ``torch.compile``d gather → rule → scatter for ``rule``, or None for eager.
+
+        One compiled entry per rule (its static part) and row layout (``layout``: each table's
+        row width and dtype); the rule's values are tensor inputs, so a learning rate that
+        changes every step reuses the entry. Only the row counts are dynamic: a static row
+        width lets inductor unroll and vectorise the row loop without a tail (docs/benchmarks.md),
+        and one entry per width keeps each entry's dynamo cache small. ``func`` is what gets
+        compiled (default :func:`gather_update_scatter`; :func:`bag_update_scatter` also sums)."""
+        if not self.wants(elements, device):
+            return None
+        func = func or gather_update_scatter
+        key = (rule, layout, func.__name__)
+        found = self.entries.get(key)
+        if found is None:
+            found = self.entries[key] = Compiled(torch, distinct_code(func, len(self.entries)), rows_dynamic=True)
+        return found
+
+    def run(self, compiled: Callable, eager: Callable, *args: Any) -> Any:
+        """Run ``compiled``; if it fails but ``eager`` succeeds, the compiler is at fault: warn
+        once and stay eager from then on. An error eager raises too is the caller's, as is."""
+        try:
+            return compiled(*args)
+        except Exception as exc:  # noqa: BLE001 - decided below
+            out = eager(*args)
+            import warnings
+
+            self.broken = True
+            warnings.warn(f"torch.compile failed ({type(exc).__name__}: {str(exc)[:200]}); the torch "
+                          "backend runs eager from now on.", RuntimeWarning, stacklevel=3)
+            return out
+
+    def update_fn(self, rule: Any) -> Callable:
+        """``update(values, g, *rows) -> new rows``: the rule through ``apply_rule`` (one
+        function object per rule, so a compiled caller sees the same one every step)."""
+        update = self._rule_updates.get(rule)
+        if update is None:
+            from meshembed.math.rule import apply_rule
+
+            xp = self._xp
+
+            def update(values: Any, g: Any, *rows: Any) -> tuple:
+                return apply_rule(xp, rule, values, g, *rows)
+
+            self._rule_updates[rule] = update
+        return update
+
+    @staticmethod
+    def hyper(values: Any, device: Any) -> tuple:
+        """A rule's values as 0-d float64 tensors: inputs of a compiled update, not constants,
+        so a new learning rate compiles nothing (float64: the precision of a Python float)."""
+        return torch.tensor([float(v) for v in values], dtype=torch.float64, device=device).unbind()
+
+    def update_rows(self, datas: list, index: Any, g: Any, rule: Any, values: Any) -> None:
+        """``rule`` on the storage rows ``index`` (unique) of ``datas`` (a table and its slots):
+        gather → rule → scatter in place, compiled where :meth:`wants` says so."""
+        first = datas[0]
+        compiled = self.entry(rule, index.shape[0] * first.shape[1], first.device,
+                              tuple((d.shape[1], d.dtype) for d in datas) + ((g.dtype,) if g.dim() > 1 else ()))
+        update = self.update_fn(rule)
+        if compiled is None:  # eager: the values as Python floats, exactly the NumPy reference's
+            gather_update_scatter(update, tuple(values), g, index, *datas)
+        else:
+            self.run(compiled, gather_update_scatter, update, self.hyper(values, first.device), g, index, *datas)
+
+    def function(self, fn: Callable, options: dict) -> Callable:
+        """``Backend.compile``: ``torch.compile`` where it pays. ``force=True`` always compiles;
+        otherwise the function runs eager on small inputs and compiled once its tensor arguments
+        (also inside lists and tuples) hold ``COMPILE_MIN_ELEMENTS`` elements together on CPU —
+        what one call reads and writes (see :meth:`wants`)."""
+        import inspect
+
+        if options.pop("force", False):
+            forced = torch.compile(fn, dynamic=options.pop("dynamic", True), **options)
+
+            def run_forced(*args: Any, **kwargs: Any) -> Any:
+                with SpecializeFloats(torch):  # see Compiled
+                    return forced(*args, **kwargs)
+
+            run_forced.__wrapped__ = fn  # type: ignore[attr-defined]
+            return run_forced
+        if self.mode == "never":
+            return fn
+        compiled: list[Compiled] = []
+        # Its own code object, so each compile() call has its own dynamo cache and recompile
+        # budget (dynamo keys both on code, so two compile() of one function would share).
+        traced = distinct_code(fn, next(COMPILE_IDS)) if inspect.isfunction(fn) else fn
+
+        def dispatch(*args: Any, **kwargs: Any) -> Any:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+            elements = sum(t.numel() for t in tensors)
+            device = tensors[0].device if tensors else torch.device("cpu")
+            if self.wants(elements, device):
+                if not compiled:
+                    compiled.append(Compiled(torch, traced))
+                floats: list = []
+                python_floats([args, kwargs], floats)
+                runner = compiled[0].for_values(tuple(floats))  # fn's own constants are fixed
+                if runner is not None:
+                    return self.run(lambda *a: runner(*a, **kwargs), lambda *a: fn(*a, **kwargs), *args)
+            return fn(*args, **kwargs)
+
+        dispatch.__wrapped__ = fn  # type: ignore[attr-defined]
+        return dispatch
