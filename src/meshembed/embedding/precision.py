@@ -18,15 +18,16 @@ docs/low_precision.md specifies the rounding and its random bits.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterable, Sequence
 
 import array_api_compat
 import numpy as np
 
-from meshembed.backend.protocol import check_rule
+from meshembed.backend.protocol import Backend, check_rule
 from meshembed.embedding.layout import Layout, TableSpec
 from meshembed.errors import ConfigError
-from meshembed.math.rounding import random_words, round_bits, widen_bits
+from meshembed.math.rounding import counters, interleave, philox_words, round_bits, widen_bits, words_for
 from meshembed.math.rule import UpdateRule, apply_rule
 
 __all__ = ["array_dtypes", "check_layout", "fresh_state", "from_storage", "is_low", "lookup_rows",
@@ -37,6 +38,8 @@ STORAGE = {"bfloat16": np.dtype(np.int16), "float16": np.dtype(np.int16)}
 #: Rows per host block when converting whole tables (bounds the temporaries of the rounding).
 _BLOCK_ROWS = 1 << 16
 _xp_host = None
+#: Compiled integer programs of tracing backends, per backend (see :func:`_update_padded`).
+_COMPILED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 def _host_xp() -> Any:
@@ -138,8 +141,12 @@ def narrow(backend: Any, values: Any, dtype: str, rounding: str, random: Any = N
 
 
 def lookup_rows(backend: Any, table: Any, ids: Any, dtype: str) -> Any:
-    """``table[ids]`` as float32 rows."""
-    return widen(backend, backend.gather(table, ids), dtype)
+    """``table[ids]`` as float32 rows (on a backend that traces, the widening is one compiled
+    program: eagerly, each of its ~40 operations would compile for every new number of ids)."""
+    rows = backend.gather(table, ids)
+    if dtype == "float32" or type(backend).is_traced is Backend.is_traced:
+        return widen(backend, rows, dtype)
+    return _program(backend, ("widen", dtype), lambda: lambda h: widen(backend, h, dtype))(rows)
 
 
 # -- tables ------------------------------------------------------------------------------------
@@ -191,19 +198,86 @@ def update_table(backend: Any, state: Sequence[Any], t: TableSpec, rule: UpdateR
     if host_ids.size == 0 or (guard is not None and not bool(guard)):
         return list(state)
     uids, grads = backend.segment_sum(backend.asarray(host_ids, dtype="int64"), row_grads)
+    unique = np.unique(host_ids)  # = uids (sorted unique), on the host: the random bits' counters
+    if type(backend).is_traced is not Backend.is_traced:
+        return _update_padded(backend, state, t, rule, values, unique, grads, step)
+    p = t.precision
     rows = [widen(backend, backend.gather(a, uids), d) for a, d in zip(state, dtypes)]
     new = apply_rule(xp, rule, values, grads, *rows)
-    p = t.precision
     out = []
-    unique = None
     for k, (array, row, dtype) in enumerate(zip(state, new, dtypes)):
         if dtype != "float32":
             random = None
             if p.rounding == "stochastic":
-                if unique is None:
-                    unique = np.unique(host_ids)  # = uids (sorted unique), on the host
-                random = random_words(xp, p.seed, stream_of(t.index, k), step, unique, t.dimension,
-                                      device=array_api_compat.device(row))
+                random = words_for(xp, p.seed, stream_of(t.index, k),
+                                   counters(xp, unique, step, t.dimension, array_api_compat.device(row)), t.dimension)
             row = narrow(backend, row, dtype, p.rounding, random)
         out.append(backend.scatter(array, uids, row))
     return out
+
+
+def _bucket(n: int) -> int:
+    return max(16, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _update_padded(backend: Any, state: Sequence[Any], t: TableSpec, rule: UpdateRule, values: Sequence[Any],
+                   unique: np.ndarray, grads: Any, step: int) -> list[Any]:
+    """:func:`update_table` on a backend that traces (JAX), the same bits: eagerly, every one
+    of the ~1000 element-wise integer operations of the rounding would compile again for each
+    new number of rows. Here the rows are padded to a power of two with rows the step does not
+    touch (their old values are written back, bit for bit), the integer work (widening, the
+    random words, rounding, the choice between new and old rows) runs as compiled programs,
+    one per row bucket, and the optimizer runs eagerly on bucket-shaped arrays (compiled, float
+    arithmetic could be fused differently from the other backends)."""
+    xp = backend.xp
+    dtypes = array_dtypes(t)
+    p = t.precision
+    n, dim = int(unique.shape[0]), t.dimension
+    nb = min(_bucket(n), t.vocabulary_size)
+    ids = unique
+    if nb > n:  # spare rows: the first ids this step does not update (there are enough: nb <= V)
+        spare = np.setdiff1d(np.arange(min(t.vocabulary_size, n + nb), dtype=np.int64), unique)[: nb - n]
+        ids = np.concatenate([unique, spare])
+        # zeros placed as the gradients are (a replicated array on several devices stays one)
+        grads = xp.concat([grads, xp.broadcast_to(xp.zeros_like(grads[:1]), (nb - n, dim))], axis=0)
+    ids_dev = backend.asarray(ids, dtype="int64")
+    mask = backend.asarray(np.arange(nb) < n)
+    stored = [backend.gather(a, ids_dev) for a in state]
+    rows = [s if d == "float32" else _program(backend, ("widen", d), lambda d=d: lambda h: widen(backend, h, d))(s)
+            for s, d in zip(stored, dtypes)]
+    new = apply_rule(xp, rule, values, grads, *rows)
+    ctr = None
+    out = []
+    for k, (array, old, row, dtype) in enumerate(zip(state, stored, new, dtypes)):
+        if dtype == "float32":
+            row = _program(backend, ("select",), lambda: lambda m, a, b: xp.where(xp.reshape(m, (-1, 1)), a, b))(
+                mask, row, old)
+        else:
+            words = ()
+            if p.rounding == "stochastic":
+                ctr = counters(xp, ids, step, dim) if ctr is None else ctr  # uncommitted: any device set
+                stream = stream_of(t.index, k)
+                make = _program(backend, ("words", p.seed, stream), lambda stream=stream: lambda *limbs: tuple(
+                    philox_words(xp, p.seed, stream, [(limbs[2 * i], limbs[2 * i + 1]) for i in range(4)])))
+                words = make(*(limb for word in ctr for limb in word))
+
+            def rounding(dtype: str = dtype) -> Any:
+                def rounded(x: Any, m: Any, before: Any, *w: Any) -> Any:
+                    h = narrow(backend, x, dtype, p.rounding, interleave(xp, w, dim) if w else None)
+                    return xp.where(xp.reshape(m, (-1, 1)), h, before)
+                return rounded
+
+            row = _program(backend, ("round", dtype, p.rounding, dim), rounding)(row, mask, old, *words)
+        out.append(backend.scatter(array, ids_dev, row))
+    return out
+
+
+def _program(backend: Any, key: tuple, build: Any) -> Any:
+    """``backend.compile(build())``, made once per backend and key. The Philox words and their
+    use are separate programs: fed to one consumer, XLA fused the words' 10 rounds into every
+    element of the result and recomputed them (seconds for 4096 rows)."""
+    programs = _COMPILED.setdefault(backend, {})
+    fn = programs.get(key)
+    if fn is None:
+        fn = programs[key] = backend.compile(build())
+    return fn

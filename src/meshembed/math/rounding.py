@@ -23,8 +23,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 __all__ = [
-    "LOW_PRECISION", "PHILOX_ROUNDS", "ROUNDINGS", "STORAGE_DTYPES", "philox4x32", "random_words",
-    "round_bits", "widen_bits",
+    "LOW_PRECISION", "PHILOX_ROUNDS", "ROUNDINGS", "STORAGE_DTYPES", "counters", "interleave", "philox4x32",
+    "philox_words", "random_words", "round_bits", "widen_bits", "words_for",
 ]
 
 #: Storage dtypes of a table or slot: float32 (stored as is) and the two 16-bit formats.
@@ -109,6 +109,46 @@ def _limbs(xp: Any, host_words: Any, device: Any) -> Word:
             xp.asarray((w >> 16).astype(np.int32), device=device))
 
 
+def counters(xp: Any, rows: Any, step: int, dim: int, device: Any = None) -> tuple[Word, Word, Word, Word]:
+    """The counter words of :func:`random_words` on ``device``, each ``[n, ceil(dim / 4)]``
+    limbs made on the host from the int64 ids ``rows``: ``(column group, row mod 2**32,
+    row // 2**32, step mod 2**32)``. Full arrays, not broadcasts: a compiler then takes them
+    as inputs (XLA:CPU ran 10 rounds fed by broadcasts over 1000× slower)."""
+    import numpy as np
+
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1, 1)
+    groups = -(-int(dim) // 4)
+    shape = (rows.shape[0], groups)
+    full = [np.broadcast_to(np.arange(groups, dtype=np.int64), shape), np.broadcast_to(rows & 0xFFFFFFFF, shape),
+            np.broadcast_to(rows >> 32, shape), np.full(shape, int(step) & 0xFFFFFFFF, np.int64)]
+    return tuple(_limbs(xp, c, device) for c in full)  # type: ignore[return-value]
+
+
+def philox_words(xp: Any, seed: int, stream: int, ctr: Sequence[Word]) -> list[Array]:
+    """The four Philox words of the :func:`counters` ``ctr`` under the key ``(seed, stream)``,
+    each as its low 31 bits (non-negative int32, ``[n, groups]``)."""
+    words = philox4x32(xp, ctr, (int(seed), int(stream)))
+    return [xp.bitwise_and(hi, 0x7FFF) * 65536 + lo for lo, hi in words]  # hi's low 15 bits above lo
+
+
+def interleave(xp: Any, words: Sequence[Array], dim: int) -> Array:
+    """``[n, dim]``: column ``j`` from word ``j % 4`` of group ``j // 4``."""
+    n, groups = (int(d) for d in words[0].shape)
+    out = xp.reshape(xp.stack(list(words), axis=-1), (n, 4 * groups))
+    return out if 4 * groups == dim else out[:, :dim]
+
+
+def words_for(xp: Any, seed: int, stream: int, ctr: Sequence[Word], dim: int) -> Array:
+    """:func:`random_words` from the :func:`counters` ``ctr``: ``[n, dim]``."""
+    return interleave(xp, philox_words(xp, seed, stream, ctr), dim)
+
+
+def _device(x: Array) -> Any:
+    import array_api_compat
+
+    return array_api_compat.device(x)
+
+
 def random_words(xp: Any, seed: int, stream: int, step: int, rows: Any, dim: int, device: Any = None) -> Array:
     """``[len(rows), dim]`` int32 array of 31-bit random integers (the low 31 bits of Philox
     words): the random bits of :func:`round_bits` for the rows ``rows`` (host int64 ids) of one
@@ -118,22 +158,7 @@ def random_words(xp: Any, seed: int, stream: int, step: int, rows: Any, dim: int
     row // 2**32, step mod 2**32), key=(seed mod 2**32, stream mod 2**32))`` for ``row =
     rows[i]``; ``stream`` tells the table and array apart (:func:`stream_of` in
     ``meshembed.embedding.precision``)."""
-    import numpy as np
-
-    rows = np.asarray(rows, dtype=np.int64).reshape(-1, 1)
-    groups = -(-int(dim) // 4)
-    c0 = _limbs(xp, np.arange(groups, dtype=np.int64).reshape(1, -1), device)
-    c1 = _limbs(xp, rows & 0xFFFFFFFF, device)
-    c2 = _limbs(xp, rows >> 32, device)
-    c3 = _split(int(step))
-    words = philox4x32(xp, (c0, c1, c2, c3), (int(seed), int(stream)))
-    # low 31 bits: hi limb's low 15 bits above the lo limb (a non-negative int32)
-    w31 = [xp.bitwise_and(hi, 0x7FFF) * 65536 + lo for lo, hi in words]
-    n = int(rows.shape[0])
-    shape = (n, groups) if n else (0, groups)
-    w31 = [xp.broadcast_to(w, shape) for w in w31]
-    out = xp.reshape(xp.stack(w31, axis=-1), (n, 4 * groups))
-    return out if 4 * groups == dim else out[:, :dim]
+    return words_for(xp, seed, stream, counters(xp, rows, step, dim, device), dim)
 
 
 # -- rounding --------------------------------------------------------------------------------
