@@ -119,8 +119,8 @@ class RankGroup:
         except (RuntimeError, dist.DistError) as exc:
             raise RankFailureError(
                 f"torch.distributed ranks did not all reach the same meshembed call within {seconds:g} s "
-                f"(rank {self.rank} of {self.world} waited): another rank skipped a step, called something "
-                "else, or died. Nothing of this call was applied on this rank. Fix: call the same engine "
+                f"(rank {self.rank} of {self.world} waited): another rank probably died, skipped a step or "
+                "called something else. Nothing of this call was applied on this rank. Fix: call the same engine "
                 "methods in the same order on every rank; restart every rank from the last checkpoint. "
                 f"The wait is MESHEMBED_AGREE_TIMEOUT seconds (default 60). Cause: {exc}") from exc
         return tuple(int(v) for v in flags.tolist())

@@ -199,7 +199,9 @@ def update_table(backend: Any, state: Sequence[Any], t: TableSpec, rule: UpdateR
         return list(state)
     uids, grads = backend.segment_sum(backend.asarray(host_ids, dtype="int64"), row_grads)
     unique = np.unique(host_ids)  # = uids (sorted unique), on the host: the random bits' counters
-    if type(backend).is_traced is not Backend.is_traced:
+    if type(backend).is_traced is not Backend.is_traced and backend.capabilities.devices == 1:
+        # one device: compiled, padded programs; several: the eager path below (the padded
+        # programs' rows and gradients would live on different device sets)
         return _update_padded(backend, state, t, rule, values, unique, grads, step)
     p = t.precision
     rows = [widen(backend, backend.gather(a, uids), d) for a, d in zip(state, dtypes)]
