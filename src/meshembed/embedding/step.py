@@ -475,30 +475,30 @@ class _TableUpdates:
                                        grad_index=index, grad_weights=weights, **extra))
         if check_finite:
             self._check_now(grads)
+        host_ids, row_grads = self._per_id(t, features, grads)
+        return apply_table(be, list(self.state.tables[t.index]), t, host_ids, row_grads, self.lrs, rule,
+                           guard=self.guard, part_sizes=[int(d.ids.shape[0]) for d in prepared], values=values)
+
+    def _per_id(self, t: TableSpec, features: list[int], grads: list[Any]) -> tuple[np.ndarray, Any]:
+        """(host ids, one gradient row per id): the combiner's backward pass of ``features``."""
+        be, xp = self.backend, self.backend.xp
+        prepared = [self.batch.features[k] for k in features]
         host_ids = np.concatenate([d.ids for d in prepared]) if prepared else np.zeros(0, np.int64)
         rows = [combiners.backward(be, g, xp.reshape(self._scale(k), (-1, 1)), self._ids([k], "slots"),
                                    d.unit_scale, d.identity) for k, d, g in zip(features, prepared, grads)]
-        row_grads = xp.concat(rows, axis=0) if len(rows) > 1 else rows[0] if rows else None
-        if row_grads is None:
-            row_grads = be.asarray(np.zeros((0, t.dimension), np.float32))
-        return apply_table(be, list(self.state.tables[t.index]), t, host_ids, row_grads, self.lrs, rule,
-                           guard=self.guard, part_sizes=[int(d.ids.shape[0]) for d in prepared], values=values)
+        if not rows:
+            return host_ids, be.asarray(np.zeros((0, t.dimension), np.float32))
+        return host_ids, xp.concat(rows, axis=0) if len(rows) > 1 else rows[0]
 
     def _low_precision(self, t: TableSpec, features: list[int], check_finite: bool) -> list[Any]:
         """A table with 16-bit arrays (``embedding.precision``): per-id gradient rows as the
         generic path makes them, then one update per unique row in float32, rounded back
         (protocol methods only; no fused kernel)."""
-        be, xp, batch = self.backend, self.backend.xp, self.batch
-        prepared = [batch.features[k] for k in features]
+        be, xp = self.backend, self.backend.xp
         grads = [xp.reshape(self.grads[k], (-1, t.dimension)) for k in features]
         if check_finite:
             self._check_now(grads)
-        host_ids = np.concatenate([d.ids for d in prepared]) if prepared else np.zeros(0, np.int64)
-        rows = [combiners.backward(be, g, xp.reshape(self._scale(k), (-1, 1)), self._ids([k], "slots"),
-                                   d.unit_scale, d.identity) for k, d, g in zip(features, prepared, grads)]
-        row_grads = xp.concat(rows, axis=0) if len(rows) > 1 else rows[0] if rows else None
-        if row_grads is None:
-            row_grads = be.asarray(np.zeros((0, t.dimension), np.float32))
+        host_ids, row_grads = self._per_id(t, features, grads)
         return precision.update_table(be, self.state.tables[t.index], t, self.rules[t.index], self.values[t.index],
                                       host_ids, row_grads, self.state.step, guard=self.guard)
 
