@@ -162,3 +162,42 @@ def test_dlrm_example_on_two_gloo_ranks(tmp_path):
     losses = [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("step")]
     assert losses[-1] < losses[0] - 0.05, out.stdout
     assert "restored in one process" in out.stdout and ckpt.exists()
+
+
+def test_tables_do_not_keep_the_process_group_alive(tmp_path):
+    """``dist.destroy_process_group()`` ends the group even while meshembed tables live: a
+    group a library object kept was torn down at interpreter exit, where gloo's worker
+    threads aborted the rank ("terminate called without an active exception") about one
+    run in six; and after a re-init the tables use the new group."""
+    import gc
+    import weakref
+
+    import meshembed as me
+
+    cfg = me.EmbeddingConfig(tables=[me.TableConfig("t", 10, 4, optimizer=me.embedding.SGD(learning_rate=0.5))],
+                             features=[me.FeatureConfig("t", (3,), name="f")])
+    ids, grad = np.array([1, 2, 3]), np.ones((3, 4), np.float32)
+    dist = torch.distributed
+    assert not dist.is_initialized()
+    try:
+        dist.init_process_group("gloo", init_method=(tmp_path / "first").as_uri(), rank=0, world_size=1)
+        world = weakref.ref(dist.group.WORLD)
+        emb = me.TPUEmbedding(cfg, backend="torch", seed=0)
+        ec = me.torch.EmbeddingCollection(cfg, seed=0)
+        before = emb.retrieve_parameters("t")["parameters"].copy()
+        emb.enqueue([ids])
+        emb.dequeue()
+        emb.apply_gradients([grad])
+        ec.state_dict()
+        assert ec.engine.state.tables[0][0].mesh.get_group() is dist.group.WORLD  # table.mesh, built on request
+        dist.destroy_process_group()
+        gc.collect()
+        assert world() is None, "a meshembed object kept the destroyed process group alive"
+        dist.init_process_group("gloo", init_method=(tmp_path / "second").as_uri(), rank=0, world_size=1)
+        emb.enqueue([ids])
+        emb.dequeue()
+        emb.apply_gradients([grad])
+        np.testing.assert_allclose(emb.retrieve_parameters("t")["parameters"][1:4], before[1:4] - 1.0, rtol=1e-6)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -198,9 +198,7 @@ class TorchBackend(TorchDenseMixin, Backend):
         """The RankGroup of the current process group, or None in a single process."""
         if not self._dist.is_initialized():
             return None
-        if self._group is not None:
-            return self._dist.RankGroup(None, self._group)
-        return self._dist.RankGroup(self._dist.device_mesh(self.device.type))
+        return self._dist.RankGroup(self.device.type, self._group)
 
     def create_table(self, values: np.ndarray, placement: Placement) -> TorchShardedTable:
         """Keep only the shards this process holds (every shard, in a single process)."""

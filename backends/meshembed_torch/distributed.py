@@ -44,32 +44,32 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-_MESHES: dict[tuple[str, int], Any] = {}
+class RankGroup:
+    """The ranks a table is sharded over, with error-wrapped collectives.
 
+    Holds no reference to the default process group (collectives pass ``group=None``), so
+    ``dist.destroy_process_group()`` really ends it: a group kept alive by a library object
+    is torn down at interpreter exit, where gloo's worker threads abort the process
+    ("terminate called without an active exception"), and a re-initialised world would
+    be served by the dead group."""
 
-def device_mesh(device_type: str) -> Any:
-    """The 1-D ``DeviceMesh`` ("shard",) over every rank, built once per device type.
+    def __init__(self, device_type: str, pg: Any = None):
+        """``pg``: the user's process group (theirs to keep), or None for the default group."""
+        self.device_type = device_type
+        self.pg = pg
+        self.rank = dist.get_rank(pg)
+        self.world = dist.get_world_size(pg)
 
-    Table rows are sharded along it; collectives run on its process group.
-    """
-    world = dist.get_world_size()
-    key = (device_type, world)
-    if key not in _MESHES:
+    @property
+    def mesh(self) -> Any:
+        """The 1-D ``DeviceMesh`` ("shard",) the rows are sharded over, built on request."""
+        if self.pg is not None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            return DeviceMesh.from_group(self.pg, self.device_type, mesh_dim_names=("shard",))
         from torch.distributed.device_mesh import init_device_mesh
 
-        _MESHES[key] = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    return _MESHES[key]
-
-
-class RankGroup:
-    """The ranks a table is sharded over, with error-wrapped collectives."""
-
-    def __init__(self, mesh: Any, pg: Any = None):
-        """``mesh``: the world's DeviceMesh; or None and ``pg``, any process group."""
-        self.mesh = mesh
-        self.pg = mesh.get_group() if pg is None else pg
-        self.rank = dist.get_rank(self.pg)
-        self.world = dist.get_world_size(self.pg)
+        return init_device_mesh(self.device_type, (self.world,), mesh_dim_names=("shard",))
 
     def _run(self, what: str, call: Callable[[], Any]) -> Any:
         try:
