@@ -113,25 +113,25 @@ def make_rule(table: TableSpec, backend_name: Any = "", dtype: str = "float32") 
     hyper-parameter given as a DynamicLearningRate or a callable, are its dynamic values
     (:func:`rule_values`); the others are static."""
     from meshembed import math as me_math
+    from meshembed.math.rule import build_rule
 
     _check_trainable(table, backend_name)
     opt = table.optimizer
-    math_ = me_math.get_math(_algorithm(opt))
+    algorithm = _algorithm(opt)
     given = dict(opt.hyperparameters())
-    for name in math_.dynamic_inputs:
+    for name in me_math.get_math(algorithm).dynamic_inputs:
         given[name] = getattr(opt, name, None)
-    static = tuple(sorted((k, v) for k, v in given.items() if not _changes_per_step(v)))
-    dynamic = ("lr", *sorted(k for k, v in given.items() if _changes_per_step(v)))
+    dynamic = [k for k, v in given.items() if _changes_per_step(v)]
     if opt.algorithm == "user_defined_program":  # the backend's HLO runner (static)
-        static = tuple(sorted(static + tuple(_program_runner(table, backend_name).items())))
-    return UpdateRule(
-        math=math_, slot_names=tuple(opt.slot_names) if hasattr(opt, "slot_names") else math_.slot_names,
-        static=static, dynamic=dynamic,
+        given.update(_program_runner(table, backend_name))
+    options = dict(
         gradient_clip=opt.gradient_clipping_limits(), weight_clip=opt.clipping_limits(),
         weight_decay=float(getattr(opt, "weight_decay_factor", 0.0) or 0.0),
         multiply_weight_decay_by_lr=bool(getattr(opt, "multiply_weight_decay_factor_by_learning_rate", False)),
-        lazy=not is_non_lazy(table), dtype=str(dtype),
-    )
+        lazy=not is_non_lazy(table), dtype=str(dtype))
+    if hasattr(opt, "slot_names"):
+        options["slot_names"] = tuple(opt.slot_names)
+    return build_rule(algorithm, given, dynamic=dynamic, **options)
 
 
 def rule_values(table: TableSpec, rule: UpdateRule, learning_rates: Sequence[float]) -> tuple:
