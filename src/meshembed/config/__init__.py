@@ -1,7 +1,8 @@
 """Typed TPU-embedding configuration, wire-compatible with ``tensorflow.tpu.TPUEmbeddingConfiguration``.
 
 ``EmbeddingConfig`` (tables, features, system settings) converts to and from the proto;
-the 19 optimizer spec classes mirror the proto's ``parameters`` oneof. All are frozen,
+the 19 optimizer spec classes mirror the proto's ``parameters`` oneof; RowWiseAdagrad and
+RowWiseAdam are meshembed extensions with no proto form (``config/rowwise.py``). All are frozen,
 hashable dataclasses; invalid values raise ``meshembed.errors.ConfigError``.
 """
 
@@ -34,6 +35,7 @@ from meshembed.config.optimizers import (
     RMSProp,
     UserDefinedProgram,
 )
+from meshembed.config.rowwise import RowWiseAdagrad, RowWiseAdam
 from meshembed.config.tables import FeatureConfig, SpmdSharding, TableConfig
 
 __all__ = [
@@ -41,5 +43,5 @@ __all__ = [
     "AdagradMomentum", "Adam", "Assign", "BoundedAdagrad", "CenteredRMSProp", "DynamicLearningRate",
     "EmbeddingConfig", "FeatureConfig", "FrequencyAwareAdagrad", "FrequencyEstimator", "Lion",
     "MDLAdagradLight", "Momentum", "OnlineYogi", "OptimizerSpec", "ProximalAdagrad", "ProximalYogi",
-    "QuantizationConfig", "RMSProp", "SpmdSharding", "TableConfig", "UserDefinedProgram",
+    "QuantizationConfig", "RMSProp", "RowWiseAdagrad", "RowWiseAdam", "SpmdSharding", "TableConfig", "UserDefinedProgram",
 ]

@@ -34,6 +34,7 @@ from meshembed.config.optimizers import (
     QuantizationConfig,
     is_custom,
 )
+from meshembed.config.rowwise import has_proto_form
 from meshembed.config.tables import FeatureConfig, SpmdSharding, TableConfig
 from meshembed.errors import ConfigError
 
@@ -117,10 +118,29 @@ def _no_proto_form(opt: Any, where: str) -> ConfigError:
         "Fix: give this table a proto optimizer spec if the config must be serialized")
 
 
+def _row_wise_refused(opt: Any, where: str) -> ConfigError:
+    """The error for serializing a row-wise optimizer: the proto has no field for it."""
+    place = f" for {where}" if where else ""
+    return ConfigError(
+        f"Invalid `optimizer`{place}. Expected an optimizer with a TPUEmbeddingConfiguration form to "
+        f"serialize the config for TensorFlow. Received: {type(opt).__name__}, a meshembed row-wise extension "
+        "(one second-moment value per row, as fbgemm's TBE optimizers) that the proto's `parameters` oneof "
+        "cannot carry, so this config must stay meshembed-side: the engines, checkpoints (save/restore) "
+        "and me.torch / me.jax run it; to_proto()/to_text() cannot write it. Fix: use me.embedding.Adagrad "
+        "or Adam for this table if the config must go to TensorFlow")
+
+
+def _refuse_unserializable(opt: Any, where: str) -> None:
+    if is_custom(opt):
+        raise _no_proto_form(opt, where)
+    if not has_proto_form(opt):
+        raise _row_wise_refused(opt, where)
+
+
 def config_to_message(cfg: ConfigParts) -> cfg_pb2.TPUEmbeddingConfiguration:
     for t in cfg.tables:
-        if is_custom(t.optimizer):
-            raise _no_proto_form(t.optimizer, f"table '{t.name}'")
+        if t.optimizer is not None:
+            _refuse_unserializable(t.optimizer, f"table '{t.name}'")
     msg = cfg_pb2.TPUEmbeddingConfiguration()
     for t in cfg.tables:
         td = msg.table_descriptor.add()
@@ -170,9 +190,8 @@ def _set_limits(limits: opt_pb2.ClippingLimits, lower: float | None, upper: floa
 
 
 def optimizer_to_message(opt: OptimizerSpec) -> opt_pb2.OptimizationParameters:
-    """One table's OptimizationParameters (a ConfigError for a CustomOptimizer)."""
-    if is_custom(opt):
-        raise _no_proto_form(opt, "")
+    """One table's OptimizationParameters (a ConfigError for a CustomOptimizer or a row-wise one)."""
+    _refuse_unserializable(opt, "")
     msg = opt_pb2.OptimizationParameters()
     lr = opt.learning_rate
     if isinstance(lr, DynamicLearningRate):

@@ -25,6 +25,8 @@ _LAZY["CustomOptimizer"] = "meshembed.math.custom"
 _LAZY.update({name: "meshembed.embedding.dynamic" for name in (
     "DynamicVocabulary", "Always", "AfterOccurrences", "Probability", "LRU", "LFU", "TTL", "NormBelow")})
 _LAZY["Precision"] = "meshembed.config.precision"  # 16-bit tables (docs/low_precision.md)
+# row-wise optimizers, no proto form (docs/optimizers.md "Row-wise extensions")
+_LAZY.update({name: "meshembed.config.rowwise" for name in ("RowWiseAdagrad", "RowWiseAdam")})
 
 __all__ = [
     "Constant", "RaggedIds", "RowIdInitializer", "SparseIds", "TPUEmbedding", "TruncatedNormal",

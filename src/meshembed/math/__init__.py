@@ -35,14 +35,15 @@ from meshembed.math.momentum import (
     momentum,
     rms_prop,
 )
-from meshembed.math.registry import OPTIMIZERS, OptimizerMath, apply_update, get_math, initial_slots
+from meshembed.math.registry import OPTIMIZERS, ROW_WISE, OptimizerMath, apply_update, get_math, initial_slots
+from meshembed.math.rowwise import RowWiseAdagradSlots, RowWiseAdamSlots, row_wise_adagrad, row_wise_adam
 from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.math.sgd import AssignSlots, SgdSlots, assign, stochastic_gradient_descent
 from meshembed.math.user_defined import user_defined_program, user_defined_slot_names
 from meshembed.math.yogi import OnlineYogiSlots, ProximalYogiSlots, online_yogi, proximal_yogi
 
 __all__ = [
-    "GRADIENT_ACCUMULATOR_INITIAL_VALUE", "OPTIMIZERS", "AdadeltaSlots", "AdagradMomentumSlots",
+    "GRADIENT_ACCUMULATOR_INITIAL_VALUE", "OPTIMIZERS", "ROW_WISE", "RowWiseAdagradSlots", "RowWiseAdamSlots", "AdadeltaSlots", "AdagradMomentumSlots",
     "AdagradSlots", "AdamSlots", "AssignSlots", "BoundedAdagradSlots", "CenteredRmsPropSlots",
     "CustomOptimizer", "FrequencyAwareAdagradSlots", "FrequencyEstimatorSlots", "FtrlSlots",
     "LionSlots", "MdlAdagradLightSlots", "MomentumSlots", "OnlineYogiSlots", "OptimizerMath",
@@ -50,6 +51,6 @@ __all__ = [
     "adagrad", "adagrad_momentum", "adam", "apply_rule", "apply_update", "assign", "bounded_adagrad",
     "centered_rms_prop", "frequency_aware_adagrad", "frequency_estimator", "ftrl", "get_math",
     "initial_slots", "lion", "mdl_adagrad_light", "momentum", "online_yogi", "proximal_adagrad",
-    "proximal_yogi", "quantize", "rms_prop", "stochastic_gradient_descent", "user_defined_program",
+    "proximal_yogi", "quantize", "rms_prop", "row_wise_adagrad", "row_wise_adam", "stochastic_gradient_descent", "user_defined_program",
     "user_defined_slot_names",
 ]

@@ -8,14 +8,14 @@ from typing import Any, Callable, Mapping
 import importlib
 
 # Modules by path: the package re-exports functions under the same names (``adagrad``...).
-_adadelta, _adagrad, _adam, _fe, _ftrl, _mdl, _momentum, _sgd, _udp, _yogi = (
+_adadelta, _adagrad, _adam, _fe, _ftrl, _mdl, _momentum, _rowwise, _sgd, _udp, _yogi = (
     importlib.import_module(f"meshembed.math.{name}") for name in (
-        "adadelta", "adagrad", "adam", "frequency_estimator", "ftrl", "mdl", "momentum", "sgd",
+        "adadelta", "adagrad", "adam", "frequency_estimator", "ftrl", "mdl", "momentum", "rowwise", "sgd",
         "user_defined", "yogi"))
 from meshembed.math.common import Array, Scalar, clamp, decay_weights, is_static, scalar
 from meshembed.math.custom import CustomOptimizer
 
-__all__ = ["OPTIMIZERS", "OptimizerMath", "apply_update", "get_math", "initial_slots"]
+__all__ = ["OPTIMIZERS", "ROW_WISE", "OptimizerMath", "apply_update", "get_math", "initial_slots"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,8 @@ class OptimizerMath:
     ``hyperparameter_names`` are the proto field names ``update`` takes as keywords, and
     ``dynamic_inputs`` the extra per-step values (e.g. FrequencyAwareAdagrad's
     ``step_counter``) that come from Send's ``learning_rates`` list rather than the config.
+    ``row_slots``: the slots holding one value per row, shape ``(rows, 1)`` (the row-wise
+    extensions); every other slot is shaped like the parameters.
     """
 
     algorithm: str
@@ -38,6 +40,7 @@ class OptimizerMath:
     hyperparameter_names: tuple[str, ...] = ()
     dynamic_inputs: tuple[str, ...] = ()
     supported: bool = True
+    row_slots: tuple[str, ...] = ()
 
     @property
     def slot_names(self) -> tuple[str, ...]:
@@ -46,9 +49,9 @@ class OptimizerMath:
 
 def _entry(algorithm: str, update: Callable[..., Any], slots_type: type | None,
            initial: tuple[float, ...], names: str = "", dynamic: str = "",
-           supported: bool = True) -> OptimizerMath:
+           supported: bool = True, row_slots: str = "") -> OptimizerMath:
     return OptimizerMath(algorithm, update, slots_type, initial, tuple(names.split()),
-                         tuple(dynamic.split()), supported)
+                         tuple(dynamic.split()), supported, tuple(row_slots.split()))
 
 
 #: Keyed by the proto ``parameters`` oneof field name (spec §2.3).
@@ -95,6 +98,16 @@ OPTIMIZERS: dict[str, OptimizerMath] = {
     )
 }
 
+#: The row-wise extensions (fbgemm's TBE optimizers; no proto form), by meshembed name.
+ROW_WISE: dict[str, OptimizerMath] = {
+    e.algorithm: e for e in (
+        _entry("row_wise_adagrad", _rowwise.row_wise_adagrad, _rowwise.RowWiseAdagradSlots, (0.0,),
+               "epsilon", row_slots="accumulators"),
+        _entry("row_wise_adam", _rowwise.row_wise_adam, _rowwise.RowWiseAdamSlots, (0.0, 0.0),
+               "beta1 beta2 epsilon", row_slots="velocities"),
+    )
+}
+
 
 def get_math(algorithm: str | OptimizerMath | CustomOptimizer) -> OptimizerMath:
     """The ``OptimizerMath`` for a proto algorithm name, a CustomOptimizer, or itself."""
@@ -105,17 +118,18 @@ def get_math(algorithm: str | OptimizerMath | CustomOptimizer) -> OptimizerMath:
                              algorithm.slot_initial_values(),
                              tuple(algorithm.hyperparameters()))
     try:
-        return OPTIMIZERS[algorithm]
+        return OPTIMIZERS[algorithm] if algorithm in OPTIMIZERS else ROW_WISE[algorithm]
     except (KeyError, TypeError):
         raise ValueError(
-            f"Invalid `algorithm`. Expected one of {sorted(OPTIMIZERS)} or a CustomOptimizer. "
+            f"Invalid `algorithm`. Expected one of {sorted(OPTIMIZERS) + sorted(ROW_WISE)} or a CustomOptimizer. "
             f"Received: algorithm={algorithm!r}"
         ) from None
 
 
 def initial_slots(xp: Any, algorithm: str | OptimizerMath | CustomOptimizer, params: Array,
                   values: tuple[float, ...] | None = None) -> Any:
-    """Fresh slots shaped like ``params``, filled with ``values`` (default: the registry's)."""
+    """Fresh slots shaped like ``params`` (a row slot: ``(rows, 1)``), filled with ``values``
+    (default: the registry's)."""
     math_ = get_math(algorithm)
     if math_.slots_type is None:
         raise ValueError(
@@ -123,7 +137,9 @@ def initial_slots(xp: Any, algorithm: str | OptimizerMath | CustomOptimizer, par
             "program; build its slots explicitly."
         )
     values = math_.default_initial_values if values is None else tuple(values)
-    return math_.slots_type(*(xp.full_like(params, v) for v in values))
+    rows = xp.full_like(params[..., :1], 0.0)
+    return math_.slots_type(*(xp.full_like(rows if name in math_.row_slots else params, v)
+                              for name, v in zip(math_.slot_names, values)))
 
 
 def apply_update(

@@ -56,9 +56,9 @@ class UpdateRule:
     @property
     def elementwise(self) -> bool:
         """Each output element depends only on the same element of each input: true of every
-        built-in algorithm (pure element-wise Array-API code), not of a CustomOptimizer or an
-        HLO program, which may do anything."""
-        return self.algorithm not in ("custom", "user_defined_program")
+        built-in TPU algorithm (pure element-wise Array-API code), not of a row-wise extension
+        (a mean over the row), a CustomOptimizer or an HLO program, which may do anything."""
+        return self.algorithm not in ("custom", "user_defined_program") and not self.math.row_slots
 
     @property
     def plain(self) -> bool:
