@@ -313,7 +313,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         """
         tables, ids, grads, fn, check_finite = list(u.tables), u.ids, u.grads, u.rule, u.check_finite
         grad_index, grad_weights = u.grad_index, u.grad_weights
-        layout, dim = self._check_tables(tables)
+        layout, dim = self._check_tables(tables, fn)
         values = self._check_rule(fn, u.values)
         guard = self._guard(layout, u.guard)
         if grad_index is not None and self._jax.process_count() > 1:
@@ -370,10 +370,13 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
             f"at least {worst}, or leave it unset for automatic sizing, or split the batch."
         )
 
-    def _check_tables(self, tables: list[JaxShardedTable]) -> tuple[ShardLayout, int]:
+    def _check_tables(self, tables: list[JaxShardedTable], rule: Any = None) -> tuple[ShardLayout, int]:
         layout, dim = tables[0].layout, tables[0].shape[1]
-        for t in tables[1:]:
-            if t.layout != layout or t.shape[1] != dim:
+        row_slots = getattr(getattr(rule, "math", None), "row_slots", ())  # (rows, 1) slots of a row-wise rule
+        names = getattr(rule, "slot_names", ())
+        for k, t in enumerate(tables[1:]):
+            width = 1 if k < len(names) and names[k] in row_slots else dim
+            if t.layout != layout or t.shape[1] != width:
                 raise InputError(
                     "Invalid `tables`: a table and its slots must share placement and dimension. "
                     f"Received: {tables[0]!r} and {t!r}"

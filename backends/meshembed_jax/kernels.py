@@ -381,9 +381,9 @@ def _update_body(layout: ShardLayout, dim: int, capacity: int, dedup: str, call:
         worst = across_devices(layout, count, lax.pmax)
         ok = guard & (worst <= capacity)
         uniq = jnp.where(ok, uniq, m)  # row m: nothing written
-        flats = [b.reshape(m, dim) for b in blocks]
+        flats = [b.reshape(m, b.shape[-1]) for b in blocks]  # a row-wise slot: one column
         new = _apply_unique(flats, uniq, g, c, call, dyn, ffi, jnp.where(ok, count, 0))
-        return tuple(f.reshape(k, r_max, dim) for f in new), worst
+        return tuple(f.reshape(k, r_max, f.shape[-1]) for f in new), worst
 
     if ffi_sum is None or grad_dtype != blocks[0].dtype:
         return run(False)

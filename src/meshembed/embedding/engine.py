@@ -21,7 +21,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from meshembed.backend import Backend, get_backend
+from meshembed.backend import Backend, get_backend, memory
+from meshembed.config.rowwise import slot_width
 from meshembed.embedding import inputs, precision
 from meshembed.embedding import step as steps
 from meshembed.embedding.agreement import agreed, validated
@@ -30,6 +31,7 @@ from meshembed.embedding.batch import Batch, check_bool, resolve_mode, structure
 from meshembed.embedding.initializers import Constant, default_initializer, initial_blocks, table_rng
 from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec, build_layout, load_config
 from meshembed.embedding.step import EngineState
+from meshembed.config.common import as_int
 from meshembed.errors import ConfigError, InputError, StateError, UntrainableError
 from meshembed.sharding.placement import Placement
 
@@ -45,28 +47,6 @@ class _Pending:
 
 def _check_bool(value: Any, name: str, error: type = ConfigError) -> bool:
     return check_bool(value, name, error)
-
-
-def _check_int(value: Any, name: str, minimum: int, fix: str) -> int:
-    """An integer (Python or NumPy) >= ``minimum``; floats, bools and strings are refused."""
-    try:
-        if isinstance(value, (bool, np.bool_)):
-            raise TypeError
-        out = operator.index(value)
-    except TypeError:
-        raise ConfigError(f"Invalid `{name}`. Expected an integer. Received: {name}={value!r} "
-                          f"({type(value).__name__}). Fix: {fix}") from None
-    if out < minimum:
-        raise ConfigError(f"Invalid `{name}`. Expected an integer >= {minimum}. Received: {name}={out}. Fix: {fix}")
-    return out
-
-
-def _allocation_failed(exc: BaseException) -> bool:
-    """MemoryError, torch's allocator RuntimeError, XLA's RESOURCE_EXHAUSTED."""
-    if isinstance(exc, MemoryError):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(k in text for k in ("alloc", "out of memory", "resource_exhausted"))
 
 
 class TPUEmbedding:
@@ -107,9 +87,10 @@ class TPUEmbedding:
     ) -> None:
         self.config = load_config(config)
         allow_nonfinite = _check_bool(allow_nonfinite, "allow_nonfinite")
-        seed = _check_int(seed, "seed", 0, "pass a non-negative integer seed.")
+        seed = as_int("seed", seed, minimum=0, maximum=None, fix="pass a non-negative integer seed.")
         if num_shards is not None:
-            num_shards = _check_int(num_shards, "num_shards", 1, "pass a positive integer, or None for the device count.")
+            num_shards = as_int("num_shards", num_shards, minimum=1, maximum=None,
+                                fix="pass a positive integer, or None for the device count.")
         if mesh is not None and not hasattr(mesh, "size"):
             raise ConfigError(f"Invalid `mesh`. Expected a me.Mesh. Received: {type(mesh).__name__}")
         mesh_backend = getattr(mesh, "backend", None)
@@ -173,12 +154,8 @@ class TPUEmbedding:
             if t.index in self._vocab:  # its rows get their values when a key is admitted
                 init = "zeros"
             blocks = initial_blocks(init, (t.vocabulary_size, t.dimension), table_rng(self.seed, t.index), t.name)
-            try:
+            with self._allocating_table(t):
                 tables[t.index] = tuple(self._fresh_state(t, blocks))
-            except (MemoryError, RuntimeError) as exc:
-                if not _allocation_failed(exc):
-                    raise
-                raise self._too_big(t, exc) from exc
         #: the tables and slots (backend arrays) and the step counter: plain data the step
         #: functions (meshembed.embedding.step) take and return
         if state is None:
@@ -199,17 +176,17 @@ class TPUEmbedding:
         self.state = EngineState(self.state.tables, int(value), self.layout)
 
     # -- construction helpers ---------------------------------------------------------------
-    def _too_big(self, table: TableSpec, exc: BaseException) -> ConfigError:
+    def _allocating_table(self, table: TableSpec) -> Any:
+        """``memory.allocating`` for table ``table`` with its slots (a ResourceError stating
+        the bytes; no engine exists after a failure)."""
         n = 1 + len(self._slot_names(table))
-        total = table.vocabulary_size * table.dimension * 4 * n
         shards = self._placements[table.index].num_shards
-        return ConfigError(
-            f"Table {table.name!r} could not be allocated on backend {self.backend.name!r}: it asks "
-            f"for {total:,} bytes ({table.vocabulary_size:,} rows x {table.dimension} x 4 bytes x "
-            f"{n} array(s): parameters and {n - 1} slot(s)), {total // shards:,} bytes on each of "
-            f"{shards} shard(s). The backend said: {type(exc).__name__}: {str(exc)[:200]}. Fix: a "
-            "smaller `vocabulary_size` or `dimension`, or more shards (devices/ranks)."
-        )
+        return memory.allocating(
+            f"table {table.name!r} with its {n - 1} slot(s) on backend {self.backend.name!r} over {shards} "
+            f"shard(s)", (table.vocabulary_size, table.dimension), precision.array_dtypes(table)[0], arrays=n,
+            nothing="No engine was created.",
+            fix="a smaller `vocabulary_size` or `dimension`, more shards (`num_shards`: devices/ranks), or "
+                "lower-precision tables (`TableConfig(precision=...)`).")
 
     def _slot_names(self, table: TableSpec) -> tuple[str, ...]:
         return tuple(table.optimizer.slot_names)
@@ -222,9 +199,16 @@ class TPUEmbedding:
             return precision.fresh_state(self.backend, table, blocks, placement, table.optimizer.slot_initial_values())
         shape = (table.vocabulary_size, table.dimension)
         state = [self.backend.create_table_from_blocks(shape, blocks, placement)]
-        for init in table.optimizer.slot_initial_values():
-            state.append(self.backend.create_table_from_blocks(shape, Constant(init).blocks(shape), placement))
+        for name, init in zip(self._slot_names(table), table.optimizer.slot_initial_values()):
+            slot = self._slot_shape(table, name)  # (V, 1) for a row-wise slot
+            state.append(self.backend.create_table_from_blocks(slot, Constant(init).blocks(slot), placement))
         return state
+
+    @staticmethod
+    def _slot_shape(table: TableSpec, name: str, rows: int | None = None) -> tuple[int, int]:
+        """Shape of array ``name`` ("parameters" or a slot): row-wise slots have one column."""
+        rows = table.vocabulary_size if rows is None else rows
+        return (rows, slot_width(table.optimizer, name, table.dimension))
 
     # -- introspection ---------------------------------------------------------------------
     @property
@@ -239,8 +223,20 @@ class TPUEmbedding:
     def embedding_tables(self) -> dict[str, np.ndarray]:
         """The logical ``[V, D]`` parameters of every table, as NumPy (a copy)."""
         self.flush()
-        return {t.name: precision.from_storage(self.backend.unshard(self.state.tables[t.index][0]),
-                                               precision.array_dtypes(t)[0]) for t in self.layout.tables}
+        out = {}
+        for t in self.layout.tables:
+            with self._host_copy(t, "parameters", t.vocabulary_size):
+                out[t.name] = precision.from_storage(self.backend.unshard(self.state.tables[t.index][0]),
+                                                     precision.array_dtypes(t)[0])
+        return out
+
+    def _host_copy(self, t: TableSpec, name: str, rows: int) -> Any:
+        """``memory.allocating`` for a float32 host copy of ``rows`` rows of table ``t``'s ``name``."""
+        return memory.allocating(
+            f"a host copy of table {t.name!r} `{name}`", (rows, t.dimension), "float32",
+            nothing="The tables are unchanged.",
+            fix="free host memory, or read the table one shard at a time (retrieve_parameters(table, "
+                "num_shards=..., shard_id=...)).")
 
     def table_slot_names(self, table: str | int) -> tuple[str, ...]:
         """TPU slot names of a table after ``parameters``, in Load/Retrieve order."""
@@ -485,11 +481,12 @@ class TPUEmbedding:
         names = ("parameters",) + self._slot_names(t)
         out = {}
         for name, st, dtype in zip(names, self.state.tables[t.index], precision.array_dtypes(t)):
-            if ids is None:
-                out[name] = self.backend.unshard(st)
-            else:
-                out[name] = np.asarray(self.backend.to_numpy(self.backend.gather(st, self.backend.asarray(ids, dtype="int64"))))
-            out[name] = precision.from_storage(out[name], dtype)  # 16-bit storage: its exact float32 values
+            with self._host_copy(t, name, t.vocabulary_size if ids is None else len(ids)):
+                if ids is None:
+                    out[name] = self.backend.unshard(st)
+                else:
+                    out[name] = np.asarray(self.backend.to_numpy(self.backend.gather(st, self.backend.asarray(ids, dtype="int64"))))
+                out[name] = precision.from_storage(out[name], dtype)  # 16-bit storage: its exact float32 values
         return out
 
     def load_parameters(
@@ -552,9 +549,9 @@ class TPUEmbedding:
                     f"Invalid {what}: expected a real (float or integer) array. Received: dtype={arr.dtype}. "
                     "Fix: pass float32 values (strings, None, bool and complex are not parameters)."
                 )
-            if arr.shape != (rows, t.dimension):
+            if arr.shape != self._slot_shape(t, name, rows):
                 raise InputError(
-                    f"Invalid {what}: expected shape {(rows, t.dimension)}. Received: shape={arr.shape}"
+                    f"Invalid {what}: expected shape {self._slot_shape(t, name, rows)}. Received: shape={arr.shape}"
                 )
             with np.errstate(over="ignore", invalid="ignore"):
                 arr = np.array(arr, dtype=np.float32)  # a private copy, in the tables' dtype
@@ -713,7 +710,7 @@ class TPUEmbedding:
         values = {"parameters": dynamic.keyed_initial_values(self._dynamic_init[index], st.row_key[rows], t.dimension,
                                                               self.seed, index, t.name)}
         for name, v in zip(self._slot_names(t), t.optimizer.slot_initial_values()):
-            values[name] = np.full((rows.shape[0], t.dimension), v, np.float32)
+            values[name] = np.full(self._slot_shape(t, name, rows.shape[0]), v, np.float32)
         return self._loaded_state((t, rows, values))
 
     # -- checkpoints -----------------------------------------------------------------------
