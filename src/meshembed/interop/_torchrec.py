@@ -340,7 +340,13 @@ def to_torchrec(config: EmbeddingConfig, *, strict: bool = False) -> Translation
             gaps.add("initializer", f"{'TF2 truncated normal' if t.initializer is None else t.initializer!r} has no "
                      "torchrec form", "torchrec's default U(±sqrt(1/num_embeddings)); copy rows with "
                      "export_torchrec_state", t.name)
-        common = dict(num_embeddings=t.vocabulary_size, embedding_dim=t.dimension, name=t.name,
+        rows = t.vocabulary_size
+        if t.dynamic is not None:  # keys -> rows is MCH's job; its last row is shared by unknown ids
+            rows += 1
+            gaps.add("dynamic", "a dynamic vocabulary maps raw keys to rows; a torchrec table takes row ids",
+                     f"{rows} rows (capacity + MCH's shared row); to_torchrec_mc(config) builds the "
+                     "ManagedCollisionCollection that maps the keys", t.name)
+        common = dict(num_embeddings=rows, embedding_dim=t.dimension, name=t.name,
                       feature_names=names[t.name], **kwargs)
         if True in sequence[t.name]:
             tables.append(TrecEmbeddingConfig(**common))
