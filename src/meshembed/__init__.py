@@ -18,6 +18,7 @@ from meshembed.errors import (
     ConfigError,
     InputError,
     MeshembedError,
+    ResourceError,
     StateError,
 )
 
@@ -55,7 +56,7 @@ _LAZY = {
 
 __all__ = [
     "BackendUnavailableError", "CapacityError", "CheckpointError", "ConfigError", "InputError", "MeshembedError",
-    "StateError", "available_backends", "get_backend", "set_backend", "use_backend", *_LAZY,
+    "ResourceError", "StateError", "available_backends", "get_backend", "set_backend", "use_backend", *_LAZY,
 ]
 
 

@@ -48,3 +48,10 @@ class CheckpointError(MeshembedError, ValueError):
     Raised before anything at the path (on save) or in the engine (on restore) is touched.
     """
 
+
+
+class ResourceError(MeshembedError, MemoryError):
+    """An allocation whose size the user controls (a table, a batch, a slot, a copy) failed,
+    or cannot fit in this process at all. Still a ``MemoryError``, so ``except MemoryError``
+    keeps working; the message names what was allocated, its bytes, shape and dtype, and the fix.
+    Nothing was changed (``meshembed.backend.memory.allocating``)."""
