@@ -9,11 +9,13 @@ by any backend (:mod:`meshembed.embedding.step`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from meshembed.backend import memory
 from meshembed.embedding import combiners, inputs
 from meshembed.embedding.layout import FeatureSpec, Layout
 from meshembed.errors import InputError
@@ -172,9 +174,29 @@ def prepare(
     mode = resolve_mode(layout, training, mode_override)
     ids_list = by_feature(layout, features, "features")
     weight_list = by_feature(layout, weights, "weights", allow_none=True)
-    batches = [inputs.normalize(x, w, feature_info(layout, f), backend)
-               for f, x, w in zip(layout.features, ids_list, weight_list)]
+    batches = []
+    for f, x, w in zip(layout.features, ids_list, weight_list):
+        t = layout.tables[f.table]  # an activation no process can hold: refused before any work
+        memory.check_size(f"the activations of feature {f.name!r} (table {t.name!r})", f.output_shape + (t.dimension,),
+                          nothing="Nothing was enqueued.")
+        with _preparing(f, _count(x, f)):
+            batches.append(inputs.normalize(x, w, feature_info(layout, f), backend))
     return from_feature_batches(layout, batches, mode)
+
+
+def _count(x: Any, f: FeatureSpec) -> int:
+    """How many ids feature ``f``'s input holds (for the bytes in an allocation error)."""
+    values = getattr(x, "values", None)
+    try:
+        return int(len(values)) if values is not None else math.prod(f.output_shape)
+    except TypeError:
+        return 0
+
+
+def _preparing(f: FeatureSpec, n: int) -> Any:
+    """``memory.allocating`` for feature ``f``'s prepared host arrays (``n`` ids)."""
+    return memory.allocating(f"the prepared batch of feature {f.name!r} (ids, output slots, combiner scales)",
+                             (n,), "int64", arrays=3, nothing="Nothing was enqueued.")
 
 
 def from_feature_batches(layout: Layout, batches: Sequence[inputs.FeatureBatch], mode: str,
@@ -189,14 +211,15 @@ def from_feature_batches(layout: Layout, batches: Sequence[inputs.FeatureBatch],
     prepared = []
     for f, b in zip(layout.features, batches):
         combiner = combiner_override[f.table] if combiner_override else layout.tables[f.table].combiner
-        if b.unit_weights and combiners.check_combiner(combiner) == "sum":
-            scale, unit = b.weights, True  # all ones, known without a scan
-        else:
-            scale = combiners.combiner_scale(b.slots, b.weights, b.num_slots, combiner)
-            unit = combiners.is_unit(scale)
-        prepared.append(PreparedFeature(
-            ids=_frozen(b.ids), slots=_frozen(b.slots), scale=_frozen(np.asarray(scale, np.float32).reshape(-1)),
-            num_slots=int(b.num_slots), unit_scale=bool(unit),
-            identity=bool(combiners.is_identity(b.slots, b.num_slots)),
-        ))
+        with _preparing(f, max(len(b.ids), int(b.num_slots))):  # a mean combiner counts per slot
+            if b.unit_weights and combiners.check_combiner(combiner) == "sum":
+                scale, unit = b.weights, True  # all ones, known without a scan
+            else:
+                scale = combiners.combiner_scale(b.slots, b.weights, b.num_slots, combiner)
+                unit = combiners.is_unit(scale)
+            prepared.append(PreparedFeature(
+                ids=_frozen(b.ids), slots=_frozen(b.slots), scale=_frozen(np.asarray(scale, np.float32).reshape(-1)),
+                num_slots=int(b.num_slots), unit_scale=bool(unit),
+                identity=bool(combiners.is_identity(b.slots, b.num_slots)),
+            ))
     return Batch(layout, mode, tuple(prepared))

@@ -13,13 +13,14 @@ these functions; ``me.ops``, ``me.tpu``, ``me.torch`` and ``me.jax`` call them t
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from meshembed.backend import Backend
+from meshembed.backend import Backend, memory
 from meshembed.embedding import combiners, inputs, precision
 from meshembed.embedding.agreement import agreed, fingerprint, first_argument, validated
 from meshembed.embedding.batch import Batch, by_feature, prepare
@@ -117,36 +118,47 @@ def lookup(backend: Any, state: EngineState, batch: Batch) -> list[Any]:
             "run. Fix: call `apply_gradients(...)`, or enqueue with `mode_override='training'`."
         )
     check_batch(state, batch)
-    layout, xp = batch.layout, backend.xp
+    layout = batch.layout
     outs = []
     for k, (f, d) in enumerate(zip(layout.features, batch.features)):
         t = layout.tables[f.table]
-        table = state.tables[t.index][0]
-        ids = batch.device_array(backend, k, "ids")
-        quant = getattr(t.optimizer, "simulated_quantization", None)
-        if precision.is_low(t):  # 16-bit rows: widened to float32, combined in float32
-            outs.append(_low_precision_lookup(backend, t, f, d, table, ids, batch, k, quant))
-            continue
-        if quant is not None and getattr(quant, "enabled", True):
-            from meshembed.math import quantize
-
-            lo = -np.inf if quant.lower is None else quant.lower
-            hi = np.inf if quant.upper is None else quant.upper
-            rows = quantize(xp, backend.gather(table, ids), lo, hi, quant.num_buckets)
-            scale = xp.reshape(batch.device_array(backend, k, "scale"), (-1, 1))
-            act = combiners.forward(backend, rows, scale, batch.device_array(backend, k, "slots"), d.num_slots)
-        elif d.identity:  # one id per slot: the rows themselves, no segment sum
-            # shaped_rows: the rows come in the activation's shape (no reshape: a copy on JAX)
-            shaped = backend.capabilities.shaped_rows and len(f.output_shape) != 1
-            act = backend.gather(table, xp.reshape(ids, f.output_shape) if shaped else ids)
-            if not d.unit_scale:
-                act = act * xp.reshape(batch.device_array(backend, k, "scale"), tuple(act.shape[:-1]) + (1,))
-        else:  # fused gather + combine where the backend has one
-            weights = None if d.unit_scale else batch.device_array(backend, k, "scale")
-            act = backend.gather_combine(table, ids, batch.device_array(backend, k, "slots"), d.num_slots, weights)
-        shape = f.output_shape + (t.dimension,)
-        outs.append(act if tuple(act.shape) == shape else xp.reshape(act, shape))
+        with memory.allocating(f"the activations of feature {f.name!r} (table {t.name!r})",
+                               f.output_shape + (t.dimension,), nothing=_UNCHANGED):
+            outs.append(_lookup_one(backend, state, batch, k, f, d, t))
     return outs
+
+
+#: What a failed allocation of a step leaves: nothing (see ``memory.allocating``).
+_UNCHANGED = "The tables, slots and the pending batch are unchanged."
+
+
+def _lookup_one(backend: Any, state: EngineState, batch: Batch, k: int, f: FeatureSpec, d: Any, t: TableSpec) -> Any:
+    """Feature ``k``'s activation, shape ``output_shape + [dimension]``."""
+    xp = backend.xp
+    table = state.tables[t.index][0]
+    ids = batch.device_array(backend, k, "ids")
+    quant = getattr(t.optimizer, "simulated_quantization", None)
+    if precision.is_low(t):  # 16-bit rows: widened to float32, combined in float32
+        return _low_precision_lookup(backend, t, f, d, table, ids, batch, k, quant)
+    if quant is not None and getattr(quant, "enabled", True):
+        from meshembed.math import quantize
+
+        lo = -np.inf if quant.lower is None else quant.lower
+        hi = np.inf if quant.upper is None else quant.upper
+        rows = quantize(xp, backend.gather(table, ids), lo, hi, quant.num_buckets)
+        scale = xp.reshape(batch.device_array(backend, k, "scale"), (-1, 1))
+        act = combiners.forward(backend, rows, scale, batch.device_array(backend, k, "slots"), d.num_slots)
+    elif d.identity:  # one id per slot: the rows themselves, no segment sum
+        # shaped_rows: the rows come in the activation's shape (no reshape: a copy on JAX)
+        shaped = backend.capabilities.shaped_rows and len(f.output_shape) != 1
+        act = backend.gather(table, xp.reshape(ids, f.output_shape) if shaped else ids)
+        if not d.unit_scale:
+            act = act * xp.reshape(batch.device_array(backend, k, "scale"), tuple(act.shape[:-1]) + (1,))
+    else:  # fused gather + combine where the backend has one
+        weights = None if d.unit_scale else batch.device_array(backend, k, "scale")
+        act = backend.gather_combine(table, ids, batch.device_array(backend, k, "slots"), d.num_slots, weights)
+    shape = f.output_shape + (t.dimension,)
+    return act if tuple(act.shape) == shape else xp.reshape(act, shape)
 
 
 def _low_precision_lookup(backend: Any, t: TableSpec, f: FeatureSpec, d: Any, table: Any, ids: Any, batch: Batch,
@@ -271,7 +283,9 @@ def check_gradient(backend: Any, layout: Layout, f: FeatureSpec, g: Any) -> Any:
             "count as touched, which moves lazy Adam/Momentum state).",
             stacklevel=4,
         )
-        g = np.zeros(shape, dtype=np.float32)
+        with memory.allocating(f"the zero gradient of feature {f.name!r} (table {t.name!r})", shape,
+                               nothing=_UNCHANGED):
+            g = np.zeros(shape, dtype=np.float32)
     where = f"gradient for feature {f.name!r} (table {t.name!r})"
     if backend.is_traced(g):
         raise inputs.traced_error(where)
@@ -286,8 +300,8 @@ def check_gradient(backend: Any, layout: Layout, f: FeatureSpec, g: Any) -> Any:
     if tuple(g.shape) != shape:
         raise InputError(f"Invalid {where}: expected shape {shape} (input_shape + [dimension]). "
                          f"Received: shape={tuple(g.shape)}")
-    with np.errstate(over="ignore"):  # float64 beyond float32's range: inf, refused by the check
-        g = backend.asarray(g, dtype="float32")
+    with np.errstate(over="ignore"), memory.allocating(f"the float32 {where}", shape, nothing=_UNCHANGED):
+        g = backend.asarray(g, dtype="float32")  # float64 beyond float32's range: inf, refused by the check
     if backend.is_traced(g):
         raise traced_call_error("apply_gradients")
     return g
@@ -380,21 +394,26 @@ def apply_gradients(
         per_table[f.table].append(f.index)
     for t in layout.tables:  # e.g. a fixed capacity: refuse before any table is written
         ids = [batch.features[k].ids for k in per_table[t.index]]
-        if is_non_lazy(t):
-            ids.append(np.arange(t.vocabulary_size, dtype=np.int64))
-        if ids:
+        n = sum(len(i) for i in ids) + (t.vocabulary_size if is_non_lazy(t) else 0)
+        with memory.allocating(f"the row ids of the update of table {t.name!r}", (n,), "int64", nothing=_UNCHANGED):
+            if is_non_lazy(t):
+                ids.append(np.arange(t.vocabulary_size, dtype=np.int64))
+            joined = np.concatenate(ids) if ids else None
+        if joined is not None:
             try:
-                backend.check_update(state.tables[t.index], np.concatenate(ids))
+                backend.check_update(state.tables[t.index], joined)
             except CapacityError as exc:
                 raise CapacityError(f"Table {t.name!r}: {exc}") from None
     # every process's input is valid and its step, learning rates and mode agree: now the row exchange
     validated(backend, fingerprint(state.step, tuple(lrs), batch.mode, bool(allow_nonfinite)),
               "the step, the learning rates or allow_nonfinite", InputError)
     step = _TableUpdates(backend, state, batch, grads, rules, values, lrs, guard)
-    new = {}
-    try:
-        for t in sorted(layout.tables, key=lambda t: t.index != in_update):
-            new[t.index] = step.table(t, per_table[t.index], check_finite=t.index == in_update)
+    new: dict[int, list[Any]] = {}
+    rows = {t.index: sum(batch.features[k].ids.shape[0] for k in per_table[t.index]) for t in layout.tables}
+    try:  # the largest update first: when memory runs out there, no table was written yet
+        for t in sorted(layout.tables, key=lambda t: (t.index != in_update, -_config_size(layout, t))):
+            with _updating(t, rows[t.index], written=[u.name for u in layout.tables if u.index in new]):
+                new[t.index] = step.table(t, per_table[t.index], check_finite=t.index == in_update)
     except NonFiniteError:  # from the update of table in_update, which wrote nothing
         bad = [f for f, g in zip(layout.features, grads) if f.table == in_update and not backend.all_finite(g)]
         raise nonfinite_error(layout, bad[0] if bad else layout.features[0]) from None
@@ -402,6 +421,29 @@ def apply_gradients(
         bad = [f for f, g in zip(layout.features, grads) if not backend.all_finite(g)]
         raise nonfinite_error(layout, bad[0] if bad else layout.features[0])
     return state.replace(new, steps=1)
+
+
+def _config_size(layout: Layout, t: TableSpec) -> int:
+    """Elements of table ``t``'s update as the config sizes it (its features' output slots, or
+    every row for a non-lazy optimizer), the same on every process: the update order."""
+    if is_non_lazy(t):
+        return t.vocabulary_size * t.dimension
+    return sum(math.prod(f.output_shape) for f in layout.features if f.table == t.index) * t.dimension
+
+
+def _update_shape(t: TableSpec, ids: int) -> tuple[int, int]:
+    """Rows x dimension of table ``t``'s update working set for ``ids`` looked-up ids (every
+    row for a non-lazy optimizer)."""
+    return (t.vocabulary_size if is_non_lazy(t) else ids, t.dimension)
+
+
+def _updating(t: TableSpec, ids: int, written: Sequence[str]) -> Any:
+    """``memory.allocating`` for table ``t``'s update: its gradient rows and the rows of its
+    parameters and slots. ``written``: tables already updated in place this step."""
+    nothing = (_UNCHANGED if not written else f"Tables {list(written)} were already updated in place this step "
+               "(the step counter was not advanced and the pending batch was not consumed).")
+    return memory.allocating(f"the update of table {t.name!r} (gradient rows, and rows of its parameters and slots)",
+                             _update_shape(t, ids), arrays=2 + len(t.optimizer.slot_names), nothing=nothing)
 
 
 @dataclass
