@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from meshembed.config.rowwise import slot_width
 from meshembed.embedding import step as steps
 from meshembed.embedding.batch import resolve_mode
 from meshembed.embedding.engine import TPUEmbedding
@@ -199,7 +200,8 @@ class FunctionalEngine(TPUEmbedding):
             names = st.names[t.index]
             for n, old in zip(names, self.state.tables[t.index]):
                 _same_bits(new.tables[t.name][n], old.data, f"table {t.name!r} {n!r} after step {self.step}")
-            tables[t.index] = [JaxShardedTable(new.tables[t.name][n], st.shard_layouts[t.index], t.dimension)
+            tables[t.index] = [JaxShardedTable(new.tables[t.name][n], st.shard_layouts[t.index],
+                                             slot_width(t.optimizer, n, t.dimension))
                                for n in names]
         self.state = self.state.replace(tables)
         if int(new.step) != self.step:

@@ -226,7 +226,23 @@ def with_mechanics(update, p, g, slots, lr, gradient_clip=None, weight_clip=None
     return p, slots
 
 
+def row_wise_adagrad(p, g, slots, lr, epsilon=1e-8):
+    """fbgemm EXACT_ROWWISE_ADAGRAD (CPU kernel, weight_decay_mode 0): one accumulator per row."""
+    (acc,) = slots
+    acc = acc + np.sum(g * g, axis=1, keepdims=True) / g.shape[1]
+    return p - g * (lr / (np.sqrt(acc) + epsilon)), (acc,)
+
+
+def row_wise_adam(p, g, slots, lr, beta1=0.9, beta2=0.999, epsilon=1e-8):
+    """fbgemm PARTIAL_ROWWISE_ADAM with its bias-correction factors at 1 (TPU Adam's convention)."""
+    m, v = slots
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * (np.sum(g * g, axis=1, keepdims=True) / g.shape[1])
+    return p - lr * (m / (np.sqrt(v) + epsilon)), (m, v)
+
+
 UPDATES.update({
+    "row_wise_adagrad": row_wise_adagrad, "row_wise_adam": row_wise_adam,
     "ftrl_lr_linear": ftrl_lr_linear, "adagrad_momentum": adagrad_momentum, "bounded_adagrad": bounded_adagrad,
     "frequency_aware_adagrad": frequency_aware_adagrad, "momentum": momentum, "lion": lion,
     "rms_prop": rms_prop, "centered_rms_prop": centered_rms_prop, "proximal_adagrad": proximal_adagrad,

@@ -40,10 +40,11 @@ def _ref_sgd_velocity(p, g, slots, lr, decay):
     return p - lr * v, (v,)
 
 
-def _case(spec, rule, init, hp=None, non_lazy=False, dynamic=(), grad_scale=1.0, table_init=None):
-    """spec(lr) -> optimizer; reference rule; initial slot values; reference hyper-parameters."""
+def _case(spec, rule, init, hp=None, non_lazy=False, dynamic=(), grad_scale=1.0, table_init=None, row_slots=()):
+    """spec(lr) -> optimizer; reference rule; initial slot values; reference hyper-parameters;
+    ``row_slots``: indices of the slots holding one value per row (row-wise optimizers)."""
     return dict(spec=spec, rule=rule, init=init, hp=hp or {}, non_lazy=non_lazy, dynamic=dynamic,
-                grad_scale=grad_scale, table_init=table_init)
+                grad_scale=grad_scale, table_init=table_init, row_slots=row_slots)
 
 
 CASES = {
@@ -122,6 +123,11 @@ CASES = {
         lambda lr, **kw: E.ProximalYogi(lr, l1=0.01, l2=0.02, beta1=0.8, beta2=0.9, epsilon=1e-3, **kw),
         "proximal_yogi", (1e-6, 0.0), dict(l1=0.01, l2=0.02, beta1=0.8, beta2=0.9, epsilon=1e-3)),
     "assign": _case(lambda lr, **kw: E.Assign(**kw), "assign", ()),
+    # row-wise extensions (fbgemm's TBE optimizers): one accumulator / velocity per row
+    "row_wise_adagrad": _case(lambda lr, **kw: E.RowWiseAdagrad(lr, initial_accumulator_value=0.05, epsilon=1e-3, **kw),
+                              "row_wise_adagrad", (0.05,), dict(epsilon=1e-3), row_slots=(0,)),
+    "row_wise_adam": _case(lambda lr, **kw: E.RowWiseAdam(lr, beta_1=0.8, beta_2=0.9, epsilon=1e-3, **kw),
+                           "row_wise_adam", (0.0, 0.0), dict(beta1=0.8, beta2=0.9, epsilon=1e-3), row_slots=(1,)),
     "custom": _case(lambda lr, **kw: E.CustomOptimizer(_sgd_velocity, ("velocity",), (0.5,), learning_rate=lr,
                                                        hyperparameters={"decay": 0.7}, **kw),
                     _ref_sgd_velocity, (0.5,), dict(decay=0.7)),
@@ -137,7 +143,8 @@ OPTIONS = {
     "dynamic_lr": {},
 }
 # Every optimizer runs plain and with a dynamic lr; every option runs on a representative set.
-OPTION_OPTIMIZERS = ("sgd", "adagrad", "ftrl", "adam_lazy_sum_inside_sqrt", "momentum", "adadelta", "custom", "assign")
+OPTION_OPTIMIZERS = ("sgd", "adagrad", "ftrl", "adam_lazy_sum_inside_sqrt", "momentum", "adadelta", "custom", "assign",
+                     "row_wise_adagrad")
 PARAMS = [(c, "plain") for c in CASES] + [(c, "dynamic_lr") for c in CASES if c != "assign"] + [
     (c, o) for o in OPTIONS if o not in ("plain", "dynamic_lr") for c in OPTION_OPTIMIZERS]
 
@@ -184,7 +191,8 @@ def _reference_run(case, option, table0, dim=D, vocab=V, lrs=None):
         weight_decay=opts.get("weight_decay_factor", 0.0),
         decay_by_lr=opts.get("multiply_weight_decay_factor_by_learning_rate", False))
     p = table0.astype(np.float64)
-    slots = tuple(np.full((vocab, dim), v, np.float64) for v in case["init"])
+    slots = tuple(np.full((vocab, 1 if k in case["row_slots"] else dim), v, np.float64)
+                  for k, v in enumerate(case["init"]))
     acts, states = [], []
     for s in range(STEPS):
         (a1, a2), touched = _matrices(s, vocab)

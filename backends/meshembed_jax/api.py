@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshembed.config.rowwise import slot_width
 from meshembed.embedding import batch as batches
 from meshembed.embedding import dynamic
 from meshembed.embedding import inputs
@@ -236,7 +237,8 @@ class EmbeddingState:
         t = st.layout.table(table)
         _refuse_traced(self.tables[t.name], "EmbeddingState.parameters")
         sl = st.shard_layouts[t.index]
-        return {k: st.backend.unshard(JaxShardedTable(self.tables[t.name][k], sl, t.dimension)) for k in st.names[t.index]}
+        return {k: st.backend.unshard(JaxShardedTable(self.tables[t.name][k], sl, slot_width(t.optimizer, k, t.dimension)))
+                for k in st.names[t.index]}
 
     def __repr__(self) -> str:
         return f"EmbeddingState(tables={list(self.tables)}, step={self.step})"
@@ -485,7 +487,8 @@ def to_engine(state: EmbeddingState, *, allow_nonfinite: bool = False) -> TPUEmb
     st = _check_state(state)
     _refuse_traced(state, "me.jax.to_engine")
     step = _step_value(state)
-    tables = {t.index: tuple(JaxShardedTable(state.tables[t.name][n], st.shard_layouts[t.index], t.dimension)
+    tables = {t.index: tuple(JaxShardedTable(state.tables[t.name][n], st.shard_layouts[t.index],
+                                             slot_width(t.optimizer, n, t.dimension))  # row-wise slots: 1 column
                              for n in st.names[t.index]) for t in st.layout.tables}
     return TPUEmbedding(st.config, backend=st.backend, num_shards=st.num_shards, allow_nonfinite=allow_nonfinite,
                         state=_EngineState(tables, step))
@@ -538,9 +541,10 @@ def _check_state(state: Any) -> _Static:
         if not isinstance(slots, Mapping) or set(slots) != set(want):
             got = sorted(map(str, slots)) if isinstance(slots, Mapping) else type(slots).__name__
             raise InputError(f"Invalid `state`: table {t.name!r} needs the arrays {list(want)}. Received: {got}")
-        shape, dtype = st.shapes[t.index], st.dtypes[t.index]
+        dtype = st.dtypes[t.index]
         for n in want:
             a = slots[n]
+            shape = st.shapes[t.index][:2] + (slot_width(t.optimizer, n, t.dimension),)  # row-wise slots: 1 column
             got_shape, got_dtype = tuple(getattr(a, "shape", ())), getattr(a, "dtype", None)
             if got_shape != shape or got_dtype is None or np.dtype(got_dtype) != dtype:
                 raise InputError(
