@@ -33,8 +33,8 @@ BACKENDS = ROOT / "backends"
 BACKEND_MAY_USE = ("meshembed.backend", "meshembed.math", "meshembed.sharding", "meshembed.config",
                    "meshembed.errors", "meshembed_native")
 #: Front ends living in backend packages: they may use the public engine API as well.
-FRONT_ENDS = {"meshembed_jax/api.py", "meshembed_jax/adadelta.py", "meshembed_torch/api.py",
-              "meshembed_torch/module.py", "meshembed_torch/optim.py"}
+FRONT_ENDS = {"meshembed_jax/api.py", "meshembed_jax/adadelta.py", "meshembed_jax/dynamic.py",
+              "meshembed_torch/api.py", "meshembed_torch/module.py", "meshembed_torch/optim.py"}
 FRAMEWORKS = ("torch", "jax", "jaxlib", "cupy", "tensorflow")
 
 

@@ -46,7 +46,7 @@ from meshembed_jax.backend import JaxBackend, bucket, traced_rule_errors
 from meshembed_jax.layout import AXIS, ShardLayout
 from meshembed_jax.table import JaxShardedTable
 
-__all__ = ["EmbeddingState", "Batch", "init", "prepare", "lookup", "apply_gradients", "from_engine",
+__all__ = ["EmbeddingState", "Batch", "init", "prepare", "map_keys", "lookup", "apply_gradients", "from_engine",
            "to_engine", "save", "restore", "place", "export", "adadelta", "AdadeltaState"]
 
 #: Version of the serialized static part of the pytrees (``jax.export`` aux data).
@@ -153,6 +153,9 @@ def _describe(st: _Static) -> bytes:
     elif any(fn is not None for fn in getattr(config, "learning_rate_fns", ()) or ()):
         why = ("its config has learning-rate callables, which are not data (inside jit they were "
                "evaluated once, when traced). Fix: use DynamicLearningRate(tag) and pass learning_rates=")
+    if not why and dynamic.dynamic_tables(config):
+        why = ("its config has dynamic vocabularies, whose re-initialisation runs a host callback an exported "
+               "artifact cannot carry")
     keys = list(getattr(config, "feature_keys", ()) or ())
     if not why and any(not isinstance(k, str) for k in keys):
         why = f"its feature keys {keys!r} are not all strings"
@@ -215,17 +218,19 @@ class EmbeddingState:
     ``[shards, rows, D]`` arrays with their ``NamedSharding``) and the step counter.
 
     Plain arrays as leaves: Orbax-style tools checkpoint it as is; :func:`save` /
-    :func:`restore` use meshembed's portable checkpoints (``TPUEmbedding.save`` files)."""
+    :func:`restore` use meshembed's portable checkpoints (``TPUEmbedding.save`` files).
+    ``vocab[table]``: a dynamic table's key table (``meshembed_jax.dynamic``; {} without one)."""
 
-    def __init__(self, tables: dict[str, dict[str, Any]], step: Any, static: _Static) -> None:
+    def __init__(self, tables: dict[str, dict[str, Any]], step: Any, static: _Static, vocab: Any = None) -> None:
         self.tables, self.step, self._static = tables, step, static
+        self.vocab = {} if vocab is None else vocab
 
-    def tree_flatten(self) -> tuple:
-        return (self.tables, self.step), self._static
+    def tree_flatten(self) -> tuple:  # the vocab child only where there is one: other pytrees unchanged
+        return ((self.tables, self.step, self.vocab) if self.vocab else (self.tables, self.step)), self._static
 
     @classmethod
     def tree_unflatten(cls, static: _Static, children: tuple) -> "EmbeddingState":
-        return cls(children[0], children[1], static)
+        return cls(children[0], children[1], static, children[2] if len(children) > 2 else None)
 
     @property
     def config(self) -> Any:
@@ -445,7 +450,9 @@ def from_engine(emb: TPUEmbedding) -> EmbeddingState:
             "me.jax's traced step does not run yet. Nothing was changed. Fix: use the engine "
             "(me.TPUEmbedding(config, backend='jax')), me.tpu or me.torch for low-precision tables, or store "
             "them in float32 for me.jax (docs/low_precision.md).")
-    dynamic.refuse(emb.config, "me.jax", "its prepare would read the keys as row ids")
+    from meshembed_jax import dynamic as jdyn
+
+    vocab_static = jdyn.statics(emb)  # refuses the policies me.jax cannot run exactly
     tables, layouts, dtypes = {}, {}, {}
     for t in emb.layout.tables:
         state = emb.state.tables[t.index]
@@ -455,9 +462,12 @@ def from_engine(emb: TPUEmbedding) -> EmbeddingState:
         tables[t.name] = {n: s.data for n, s in zip(names, state)}
     _same_devices(emb.layout, layouts)
     static = _Static(emb.config, emb.layout, emb.backend, layouts, emb.num_shards, dtypes)
+    static.dynamic_tables = vocab_static
     # replicated on the tables' mesh, as a jitted step returns it (else the 2nd step retraces)
     step = jax.device_put(np.asarray(emb.step, dtype=_int()), static.replicated)
-    return EmbeddingState(tables, step, static)
+    vocab = jax.device_put({tv.name: jdyn.to_arrays(emb.vocabulary(tv.name)) for tv in vocab_static.values()},
+                           static.replicated)
+    return EmbeddingState(tables, step, static, vocab)
 
 
 def init(config: Any, *, mesh: Any = None, axis: str | None = None, num_shards: int | None = None, seed: int = 0,
@@ -468,7 +478,9 @@ def init(config: Any, *, mesh: Any = None, axis: str | None = None, num_shards: 
     shards split over the ``model`` devices, replicated over ``data``). ``num_shards``: the
     logical shards (default: the device count, or the axis size), a multiple of the axis size."""
     backend = _backend_for(mesh, axis)
-    dynamic.refuse(load_config(config), "me.jax", "its prepare would read the keys as row ids")  # before any table
+    from meshembed_jax import dynamic as jdyn
+
+    jdyn.refuse_unsupported(load_config(config))  # before any table
     return from_engine(TPUEmbedding(config, backend=backend, num_shards=num_shards, seed=seed,
                                     initializers=initializers))
 
@@ -490,8 +502,17 @@ def to_engine(state: EmbeddingState, *, allow_nonfinite: bool = False) -> TPUEmb
     tables = {t.index: tuple(JaxShardedTable(state.tables[t.name][n], st.shard_layouts[t.index],
                                              slot_width(t.optimizer, n, t.dimension))  # row-wise slots: 1 column
                              for n in st.names[t.index]) for t in st.layout.tables}
-    return TPUEmbedding(st.config, backend=st.backend, num_shards=st.num_shards, allow_nonfinite=allow_nonfinite,
-                        state=_EngineState(tables, step))
+    tvs = getattr(st, "dynamic_tables", {})
+    extra = {"seed": next(iter(tvs.values())).seed, "initializers": {tv.name: tv.init for tv in tvs.values()}} if tvs else {}
+    emb = TPUEmbedding(st.config, backend=st.backend, num_shards=st.num_shards, allow_nonfinite=allow_nonfinite,
+                       state=_EngineState(tables, step), **extra)
+    if tvs:  # dynamic vocabularies: me.jax's words as the engine's host state
+        from meshembed_jax import dynamic as jdyn
+
+        jdyn.check_vocab(tvs, state.vocab)
+        for tv in tvs.values():
+            emb.load_vocabulary(tv.name, jdyn.from_arrays(tv, state.vocab[tv.name]))
+    return emb
 
 
 def save(state: EmbeddingState, path: Any, *, allow_nonfinite: bool = False) -> Any:
@@ -623,7 +644,8 @@ def prepare(config: Any, features: Any, weights: Any = None, *, capacity: int | 
     config, layout = _layout_of(config)
     caps = _capacities(capacity, "capacity", [f.name for f in layout.features], "feature")
     unique_caps = _capacities(unique_capacity, "unique_capacity", [t.name for t in layout.tables], "table")
-    prepared = batches.prepare(layout, features, weights)  # the engine's checks and flattening
+    dyn = dynamic.dynamic_tables(config)  # their ids are int64 keys: map_keys makes them rows
+    prepared = batches.prepare(dynamic.key_layout(layout, dyn), features, weights)  # the engine's checks
     ids, slots, scales, statics = [], [], [], []
     for f, b, cap in zip(layout.features, prepared.features, caps):
         t = layout.tables[f.table]
@@ -636,7 +658,7 @@ def prepare(config: Any, features: Any, weights: Any = None, *, capacity: int | 
                 "to me.jax.prepare, or split the batch."
             )
         unit, scale = b.unit_scale, b.scale
-        idt = np.int32 if t.vocabulary_size < 2**31 - 1 else np.int64
+        idt = np.int32 if t.vocabulary_size < 2**31 - 1 and f.table not in dyn else np.int64
         try:
             pid = np.full(cap, -1, idt)
             pslot = np.full(cap, bucket(b.num_slots), np.int32)  # out of range: dropped by the lookup
@@ -658,7 +680,11 @@ def prepare(config: Any, features: Any, weights: Any = None, *, capacity: int | 
             mine = [ids[k] for k, f in enumerate(layout.features) if f.table == t.index]
             n_ids = sum(int(m.shape[0]) for m in mine)
             trivial = cap >= min(n_ids, t.vocabulary_size)  # no count needed
-            count = 0 if trivial or not mine else _distinct(np.concatenate(mine), t.vocabulary_size)
+            if t.index in dyn and not trivial and mine:  # distinct keys (any int64), padding left out
+                count = int(np.unique(np.concatenate([ids[k][slots[k] < statics[k].num_slots] for k, f in
+                                                      enumerate(layout.features) if f.table == t.index])).size)
+            else:
+                count = 0 if trivial or not mine else _distinct(np.concatenate(mine), t.vocabulary_size)
             if count > cap:
                 raise CapacityError(
                     f"Table {t.name!r}: {count} distinct ids this batch exceed its unique_capacity {cap}. "
@@ -666,7 +692,38 @@ def prepare(config: Any, features: Any, weights: Any = None, *, capacity: int | 
                     f"{{{t.name!r}: {bucket(count + count // 4)}}}), or leave it None (every id), or split the batch."
                 )
         unique.append(cap)
-    return Batch(tuple(ids), tuple(slots), tuple(scales), tuple(statics), tuple(unique))
+    batch = Batch(tuple(ids), tuple(slots), tuple(scales), tuple(statics), tuple(unique))
+    if dyn:
+        from meshembed_jax import dynamic as jdyn
+
+        return jdyn.key_batch(batch, layout, dyn)
+    return batch
+
+
+def map_keys(state: EmbeddingState, batch: Any, *, training: bool = True) -> tuple[EmbeddingState, Batch]:
+    """Dynamic vocabularies: the keys of ``batch`` (what :func:`prepare` returns for a config
+    with ``dynamic=`` tables) mapped to rows at step ``state.step`` exactly as the engine's
+    ``dynamic.assign`` does: with ``training`` keys are counted, admitted and evicted and the
+    rows given to keys re-initialised; without, only read. Returns ``(state, Batch of rows)``
+    for :func:`lookup` / :func:`apply_gradients`; a key without a row reads zeros and gets no
+    update. Pure and jit-able (the key tables live in ``state.vocab`` at a fixed capacity)."""
+    from meshembed_jax import dynamic as jdyn
+
+    st = _check_state(state)
+    training = batches.check_bool(training, "training")
+    tvs = getattr(st, "dynamic_tables", {})
+    if not isinstance(batch, jdyn.KeyBatch):
+        raise InputError("Invalid `batch` for me.jax.map_keys: expected the batch me.jax.prepare returns for a config "
+                         f"with dynamic tables. Received: {type(batch).__name__}"
+                         + ("" if tvs else " (and this state's config has no dynamic table: pass its Batch to "
+                            "lookup / apply_gradients directly)"))
+    _check_batch(st, batch.batch)
+    jdyn.check_vocab(tvs, state.vocab)
+    tables, vocab, ids = _in_transformations(
+        "map_keys", lambda tabs, voc, b, step: jdyn.map_tables(tvs, st.layout, st.shard_layouts, st.names, tabs, voc,
+                                                              b, step, training),
+        state.tables, state.vocab, batch, state.step)
+    return EmbeddingState(tables, state.step, st, vocab), jdyn.row_batch(batch, ids)
 
 
 def _distinct(ids: np.ndarray, vocabulary_size: int) -> int:
@@ -687,7 +744,8 @@ def _check_batch(st: _Static, batch: Any) -> None:
     of the capacities it was prepared with."""
     if not isinstance(batch, Batch):
         raise InputError("Invalid `batch`. Expected a me.jax Batch (me.jax.prepare(config, features)). "
-                         f"Received: {type(batch).__name__}")
+                         f"Received: {type(batch).__name__}" + (" (a batch of keys: map it to rows first, "
+                         "`state, batch = me.jax.map_keys(state, batch)`)" if type(batch).__name__ == "KeyBatch" else ""))
     if batch.config_key() != st.batch_key:
         tables = list(dict.fromkeys(f.table for f in batch.features))
         raise InputError(
@@ -761,7 +819,7 @@ def _in_transformations(what: str, fn: Callable, *args: Any) -> Any:
 # -- lookup --------------------------------------------------------------------------------
 def lookup(state: EmbeddingState, batch: Batch) -> dict[str, Any]:
     """Activations ``{feature: input_shape + [dim]}`` (RecvTPUEmbeddingActivations); for a config
-    given a dict of features, keyed as that dict."""
+    given a dict of features, keyed as that dict. (Dynamic tables: the Batch of :func:`map_keys`.)"""
     st = _check_state(state)
     _check_batch(st, batch)
     layout = st.layout
@@ -1027,8 +1085,8 @@ def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learnin
         "apply_gradients", lambda *a: _apply(st, batch.features, batch.unique, return_finite, *a),
         state.tables, rows, tuple(batch.ids), tuple(batch.slots), tuple(batch.scale), lrs)
     if not return_finite:
-        return EmbeddingState(tables, state.step + 1, st)
-    return EmbeddingState(tables, state.step + finite.astype(jnp.result_type(state.step)), st), finite
+        return EmbeddingState(tables, state.step + 1, st, state.vocab)
+    return EmbeddingState(tables, state.step + finite.astype(jnp.result_type(state.step)), st, state.vocab), finite
 
 
 def _apply(st: _Static, features: tuple, unique: tuple, with_finite: bool, tables_in: dict, rows: list,
