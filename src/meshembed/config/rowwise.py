@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from meshembed.config.common import Domain, invalid
+from meshembed.errors import ConfigError
 from meshembed.config.optimizers import (
     BETA,
     EPSILON,
@@ -91,41 +92,34 @@ def slot_width(opt: Any, slot: str, dimension: int) -> int:
     return 1 if slot in getattr(opt, "row_slots", ()) else int(dimension)
 
 
-_SHARED = ("learning_rate", "use_gradient_accumulation", "clip_weight_min", "clip_weight_max", "clipvalue",
-           "weight_decay_factor", "multiply_weight_decay_factor_by_learning_rate")
+_SHARED = ("use_gradient_accumulation", "clip_weight_min", "clip_weight_max", "clipvalue", "weight_decay_factor",
+           "multiply_weight_decay_factor_by_learning_rate")
 
 
 def row_wise_to_json(opt: OptimizerSpec) -> dict[str, Any]:
-    """The spec as JSON (a checkpoint's manifest): its class and every field a constructor takes,
-    except a callable learning rate (the checkpoint asks for it again, as for proto specs) and
-    simulated quantization (refused for row-wise tables by :func:`check_json_able`)."""
-    fields = {f.name: getattr(opt, f.name) for f in dataclasses.fields(opt)
-              if f.name in _SHARED or f.name in {a for _, a in opt._fields} | set(opt._slot_inits)}
-    lr = fields["learning_rate"]
-    if lr is not None and not isinstance(lr, float):  # DynamicLearningRate or a callable
-        fields["learning_rate"] = {"dynamic_tag": int(lr.tag)} if hasattr(lr, "tag") else None
+    """The spec as JSON (a checkpoint's manifest): its class and its fields, except the learning
+    rate, which travels in config.pb (a constant or a dynamic tag, callables as for any table)."""
+    if opt.simulated_quantization is not None or opt.hot_id_replication is not None or opt.unknown_fields:
+        raise ConfigError(f"{type(opt).__name__}: simulated_quantization, hot_id_replication and unknown_fields "
+                          "have no checkpoint form for a row-wise optimizer. Fix: leave them unset")
+    names = set(_SHARED) | {a for _, a in opt._fields} | {a for a in opt._slot_inits if isinstance(a, str)}
+    fields = {f.name: getattr(opt, f.name) for f in dataclasses.fields(opt) if f.name in names}
     if isinstance(fields.get("clipvalue"), tuple):
         fields["clipvalue"] = list(fields["clipvalue"])
     return {"class": type(opt).__name__, "fields": fields}
 
 
-def row_wise_from_json(entry: Any, learning_rate: Any = None) -> OptimizerSpec:
-    """Inverse of :func:`row_wise_to_json` (ValueError/TypeError/ConfigError when it is not one);
-    ``learning_rate`` stands in for a callable one."""
-    from meshembed.config.optimizers import DynamicLearningRate
-
+def row_wise_from_json(entry: Any, learning_rate: Any) -> OptimizerSpec:
+    """Inverse of :func:`row_wise_to_json` with ``learning_rate`` (ValueError, TypeError or
+    ConfigError when ``entry`` is not one)."""
     classes = {c.__name__: c for c in ROW_WISE_CLASSES.values()}
     if not isinstance(entry, dict) or set(entry) != {"class", "fields"} or entry["class"] not in classes:
         raise ValueError(f"expected {{'class': one of {sorted(classes)}, 'fields': {{...}}}}, got {entry!r}")
-    cls, fields = classes[entry["class"]], dict(entry["fields"])
-    allowed = {f.name for f in dataclasses.fields(cls)}
+    cls, fields = classes[entry["class"]], entry["fields"]
+    allowed = set(_SHARED) | {a for _, a in cls._fields} | {a for a in cls._slot_inits if isinstance(a, str)}
     if not isinstance(fields, dict) or not set(fields) <= allowed:
-        raise ValueError(f"unknown fields {sorted(set(fields) - allowed)} for {cls.__name__}")
-    lr = fields.get("learning_rate")
-    if isinstance(lr, dict):
-        fields["learning_rate"] = DynamicLearningRate(int(lr["dynamic_tag"]))
-    elif lr is None:
-        fields["learning_rate"] = learning_rate
+        raise ValueError(f"expected fields among {sorted(allowed)}, got {fields!r}")
+    fields = dict(fields)
     if isinstance(fields.get("clipvalue"), list):
         fields["clipvalue"] = tuple(fields["clipvalue"])
-    return cls(**fields)
+    return cls(learning_rate, **fields)

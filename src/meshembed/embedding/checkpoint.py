@@ -6,7 +6,8 @@ A checkpoint is a directory::
                     sha256 and size of every other file, and ``manifest_sha256``: the sha256
                     of the manifest's own canonical JSON without that field
     config.pb       the TPUEmbeddingConfiguration bytes
-    arrays.npz      the *logical* [V, D] float32 arrays: t<i>.parameters, t<i>.<slot> (no pickles)
+    arrays.npz      the *logical* [V, D] float32 arrays: t<i>.parameters, t<i>.<slot> (no pickles;
+                    a row-wise optimizer's per-row slot is [V, 1])
 
 Arrays are stored unsharded, so a checkpoint written with 2 shards on NumPy restores into
 8 shards on JAX.
@@ -44,6 +45,10 @@ A table with a ``CustomOptimizer`` cannot be checkpointed: the config is stored 
 TPUEmbeddingConfiguration bytes, which have no form for a Python-level optimizer. ``save``
 raises a ConfigError before writing anything. Learning-rate callables cannot be stored
 either: the manifest records which tags had one, and ``restore`` asks for them again.
+
+A row-wise optimizer (``RowWiseAdagrad``, ``RowWiseAdam``: no proto form either) is
+checkpointed: config.pb holds an SGD with the table's learning rate in its place, and the
+table's manifest entry ``row_wise`` the spec (class and fields), put back on restore.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from meshembed.config.optimizers import is_custom
+from meshembed.config.rowwise import has_proto_form, row_wise_from_json, row_wise_to_json, slot_width
 from meshembed.embedding.combiners import COMBINERS
 from meshembed.errors import CheckpointError, ConfigError, InputError, MeshembedError, StateError
 
@@ -84,6 +91,7 @@ NON_NEGATIVE_SLOTS: dict[str, tuple[str, ...]] = {
     "mdl_adagrad_light": ("accumulators",), "ftrl": ("accumulators",), "adam": ("velocities",),
     "rms_prop": ("ms",), "centered_rms_prop": ("ms",), "adadelta": ("accumulators", "updates"),
     "online_yogi": ("vs",), "proximal_yogi": ("v",),
+    "row_wise_adagrad": ("accumulators",), "row_wise_adam": ("velocities",),
 }
 
 
@@ -282,7 +290,7 @@ def collect(engine: Any) -> tuple[bytes, dict[str, np.ndarray], list[dict]]:
 
     Collective on a multi-process backend (``retrieve_parameters`` unshards every table), so
     every process calls it, in the same order, whether or not it writes."""
-    config_bytes = engine.config.to_proto()
+    config_bytes = _proto_bytes(engine.config)
     arrays: dict[str, np.ndarray] = {}
     tables = []
     for t in engine.layout.tables:
@@ -304,9 +312,42 @@ def collect(engine: Any) -> tuple[bytes, dict[str, np.ndarray], list[dict]]:
             "arrays": keys,
             # the proto extension (docs/low_precision.md): storage dtypes, rounding, seed
             **({"precision": p.to_json()} if p is not None else {}),
+            # a row-wise optimizer (no proto form): its spec; config.pb holds an SGD stand-in with its lr
+            **({"row_wise": row_wise_to_json(t.optimizer)} if not has_proto_form(t.optimizer) else {}),
         })
         _collect_dynamic(engine, t, arrays, tables[-1])
     return config_bytes, arrays, tables
+
+
+def _proto_bytes(config: Any) -> bytes:
+    """config.pb: the config's proto, a row-wise table's optimizer replaced by an SGD with the
+    same learning rate (a constant or its dynamic tag); the manifest's ``row_wise`` entry
+    holds the spec itself and :func:`_config_and_layout` puts it back."""
+    from meshembed.config import SGD
+
+    if all(has_proto_form(t.optimizer) or is_custom(t.optimizer) for t in config.tables):
+        return config.to_proto()
+    tables = tuple(t.replace(optimizer=SGD(t.optimizer.learning_rate)) if not has_proto_form(t.optimizer)
+                   and not is_custom(t.optimizer) else t for t in config.tables)
+    return config.replace(tables=tables).to_proto()
+
+
+def _with_row_wise(where: pathlib.Path, config: Any, entries: list) -> Any:
+    """``config`` (from config.pb) with each manifest ``row_wise`` spec in its table."""
+    found = {t["name"]: t["row_wise"] for t in entries if "row_wise" in t}
+    if not found:
+        return config
+    tables = []
+    for t in config.tables:
+        if t.name in found:
+            try:
+                entry = found[t.name]
+                t = t.replace(optimizer=row_wise_from_json(entry, learning_rate=t.optimizer.learning_rate))
+            except (MeshembedError, ValueError, TypeError, KeyError) as exc:
+                raise _bad(where, "manifest.json", f"field `tables[].row_wise` of table {t.name!r} is not a "
+                           f"row-wise optimizer ({exc})") from None
+        tables.append(t)
+    return config.replace(tables=tuple(tables))
 
 
 # -- dynamic vocabularies (embedding/dynamic.py): extra arrays and a manifest entry per table ----
@@ -772,7 +813,7 @@ def _check_common(where: pathlib.Path, manifest: dict, with_dtype: bool) -> None
         ctx = f"tables[{i}]."
         if not isinstance(t, dict):
             raise _bad(where, "manifest.json", f"field `tables[{i}]`: expected an object. Received: {t!r}")
-        _exact_keys(where, t, keys, ctx, optional={"dynamic", "precision"} if with_dtype else {"dynamic"})
+        _exact_keys(where, t, keys, ctx, optional={"dynamic", "precision", "row_wise"} if with_dtype else {"dynamic"})
         if "dynamic" in t:
             _check_dynamic_entry(where, i, t)
         for key, kind in (("name", "str"), ("vocabulary_size", "pos"), ("dimension", "pos"),
@@ -867,6 +908,7 @@ def _config_and_layout(where: pathlib.Path, manifest: dict, config_bytes: bytes)
                 for i, t in enumerate(config.tables)))
         except (ConfigError, IndexError) as exc:
             raise _bad(where, "manifest.json", f"field `tables[].dynamic` does not fit config.pb: {exc}") from None
+    config = _with_row_wise(where, config, entries)
     precisions = {t["name"]: t["precision"] for t in entries if "precision" in t}
     if precisions:  # the extension travels in the manifest, beside config.pb
         from meshembed.config.precision import Precision
@@ -941,9 +983,10 @@ def _read_arrays(where: pathlib.Path, layout: Any, manifest: dict, allow_nonfini
                     key = entry["arrays"][name]
                     shape, dtype = _npy_header(z, members[key])
                     want = _FILE_DTYPES[stored[name]]
-                    if dtype != want or shape != (t.vocabulary_size, t.dimension):
+                    expected = (t.vocabulary_size, slot_width(t.optimizer, name, t.dimension))  # row-wise: 1 column
+                    if dtype != want or shape != expected:
                         raise _bad(where, "arrays.npz", f"array {key!r} (table {t.name!r}, `{name}`) has dtype "
-                                   f"{dtype} and shape {shape}; expected {want} {(t.vocabulary_size, t.dimension)}"
+                                   f"{dtype} and shape {shape}; expected {want} {expected}"
                                    + ("" if stored[name] == "float32" else f" ({stored[name]} storage)"))
             for t, entry in zip(layout.tables, manifest["tables"]):
                 stored = _entry_dtypes(entry)
