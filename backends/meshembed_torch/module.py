@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from meshembed.config.rowwise import slot_width
 from meshembed.embedding import batch as batches
 from meshembed.embedding import precision
 from meshembed.embedding import step as steps
@@ -688,7 +689,8 @@ class EmbeddingCollection(torch.nn.Module):
                 if key not in state_dict:
                     missing_keys.append(key)
                     continue
-                given[name] = _state_array(key, state_dict[key], (t.vocabulary_size, t.dimension), table)
+                shape = (t.vocabulary_size, slot_width(t.optimizer, name, t.dimension))  # row-wise slots: 1 column
+                given[name] = _state_array(key, state_dict[key], shape, table)
             loads[table] = given
         ours = {f"{prefix}{t}." for t in self.engine.table_names}
         for key in state_dict:

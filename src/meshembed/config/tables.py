@@ -100,6 +100,10 @@ class TableConfig:
         self._check_quantization(where)
         if self.precision is not None and not isinstance(self.precision, Precision):
             raise invalid("precision", where, "a meshembed.embedding.Precision or None", self.precision)
+        if self.precision is not None and getattr(self.optimizer, "row_slots", ()):
+            raise invalid("precision", where, f"None with {type(self.optimizer).__name__} (16-bit storage of "
+                          "row-wise slots is not implemented). Fix: keep this table in float32, or use a "
+                          "TPU optimizer (Adagrad, Adam) for a 16-bit table", self.precision)
         if self.dynamic is not None:
             self._check_dynamic(where)
 
