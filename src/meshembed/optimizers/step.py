@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
+from meshembed.backend import memory
 from meshembed.errors import ConfigError, InputError, StateError
 from meshembed.math.rule import UpdateRule, apply_rule, build_rule
 from meshembed.optimizers.config import _required_positional
@@ -202,8 +203,11 @@ class StepMixin:
                 self._folded = {id(v) for g, v in zip(grads, variables) if not isinstance(g, IndexedSlices)}
                 grads = self._clip_and_check(grads, variables)
                 self._decay_weights(variables, lr)
-                for g, v in zip(grads, variables):
-                    self.update_step(g, v)
+                for g, v in zip(grads, variables):  # the new values (and temporaries): nothing is written before commit
+                    with memory.allocating(f"the {self.name!r} step of variable {v.name!r} (its new value and slots)",
+                                           tuple(v.shape), v.dtype, arrays=1 + len(self._variables) // max(1, len(self._trainable)),
+                                           nothing="The variables, slots and step counter are unchanged."):
+                        self.update_step(g, v)
             if self.use_ema:
                 self._update_averages(self._trainable if self.keras3 else variables)
             it = self._counter

@@ -5,11 +5,13 @@ staged and assigned together at commit, so an error changes nothing).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+import functools
+from typing import Any, Callable, Iterable, Sequence
 
 import array_api_compat
 import numpy as np
 
+from meshembed.backend import memory
 from meshembed.errors import ConfigError, InputError, StateError
 from meshembed.optimizers.config import check_learning_rate, _check_schedule_value, _required_positional
 from meshembed.sharding.mesh import Layout
@@ -18,10 +20,42 @@ from meshembed.variable import Variable, Fresh, dtype_name
 __all__ = ["VariablesMixin"]
 
 
+#: What a dense slot too large to allocate should be changed to.
+_SLOT_FIX = ("free memory, shard the variables over more devices (a larger `mesh`), or use a lower-precision "
+             "dtype for them (the slots take the variable's dtype).")
+
+
+def _all_or_nothing(build: Callable[..., None]) -> Callable[..., None]:
+    """``build`` either completes or leaves the optimizer as it was (a failed slot allocation
+    half-way through would otherwise leave some slots made and ``built`` half set)."""
+
+    @functools.wraps(build)
+    def wrapper(self: Any, var_list: Any) -> None:
+        if self.__dict__.get("_building") or self.__dict__.get("built"):
+            return build(self, var_list)
+        saved = {k: (v.copy() if type(v) in (list, dict) else v) for k, v in self.__dict__.items()}
+        self._building = True
+        try:
+            build(self, var_list)
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+            raise
+        finally:
+            self.__dict__.pop("_building", None)
+
+    return wrapper
+
+
 class VariablesMixin:
     """The step counter, the learning rate, the slots and the staged reads/writes of a step.
 
     One part of :class:`~meshembed.optimizers.Optimizer`."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "build" in cls.__dict__:  # every algorithm's build is all-or-nothing (_all_or_nothing)
+            cls.build = _all_or_nothing(cls.__dict__["build"])
 
     # -- state ----------------------------------------------------------------------------
     @property
@@ -117,6 +151,7 @@ class VariablesMixin:
         return self._calls() // (self.gradient_accumulation_steps or 1)
 
     # -- building ---------------------------------------------------------------------------
+    @_all_or_nothing
     def build(self, var_list: Sequence[Variable]) -> None:
         """Create the optimizer's variables for ``var_list`` (once; later calls are no-ops).
 
@@ -192,19 +227,22 @@ class VariablesMixin:
 
         shape = tuple(int(d) for d in shape)
         dtype = dtype_name(dtype) if dtype is not None else "float32"
-        if initializer == "zeros":
-            value = Fresh(np.zeros(shape, dtype=dtype))
-        elif initializer == "ones":
-            value = Fresh(np.ones(shape, dtype=dtype))
-        elif callable(initializer):
-            value = initializer(shape, dtype)
-        else:
+        if initializer not in ("zeros", "ones") and not callable(initializer):
             raise ConfigError(
                 "Invalid `initializer`. Expected 'zeros', 'ones' or a callable (shape, dtype). "
                 f"Received: initializer={initializer!r}"
             )
         layout = None if self.mesh is None else Layout.replicated(self.mesh, len(shape))
-        var = Variable(value, name=name, layout=layout, trainable=False, backend=get_backend(self._backend), dtype=dtype)
+        with memory.allocating(f"optimizer variable {name!r} of {self.name!r}", shape, dtype, fix=_SLOT_FIX,
+                               nothing="The optimizer is unchanged."):
+            if initializer == "zeros":
+                value = Fresh(np.zeros(shape, dtype=dtype))
+            elif initializer == "ones":
+                value = Fresh(np.ones(shape, dtype=dtype))
+            else:
+                value = initializer(shape, dtype)
+            var = Variable(value, name=name, layout=layout, trainable=False, backend=get_backend(self._backend),
+                           dtype=dtype)
         self._variables.append(var)
         return var
 
@@ -217,12 +255,16 @@ class VariablesMixin:
                 f"Invalid `model_variable`. Expected a meshembed.Variable. Received: model_variable={model_variable!r}"
             )
         backend = model_variable.backend
-        if initial_value is None:  # zeros made for this slot alone, adopted without a copy
-            ref, xp = model_variable.value, backend.xp
-            initial_value = Fresh(xp.zeros_like(ref) if backend.sharding_of(ref) is not None else
-                                   xp.zeros(ref.shape, dtype=ref.dtype, device=array_api_compat.device(ref)))
-        var = Variable(initial_value, name=f"{variable_name}/{model_variable.name}", layout=model_variable.layout,
-                       trainable=False, backend=backend, dtype=model_variable.dtype)
+        name = f"{variable_name}/{model_variable.name}"
+        with memory.allocating(f"optimizer slot {name!r} of {self.name!r} on backend {backend.name!r}",
+                               tuple(model_variable.shape), model_variable.dtype, fix=_SLOT_FIX,
+                               nothing="The optimizer is unchanged."):
+            if initial_value is None:  # zeros made for this slot alone, adopted without a copy
+                ref, xp = model_variable.value, backend.xp
+                initial_value = Fresh(xp.zeros_like(ref) if backend.sharding_of(ref) is not None else
+                                       xp.zeros(ref.shape, dtype=ref.dtype, device=array_api_compat.device(ref)))
+            var = Variable(initial_value, name=name, layout=model_variable.layout,
+                           trainable=False, backend=backend, dtype=model_variable.dtype)
         if var.shape != model_variable.shape:
             raise InputError(
                 f"Invalid `initial_value`. Expected shape {model_variable.shape}. Received: shape={var.shape}"
