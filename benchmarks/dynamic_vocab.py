@@ -6,8 +6,11 @@ A stream of batches of 64-bit keys — ranks drawn from a Zipf(s) law bounded to
 * **the host mapping alone** (``embedding.dynamic.assign``: admission Always, eviction LRU):
   the hash index and the sorted-key index, each pure (a new state per batch, what the engine
   runs) and in place; against a **Python dict baseline** (an ``OrderedDict`` key -> row with
-  LRU per occurrence, ``move_to_end``/``popitem``: the usual pure-Python cache). Every key of
-  a batch is one lookup and one update (its counter and last-seen step, or its admission).
+  LRU per occurrence, ``move_to_end``/``popitem``: the usual pure-Python cache), and — where torchrec
+  imports (the interop venv of ``make test-interop``) — **torchrec's MCH**
+  (``MCHManagedCollisionModule``, LRU, eviction every batch, ``zch_size`` = capacity + 1) in
+  training mode: its ``forward`` (profile: history, ranking, eviction; then remap). Every key
+  of a batch is one lookup and one update (its counter and last-seen step, or its admission).
 * **the engine step** (``enqueue`` -> ``dequeue`` -> ``apply_gradients``, SGD, sum combiner)
   of a dynamic table against the same table fed ``key % capacity`` as plain row ids, per
   backend: what the mapping costs inside a training step.
@@ -21,11 +24,13 @@ so the rows are interleaved batch by batch (``--rounds``) and medians reported.
     python -m benchmarks.dynamic_vocab                      # capacity 2**20, 10x vocabulary, 131072 keys/batch
     python -m benchmarks.dynamic_vocab --quick              # CI sizes
     python -m benchmarks.dynamic_vocab --engine numpy,torch --json out.json
+    .venv/interop/bin/python -m benchmarks.dynamic_vocab --torchrec on    # with torchrec's MCH row
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import time
@@ -74,6 +79,54 @@ class DictLRU:
         return out
 
 
+class TorchrecMCH:
+    """torchrec's ``MCHManagedCollisionModule`` (LRU, ``eviction_interval=1``) in training mode,
+    fed one jagged feature per batch; hits are counted before each (untimed) forward. Its ops
+    run on ``threads`` torch threads (set around each forward and restored): the NumPy mapping
+    runs on one, and on a shared 2-core machine torch's default 2 OpenMP threads made this
+    forward 15x slower (157 against 10 ms a batch at capacity 4096)."""
+
+    EMPTY = np.iinfo(np.int64).max
+
+    def __init__(self, capacity: int, threads: int = 1) -> None:
+        import torch
+        from torchrec.modules.mc_modules import LRU_EvictionPolicy, MCHManagedCollisionModule
+        from torchrec.sparse.jagged_tensor import JaggedTensor
+
+        self.torch, self.jagged = torch, JaggedTensor
+        self.module = MCHManagedCollisionModule(zch_size=capacity + 1, device=torch.device("cpu"),
+                                                eviction_policy=LRU_EvictionPolicy(), eviction_interval=1, name="t")
+        self.module.train()
+        self.lookups = self.hits = 0
+        self.threads = threads
+
+    @property
+    def size(self) -> int:
+        return int((self.module._mch_sorted_raw_ids != self.EMPTY).sum())
+
+    def count_hits(self, keys: np.ndarray) -> None:
+        ids = self.module._mch_sorted_raw_ids.numpy()
+        at = np.minimum(np.searchsorted(ids, keys), ids.shape[0] - 1)
+        self.hits += int(np.count_nonzero(ids[at] == keys))
+        self.lookups += keys.shape[0]
+
+    def assign(self, keys: np.ndarray) -> Any:
+        t = self.torch.from_numpy(keys)
+        feature = self.jagged(values=t, lengths=self.torch.tensor([t.shape[0]], dtype=self.torch.int64))
+        before = self.torch.get_num_threads()
+        self.torch.set_num_threads(self.threads)
+        try:
+            return self.module({"t": feature})["t"].values()
+        finally:
+            self.torch.set_num_threads(before)
+
+    @property
+    def nbytes(self) -> int:
+        """Every buffer of the module and its history accumulator (sized by the batch)."""
+        m = self.module
+        return int(sum(b.nbytes for b in m.buffers()) + m._history_accumulator.nbytes)
+
+
 class Mapper:
     """One host-mapping implementation fed the stream batch by batch."""
 
@@ -89,8 +142,10 @@ class Mapper:
         return (len(o.rows) if isinstance(o, DictLRU) else o.size) >= self.capacity
 
     def run(self, keys: np.ndarray, timed: bool) -> None:
+        if isinstance(self.obj, TorchrecMCH):
+            self.obj.count_hits(keys)
         t = time.perf_counter()
-        if isinstance(self.obj, DictLRU):
+        if isinstance(self.obj, (DictLRU, TorchrecMCH)):
             self.obj.assign(keys)
         else:
             _, self.obj, _ = dv.assign(self.obj, keys, self.step, inplace=self.name.endswith("in place"))
@@ -100,7 +155,7 @@ class Mapper:
 
     def counters(self) -> tuple[int, int]:
         o = self.obj
-        return (o.lookups, o.hits) if isinstance(o, DictLRU) else (o.stats["lookups"], o.stats["hits"])
+        return (o.lookups, o.hits) if isinstance(o, (DictLRU, TorchrecMCH)) else (o.stats["lookups"], o.stats["hits"])
 
 
 def dict_bytes_per_key(capacity: int, keys_stream: list[np.ndarray]) -> float:
@@ -117,16 +172,38 @@ def dict_bytes_per_key(capacity: int, keys_stream: list[np.ndarray]) -> float:
     return used / max(1, len(d.rows))
 
 
+MCH_NAME = "torchrec MCH (LRU, evict every batch, {} torch thread(s))"
+
+
+def _with_torchrec(choice: str) -> bool:
+    """``on``: torchrec must import; ``auto``: when it does (a note otherwise); ``off``: never."""
+    if choice == "off":
+        return False
+    try:
+        importlib.import_module("torchrec.modules.mc_modules")
+    except ImportError as exc:
+        if choice == "on":
+            raise SystemExit(f"--torchrec on: torchrec does not import here ({exc}); run it with the interop "
+                             "venv: .venv/interop/bin/python -m benchmarks.dynamic_vocab (make test-interop builds it)")
+        print(f"note: no torchrec MCH row ({exc}); run with .venv/interop/bin/python for it")
+        return False
+    return True
+
+
 def mapping_rows(args: argparse.Namespace) -> list[dict]:
     C, n = args.capacity, args.batch
     rng = np.random.default_rng(args.seed)
     vocab = args.ratio * C
     names = ["meshembed hash index (pure)", "meshembed hash index (in place)",
              "meshembed sorted index (pure)", "meshembed sorted index (in place)", "Python dict + OrderedDict LRU"]
+    if _with_torchrec(args.torchrec):
+        names.append(MCH_NAME.format(args.torch_threads))
     mappers = []
     for name in names:
         if name.startswith("Python"):
             mappers.append(Mapper(name, C, lambda: DictLRU(C)))
+        elif name.startswith("torchrec MCH"):
+            mappers.append(Mapper(name, C, lambda: TorchrecMCH(C, args.torch_threads)))
         else:
             kind = "hash" if "hash" in name else "sorted"
             mappers.append(Mapper(name, C, lambda kind=kind: dv.new_state(dv.DynamicVocabulary(capacity=C, index=kind))))
@@ -238,6 +315,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--ids-per-sample", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--torchrec", choices=("auto", "on", "off"), default="auto",
+                   help="the torchrec MCH row (needs torchrec: the interop venv)")
+    p.add_argument("--torch-threads", type=int, default=1, help="torch threads of the MCH row's forward")
     p.add_argument("--quick", action="store_true", help="CI sizes")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
