@@ -46,7 +46,8 @@ from meshembed_jax.backend import JaxBackend, bucket, traced_rule_errors
 from meshembed_jax.layout import AXIS, ShardLayout
 from meshembed_jax.table import JaxShardedTable
 
-__all__ = ["EmbeddingState", "Batch", "init", "prepare", "map_keys", "lookup", "apply_gradients", "from_engine",
+__all__ = ["EmbeddingState", "Batch", "init", "prepare", "map_keys", "vocabulary", "lookup", "apply_gradients",
+           "from_engine",
            "to_engine", "save", "restore", "place", "export", "adadelta", "AdadeltaState"]
 
 #: Version of the serialized static part of the pytrees (``jax.export`` aux data).
@@ -724,6 +725,20 @@ def map_keys(state: EmbeddingState, batch: Any, *, training: bool = True) -> tup
                                                               b, step, training),
         state.tables, state.vocab, batch, state.step)
     return EmbeddingState(tables, state.step, st, vocab), jdyn.row_batch(batch, ids)
+
+
+def vocabulary(state: EmbeddingState, table: str) -> dynamic.DynamicVocabularyState:
+    """A dynamic table's vocabulary as the engine's host ``DynamicVocabularyState`` (``stats``,
+    ``hit_rate``, ``rows_of``, ``resident``): read outside jit, every invariant checked."""
+    from meshembed_jax import dynamic as jdyn
+
+    st = _check_state(state)
+    _refuse_traced(state.vocab, "me.jax.vocabulary")
+    tvs = {tv.name: tv for tv in getattr(st, "dynamic_tables", {}).values()}
+    if table not in tvs:
+        raise InputError(f"Invalid `table`: {table!r} has no dynamic vocabulary. Expected one of {sorted(tvs)}.")
+    jdyn.check_vocab(getattr(st, "dynamic_tables", {}), state.vocab)
+    return jdyn.from_arrays(tvs[table], state.vocab[table])
 
 
 def _distinct(ids: np.ndarray, vocabulary_size: int) -> int:
