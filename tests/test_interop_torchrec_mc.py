@@ -258,3 +258,23 @@ def test_state_transfers_check_everything_first():
         import_torchrec_mc_state(emb, bad)
     after = emb.vocabulary("item").to_arrays()
     assert all(np.array_equal(vocab[k], after[k]) for k in vocab)
+
+
+def test_benchmark_mch_row_counts_what_meshembed_counts():
+    """benchmarks/dynamic_vocab.py's torchrec row: its hit count is meshembed's while both keep
+    the same keys (no pressure), its memory covers every buffer, and torch's threads come back."""
+    from benchmarks.dynamic_vocab import TorchrecMCH, zipf_keys
+
+    rng = np.random.default_rng(0)
+    mch = TorchrecMCH(4096)
+    st = E.dynamic.new_state(E.DynamicVocabulary(eviction=E.LRU()), 4096)
+    threads = torch.get_num_threads()
+    for step in range(4):
+        keys = zipf_keys(rng, 512, 2000, 1.1)
+        mch.count_hits(keys)
+        mch.assign(keys)
+        _, st, _ = E.dynamic.assign(st, keys, step)
+    assert torch.get_num_threads() == threads
+    assert (mch.lookups, mch.hits) == (st.stats["lookups"], st.stats["hits"]) and mch.hits > 0
+    assert mch.size == st.size
+    assert mch.nbytes >= 3 * 8 * 4097  # sorted ids, rows, last access: int64 per slot
