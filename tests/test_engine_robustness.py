@@ -271,7 +271,7 @@ def test_float64_gradient_overflowing_float32_is_nonfinite(backend):
 
 @pytest.mark.parametrize("kw,match", [
     ({"num_shards": 2.5}, "num_shards"), ({"num_shards": True}, "num_shards"), ({"num_shards": "2"}, "num_shards"),
-    ({"num_shards": 0}, ">= 1"), ({"allow_nonfinite": "False"}, "allow_nonfinite"),
+    ({"num_shards": 0}, "> 0"), ({"allow_nonfinite": "False"}, "allow_nonfinite"),
     ({"allow_nonfinite": 0}, "allow_nonfinite"), ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"),
     ({"seed": True}, "seed"),
 ])

@@ -36,10 +36,10 @@ def tf2_checks_enabled() -> bool:
     return not _FROM_PROTO.get()
 
 
-def invalid(arg: str, where: str, expected: str, value: Any) -> ConfigError:
+def invalid(arg: str, where: str, expected: str, value: Any, error: type = ConfigError, fix: str = "") -> Exception:
     """Build the one error shape every config check uses."""
     place = f" for {where}" if where else ""
-    return ConfigError(f"Invalid `{arg}`{place}. Expected {expected}. Received: {arg}={value!r}")
+    return error(f"Invalid `{arg}`{place}. Expected {expected}. Received: {arg}={value!r}" + (f". Fix: {fix}" if fix else ""))
 
 
 @contextlib.contextmanager
@@ -107,17 +107,19 @@ INT64_MAX = 2**63 - 1
 
 
 def as_int(arg: str, value: Any, where: str = "", *, minimum: int | None = None,
-           maximum: int = INT32_MAX) -> int:
-    """An integer in [minimum, maximum]; ``maximum`` defaults to the proto's int32 limit."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise invalid(arg, where, "an integer" + (f" >= {minimum}" if minimum is not None else ""), value)
+           maximum: int | None = INT32_MAX, error: type = ConfigError, fix: str = "") -> int:
+    """An integer (Python or NumPy; never a bool, float or string) in [minimum, maximum];
+    ``maximum`` defaults to the proto's int32 limit (None: unbounded). ``error``/``fix``: the
+    error class raised and the remedy its message ends with."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise invalid(arg, where, "an integer" + (f" >= {minimum}" if minimum is not None else ""), value, error, fix)
     if minimum is not None and value < minimum:
         expected = "an integer > 0" if minimum == 1 else f"an integer >= {minimum}"
-        raise invalid(arg, where, expected, value)
-    if value > maximum:
+        raise invalid(arg, where, expected, value, error, fix)
+    if maximum is not None and value > maximum:
         bits = "int64" if maximum == INT64_MAX else "int32" if maximum == INT32_MAX else ""
         limit = f"2**{maximum.bit_length()} - 1, the proto's {bits} limit" if bits else str(maximum)
-        raise invalid(arg, where, f"an integer <= {maximum} ({limit})", value)
+        raise invalid(arg, where, f"an integer <= {maximum} ({limit})", value, error, fix)
     return int(value)
 
 

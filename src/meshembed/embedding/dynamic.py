@@ -40,6 +40,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from meshembed.config.common import as_int
 from meshembed.errors import CheckpointError, ConfigError, InputError
 
 __all__ = [
@@ -91,16 +92,7 @@ def uniform(keys: np.ndarray, *salts: int) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------ the spec
 def _int(name: str, value: Any, minimum: int, where: str = "DynamicVocabulary") -> int:
-    try:
-        if isinstance(value, (bool, np.bool_)):
-            raise TypeError
-        out = operator.index(value)
-    except TypeError:
-        raise ConfigError(f"Invalid `{name}` for {where}. Expected an integer >= {minimum}. "
-                          f"Received: {name}={value!r}") from None
-    if out < minimum:
-        raise ConfigError(f"Invalid `{name}` for {where}. Expected an integer >= {minimum}. Received: {name}={out}")
-    return int(out)
+    return as_int(name, value, where, minimum=minimum, maximum=None)
 
 
 def _float(name: str, value: Any, lo: float, hi: float, where: str, lo_open: bool = False) -> float:
