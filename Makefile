@@ -64,4 +64,4 @@ $(INTEROP_VENV)/.peers: $(VENV)/.full
 
 test-interop: $(INTEROP_VENV)/.peers
 	$(INTEROP_VENV)/bin/python -m pytest tests/test_interop_core.py tests/test_interop_torchrec.py tests/test_interop_torchrec_mc.py \
-		tests/test_interop_keras_rs.py tests/test_interop_jax_tpu_embedding.py -q
+		tests/test_interop_keras_rs.py tests/test_interop_jax_tpu_embedding.py tests/test_interop_rowwise.py -q
