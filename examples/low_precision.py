@@ -37,14 +37,7 @@ def train(config, train_data, test_data, steps: int, backend: str | None) -> tup
     losses = []
     t0 = time.perf_counter()
     for step in range(steps):
-        rows = np.arange(step * demo.BATCH, (step + 1) * demo.BATCH)
-        feats, weights, y = train_data.batch(rows)
-        emb.enqueue(feats, weights)
-        acts = [emb.backend.to_numpy(a) for a in emb.dequeue()]
-        logit, cache = head.forward(acts)
-        p = 1 / (1 + np.exp(-logit))
-        losses.append(float(np.mean(-y * np.log(p + 1e-7) - (1 - y) * np.log(1 - p + 1e-7))))
-        emb.apply_gradients(head.backward(p - y, cache))
+        losses.append(demo.train_step(emb, head, train_data, step))
     seconds = time.perf_counter() - t0
     score = demo.auc(test_data.click, demo.predict(emb, head, test_data))
     return score, float(np.mean(losses[-max(1, steps // 10):])), seconds

@@ -139,6 +139,19 @@ def predict(emb, head, data: Data) -> np.ndarray:
     return np.concatenate(scores)
 
 
+def train_step(emb, head: Head, data: Data, step: int) -> float:
+    """One training step on batch ``step`` of ``data``: lookup, the head's forward and
+    backward, the embedding update; returns the batch's log loss."""
+    rows = np.arange(step * BATCH, (step + 1) * BATCH)
+    feats, weights, y = data.batch(rows)
+    emb.enqueue(feats, weights)
+    acts = [emb.backend.to_numpy(a) for a in emb.dequeue()]
+    logit, cache = head.forward(acts)
+    p = 1 / (1 + np.exp(-logit))
+    emb.apply_gradients(head.backward(p - y, cache))
+    return float(np.mean(-y * np.log(p + 1e-7) - (1 - y) * np.log(1 - p + 1e-7)))
+
+
 def main(backend: str | None = None, steps: int | None = None, num_shards: int = 2, quiet: bool = False) -> int:
     from tqdm import tqdm
 
@@ -154,14 +167,7 @@ def main(backend: str | None = None, steps: int | None = None, num_shards: int =
     losses = []
     bar = tqdm(range(steps), desc="training", unit="step", disable=quiet, mininterval=0.5)
     for step in bar:
-        rows = np.arange(step * BATCH, (step + 1) * BATCH)
-        feats, weights, y = train.batch(rows)
-        emb.enqueue(feats, weights)
-        acts = [emb.backend.to_numpy(a) for a in emb.dequeue()]
-        logit, cache = head.forward(acts)
-        p = 1 / (1 + np.exp(-logit))
-        losses.append(float(np.mean(-y * np.log(p + 1e-7) - (1 - y) * np.log(1 - p + 1e-7))))
-        emb.apply_gradients(head.backward(p - y, cache))
+        losses.append(train_step(emb, head, train, step))
         if (step + 1) % max(1, steps // 8) == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-steps // 8:]):.4f}")
             if not quiet:
