@@ -544,17 +544,17 @@ def test_prepare_capacity_keys_and_numpy_integers():
 
 
 def test_tables_me_jax_cannot_read_are_refused():
-    """16-bit storage and dynamic vocabularies run on the engine only: me.jax refuses them
-    at init instead of reading int16 patterns or keys as float rows."""
+    """16-bit storage and NormBelow evictions run on the engine only: me.jax refuses them at
+    init instead of reading int16 patterns as float rows or evicting on other norms."""
     low = me.EmbeddingConfig(
         tables=[me.TableConfig(name="t", vocabulary_size=20, dimension=4, optimizer=E.SGD(0.1),
                                precision=E.Precision(parameters="bfloat16"))],
         features={"f": me.FeatureConfig(table="t", input_shape=(4,), name="f")})
     with pytest.raises(ConfigError, match=r"tables \['t'\] store 16-bit arrays.*me.TPUEmbedding\(config, backend='jax'\)"):
         me.jax.init(low)
-    dyn = me.EmbeddingConfig(
+    dyn = me.EmbeddingConfig(  # dynamic vocabularies run under me.jax (test_jax_dynamic_vocab_jit.py) but NormBelow
         tables=[me.TableConfig(name="t", vocabulary_size=20, dimension=4, optimizer=E.SGD(0.1),
-                               dynamic=E.DynamicVocabulary())],
+                               dynamic=E.DynamicVocabulary(eviction=E.NormBelow(0.1)))],
         features={"f": me.FeatureConfig(table="t", input_shape=(4,), name="f")})
-    with pytest.raises(ConfigError, match=r"table\(s\) \['t'\] have a dynamic vocabulary"):
+    with pytest.raises(ConfigError, match=r"table 't' evicts with NormBelow"):
         me.jax.init(dyn)

@@ -113,11 +113,12 @@ def mod_words(x: tuple, width: int) -> Any:
     if width & (width - 1) == 0:
         return (x[0] & _u32(width - 1)).astype(jnp.int32)
     w = _u32(width)
-    r = x[1] % w
-    for b in range(31, -1, -1):
-        r = r * 2 + ((x[0] >> b) & 1)
-        r = jnp.where(r >= w, r - w, r)
-    return r.astype(jnp.int32)
+
+    def bit(i: Any, r: Any) -> Any:  # r < w <= 2**31: 2r + 1 fits
+        r = r * 2 + ((x[0] >> (31 - i).astype(jnp.uint32)) & 1)
+        return jnp.where(r >= w, r - w, r)
+
+    return lax.fori_loop(0, 32, bit, x[1] % w).astype(jnp.int32)
 
 
 def to_words(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
