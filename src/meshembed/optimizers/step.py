@@ -50,6 +50,11 @@ class StepMixin:
         """The algorithm's hyper-parameters besides the learning rate (fixed per optimizer)."""
         return {}
 
+    def _dynamic_hyperparameters(self) -> dict[str, float]:
+        """Hyper-parameters given as callables (tf_keras), by name, evaluated for this step:
+        call-time values of the rule after the learning rate (changing them never recompiles)."""
+        return {}
+
     def _rule(self, variable: Variable, folded: bool) -> UpdateRule:
         """The :class:`UpdateRule` of ``variable``'s step: the algorithm, its slots and static
         hyper-parameters, and, where ``folded`` (a dense gradient inside ``apply_gradients``),
@@ -64,7 +69,7 @@ class StepMixin:
         rule = self._rules.get(key)
         if rule is None:
             rule = build_rule(
-                self._algorithm, self._static_hyperparameters(),
+                self._algorithm, self._static_hyperparameters(), tuple(self._dynamic_hyperparameters()),
                 gradient_clip=None if clipvalue is None else (-clipvalue, clipvalue), weight_decay=float(decay or 0.0),
                 multiply_weight_decay_by_lr=True, lazy=False, dtype=variable.dtype,
             )
@@ -137,7 +142,8 @@ class StepMixin:
         traced value), so a schedule does not specialise (and recompile) it per value."""
         variable = targets[0]
         backend = variable.backend
-        values = (self.learning_rate,)
+        dynamic = self._dynamic_hyperparameters()
+        values = (self.learning_rate, *(dynamic[k] for k in sorted(dynamic)))  # the rule's `dynamic` order
         rule = self._rule(variable, touched is None and id(variable) in self._folded)
         if touched is None and self._can_update_in_place(targets):
             update = _InPlace(backend, rule, grad, values, tuple(t.value for t in targets), tuple(targets))
@@ -181,7 +187,11 @@ class StepMixin:
             self._check_var_list([v for _, v in pairs], "grads_and_vars")
             for _, v in pairs:
                 self._check_trainable(v)
-        grads = [self._convert_gradient(g, v) for g, v in given]  # validate before any state exists
+        grads = []
+        for g, v in given:  # validate (and place) before any state exists
+            with memory.allocating(f"the gradient of variable {v.name!r} on backend {v.backend.name!r}",
+                                   tuple(v.shape), v.dtype, nothing="The variables and the optimizer are unchanged."):
+                grads.append(self._convert_gradient(g, v))
         if not self.built:
             self.build([v for _, v in pairs])
         variables = [v for _, v in given]
@@ -236,7 +246,8 @@ class StepMixin:
         """``[(d loss/d var, var), ...]`` through the backend's own autodiff.
 
         ``loss`` is a zero-argument callable reading ``var.value`` (Keras style) or a callable
-        taking the variables' values positionally (JAX style). NumPy has no autodiff: compute
+        taking the variables' values positionally (JAX style); ``var_list`` a list of variables
+        or one variable. NumPy has no autodiff: compute
         the gradients yourself and call ``apply_gradients``."""
         if tape is not None:
             raise InputError(
@@ -248,6 +259,8 @@ class StepMixin:
                 "Invalid `loss`. Expected a callable returning a scalar (zero arguments, or one "
                 f"argument per variable). Received: loss={loss!r}"
             )
+        if isinstance(var_list, Variable):  # one variable, as tf_keras' legacy minimize takes (tf.nest.flatten)
+            var_list = [var_list]
         var_list = self._check_var_list(var_list, "var_list")
         if not var_list:
             return []
