@@ -24,6 +24,12 @@ C ABI of each kernel (one per rule's static part and dtype T)::
 ``rows[k]``: this row of array k (k = 0 the table, then the slots in ``rule.slot_names``
 order), ``g``: the summed gradient row, ``hp``: the dynamic values in ``rule.dynamic`` order.
 The row is read and written in place. Dense use: the whole flat tensor is one row.
+
+Row-wise rules (``rule.math.row_slots``, fbgemm's row-wise optimizers): a row slot holds one
+value per row, so ``rows[k]`` points at that one value (the driver steps it by 1, not ``dim``:
+:attr:`RowKernel.widths`), read before the loop and written after it; ``xp.mean(x, axis=-1,
+keepdims=True)`` is recorded as a reduction over the row, summed in NumPy's pairwise order
+(``me_pairwise``: 8 accumulators, halves above 128 elements), so the mean is NumPy's bits.
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ class Graph:
     dtype: str
     n_arrays: int
     n_params: int
+    row_arrays: tuple[int, ...] = ()  # arrays with one value per row (row-wise slots)
 
 
 class _Recorder:
@@ -107,7 +114,8 @@ class _Recorder:
             varying = False
         else:
             key = (op, args, dtype, weak)
-            varying = op in ("row", "grad") or any(self.nodes[a].varying for a in args if op != "param")
+            varying = op in ("row", "grad") or (op != "mean" and any(
+                self.nodes[a].varying for a in args if op not in ("param", "rowval")))
         found = self._memo.get(key)
         if found is None:  # pure ops: one node per distinct (op, operands)
             found = self._memo[key] = len(self.nodes)
@@ -151,6 +159,15 @@ class _Recorder:
     def full_like(self, x: Any, fill_value: Any, dtype: Any = None, device: Any = None) -> Any:
         target = _dtype_name(dtype) if dtype is not None else self.nodes[_array(self, x).index].dtype
         return SymbolicArray(self, self.to(fill_value, target))
+
+    def mean(self, x: Any, axis: Any = None, keepdims: bool = False) -> Any:
+        """The row's mean, one value (a row-wise rule's reduction); only ``axis=-1, keepdims=True``."""
+        if axis not in (-1, (-1,)) or keepdims is not True:
+            raise NotRecordable("mean other than over the row with keepdims=True")
+        x = _array(self, x)
+        if self.nodes[x.index].dtype not in _FLOATS or not self.nodes[x.index].varying:
+            raise NotRecordable("mean of a boolean or of a value that is the same along the row")
+        return SymbolicArray(self, self.node("mean", (x.index,), self.nodes[x.index].dtype))
 
     def where(self, cond: Any, x1: Any, x2: Any) -> Any:
         if not any(isinstance(v, SymbolicArray) for v in (cond, x1, x2)):
@@ -406,18 +423,27 @@ def record(rule: UpdateRule, n_arrays: int) -> Graph:
         raise NotRecordable(f"{n_arrays} arrays (a kernel takes 1 to {MAX_ARRAYS})")
     rec = _Recorder()
     dtype = rule.dtype
-    rows = [SymbolicArray(rec, rec.node("row", (k,), dtype)) for k in range(n_arrays)]
+    row_arrays = _row_arrays(rule, n_arrays)
+    rows = [SymbolicArray(rec, rec.node("rowval" if k in row_arrays else "row", (k,), dtype)) for k in range(n_arrays)]
     grads = SymbolicArray(rec, rec.node("grad", (), dtype))
     values = [SymbolicValue(rec, rec.node("param", (i,), "float64", weak=True)) for i in range(len(rule.dynamic))]
     out = apply_rule(rec, rule, values, grads, rows[0], *rows[1:])
     if len(out) != n_arrays:
         raise NotRecordable(f"the update returns {len(out)} arrays for {n_arrays}")
     outputs = []
-    for x in out:
+    for k, x in enumerate(out):
         if not isinstance(x, SymbolicArray) or x.rec is not rec or x._node.dtype == "bool":
             raise NotRecordable(f"an output that is not a float row ({type(x).__name__})")
+        if k in row_arrays and x._node.varying:
+            raise NotRecordable(f"array {k} holds one value per row, but its update varies along the row")
         outputs.append(rec.to(x, dtype))  # stored into a row of dtype T
-    return Graph(rec.nodes, tuple(outputs), dtype, n_arrays, len(rule.dynamic))
+    return Graph(rec.nodes, tuple(outputs), dtype, n_arrays, len(rule.dynamic), row_arrays)
+
+
+def _row_arrays(rule: UpdateRule, n_arrays: int) -> tuple[int, ...]:
+    """Indices (0 = the table) of the arrays holding one value per row."""
+    row_slots = getattr(rule.math, "row_slots", ())
+    return tuple(k + 1 for k, name in enumerate(rule.slot_names[:n_arrays - 1]) if name in row_slots)
 
 
 # -- the C++ emitter -------------------------------------------------------------------------
@@ -536,6 +562,32 @@ inline float me_exp(float x) { return me_expf(x); }
 inline double me_exp(double x) { return std::exp(x); }
 inline float me_log(float x) { return me_logf(x); }
 inline double me_log(double x) { return std::log(x); }
+// NumPy's pairwise sum of e(0) ... e(n-1) (its float and double add.reduce over a contiguous
+// row): a plain loop below 8 elements, 8 accumulators up to 128, halves (cut at a multiple of
+// 8) above. The row-wise rules' mean, so the generated kernels give NumPy's bits.
+template <class T, class E>
+inline T me_pairwise_at(const E& e, int64_t lo, int64_t n) {
+  if (n < 8) {
+    T res = T(0);
+    for (int64_t i = 0; i < n; ++i) res += e(lo + i);
+    return res;
+  }
+  if (n <= 128) {
+    T r[8];
+    for (int k = 0; k < 8; ++k) r[k] = e(lo + k);
+    int64_t i = 8;
+    for (; i < n - (n % 8); i += 8)
+      for (int k = 0; k < 8; ++k) r[k] += e(lo + i + k);
+    T res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+    for (; i < n; ++i) res += e(lo + i);
+    return res;
+  }
+  int64_t n2 = n / 2;
+  n2 -= n2 % 8;
+  return me_pairwise_at<T>(e, lo, n2) + me_pairwise_at<T>(e, lo + n2, n - n2);
+}
+template <class T, class E>
+inline T me_pairwise(const E& e, int64_t n) { return me_pairwise_at<T>(e, 0, n); }
 }  // namespace
 """
 
@@ -550,41 +602,71 @@ def _literal(v: Any) -> str:
     return f"({float(v).hex()})"
 
 
-def emit_cpp(graph: Graph, symbol: str) -> str:
-    """The C++ function ``symbol`` (C ABI above) computing ``graph``; no preamble."""
-    live = set(graph.outputs)
+def _cone(graph: Graph, roots: Iterable[int], through_means: bool) -> set[int]:
+    """The nodes ``roots`` read, transitively (a mean's argument only ``through_means``)."""
+    live = set(roots)
     for i in range(len(graph.nodes) - 1, -1, -1):
         n = graph.nodes[i]
-        if i in live and n.op not in ("const", "param", "row", "grad"):
+        if i in live and n.op not in ("const", "param", "row", "rowval", "grad") and (through_means or n.op != "mean"):
             live.update(n.args)
+    return live
+
+
+def _statement(graph: Graph, i: int) -> str:
+    n = graph.nodes[i]
+    ctype = "double" if n.weak and n.dtype == "float64" else _CTYPE[n.dtype]
+    if n.op == "row":
+        expr = f"r{n.args[0]}[j]"
+    elif n.op == "rowval":
+        expr = f"r{n.args[0]}[0]"
+    elif n.op == "grad":
+        expr = "g[j]"
+    elif n.op == "param":
+        expr = f"hp[{n.args[0]}]"
+    elif n.op == "const":
+        expr = _literal(n.args[0]) if n.weak or n.dtype == "bool" else f"static_cast<{ctype}>({_literal(n.args[0])})"
+    elif n.op == "cast":
+        expr = f"({'x%d' % n.args[0]} != 0)" if n.dtype == "bool" else f"static_cast<{ctype}>(x{n.args[0]})"
+    elif n.op == "mean":  # NumPy's mean: 0 + the pairwise sum, / dim in the row's dtype
+        expr = f"(({ctype})0 + me_pairwise<{ctype}>(e{i}, dim)) / static_cast<{ctype}>(dim)"
+    else:
+        opaque = n.op in _LIBM and n.dtype != "float32"  # (float32: no C library call to keep)
+        names = [f"me_opaque(x{a})" if opaque and not graph.nodes[a].varying else f"x{a}" for a in n.args]
+        expr = _EXPR[n.op].format(*names)
+    return f"const {ctype} x{i} = {expr};"
+
+
+def emit_cpp(graph: Graph, symbol: str) -> str:
+    """The C++ function ``symbol`` (C ABI above) computing ``graph``; no preamble. Values that
+    are the same along the row come first (a mean after a lambda giving its argument at
+    element j), then the loop over the row, then the row slots' stores."""
+    live = _cone(graph, graph.outputs, through_means=True)
+    in_loop = _cone(graph, graph.outputs, through_means=False)
     t = _CTYPE[graph.dtype]
     before, inside = [], []
     for i, n in enumerate(graph.nodes):
         if i not in live:
             continue
-        ctype = "double" if n.weak and n.dtype == "float64" else _CTYPE[n.dtype]
-        if n.op == "row":
-            expr = f"r{n.args[0]}[j]"
-        elif n.op == "grad":
-            expr = "g[j]"
-        elif n.op == "param":
-            expr = f"hp[{n.args[0]}]"
-        elif n.op == "const":
-            expr = _literal(n.args[0]) if n.weak or n.dtype == "bool" else f"static_cast<{ctype}>({_literal(n.args[0])})"
-        elif n.op == "cast":
-            expr = f"({'x%d' % n.args[0]} != 0)" if n.dtype == "bool" else f"static_cast<{ctype}>(x{n.args[0]})"
+        if n.op == "mean":
+            arg = n.args[0]
+            body = [_statement(graph, a) for a in sorted(_cone(graph, [arg], through_means=False))
+                    if graph.nodes[a].varying]
+            before.append(f"auto e{i} = [&](int64_t j) -> {_CTYPE[n.dtype]} {{ " + " ".join(body) + f" return x{arg}; }};")
+        if n.varying:
+            if i in in_loop:
+                inside.append(_statement(graph, i))
         else:
-            opaque = n.op in _LIBM and n.dtype != "float32"  # (float32: no C library call to keep)
-            names = [f"me_opaque(x{a})" if opaque and not graph.nodes[a].varying else f"x{a}" for a in n.args]
-            expr = _EXPR[n.op].format(*names)
-        (inside if n.varying else before).append(f"const {ctype} x{i} = {expr};")
+            before.append(_statement(graph, i))
     stores = [f"r{k}[j] = x{o};" for k, o in enumerate(graph.outputs)
-              if not (graph.nodes[o].op == "row" and graph.nodes[o].args[0] == k)]
+              if k not in graph.row_arrays and not (graph.nodes[o].op == "row" and graph.nodes[o].args[0] == k)]
+    after = [f"r{k}[0] = x{o};" for k, o in enumerate(graph.outputs)
+             if k in graph.row_arrays and not (graph.nodes[o].op == "rowval" and graph.nodes[o].args[0] == k)]
     lines = [f'extern "C" void {symbol}({t}* const* rows, const {t}* g_, int64_t dim, const double* hp) {{']
     lines += [f"  {t}* __restrict r{k} = rows[{k}];" for k in range(graph.n_arrays)]
     lines += [f"  const {t}* __restrict g = g_;", "  (void)g; (void)hp;"]
     lines += [f"  {s}" for s in before]
-    lines += ["  for (int64_t j = 0; j < dim; ++j) {"] + [f"    {s}" for s in inside + stores] + ["  }", "}"]
+    lines += ["  for (int64_t j = 0; j < dim; ++j) {"] + [f"    {s}" for s in inside + stores] + ["  }"]
+    lines += [f"  {s}" for s in after] + ["}"]
     return "\n".join(lines) + "\n"
 
 
@@ -614,20 +696,36 @@ class RowKernel:
                 f"for {self.rule.dynamic}. Received: {len(values)}")
         return tuple(float(v) for v in values)
 
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Per array: 1 for a row slot (one value per row: the driver steps its pointer by 1),
+        0 for an array with the row's width ``dim``."""
+        return tuple(1 if k in self.graph.row_arrays else 0 for k in range(self.n_arrays))
+
     def apply(self, arrays: Sequence[np.ndarray], grads: np.ndarray, values: Sequence[Any]) -> None:
-        """Run on NumPy arrays in place (the table and its slots, each shaped like ``grads``):
-        for tests and dense use; every array C-contiguous of ``dtype``."""
+        """Run on NumPy arrays in place (the table and its slots, each shaped like ``grads``, a
+        row slot ``[rows, 1]`` for ``[rows, dim]`` gradients, one call per row): for tests and
+        dense use; every array C-contiguous of ``dtype``."""
         arrays = list(arrays)
-        if len(arrays) != self.n_arrays or any(
+        rowwise = bool(self.graph.row_arrays)
+        shapes = [(grads.shape[0], 1) if rowwise and w else grads.shape for w in self.widths]
+        if len(arrays) != self.n_arrays or (rowwise and grads.ndim != 2) or any(
                 not isinstance(a, np.ndarray) or a.dtype != self.dtype or not a.flags.c_contiguous
-                or not a.flags.writeable or a.shape != grads.shape for a in arrays):
+                or not a.flags.writeable or a.shape != shape for a, shape in zip(arrays, shapes)):
             raise InputError(f"Invalid `arrays`. Expected {self.n_arrays} writable C-contiguous {self.dtype} arrays "
-                             f"shaped like `grads` {grads.shape}.")
+                             f"of shapes {shapes}.")
         if grads.dtype != self.dtype or not grads.flags.c_contiguous:
             raise InputError(f"Invalid `grads`. Expected a C-contiguous {self.dtype} array. Received: {grads.dtype}")
         hp = (ctypes.c_double * max(1, self.n_params))(*self.params(values))
-        ptrs = (ctypes.c_void_p * self.n_arrays)(*(a.ctypes.data for a in arrays))
-        _call_type(self.address)(ptrs, grads.ctypes.data, grads.size, hp)
+        if not rowwise:
+            ptrs = (ctypes.c_void_p * self.n_arrays)(*(a.ctypes.data for a in arrays))
+            _call_type(self.address)(ptrs, grads.ctypes.data, grads.size, hp)
+            return
+        dim, size = grads.shape[1], grads.itemsize
+        for r in range(grads.shape[0]):
+            ptrs = (ctypes.c_void_p * self.n_arrays)(*(a.ctypes.data + r * (1 if w else dim) * size
+                                                      for a, w in zip(arrays, self.widths)))
+            _call_type(self.address)(ptrs, grads.ctypes.data + r * dim * size, dim, hp)
 
 
 _CALL = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
