@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import math
 import sys
-from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from meshembed.errors import ResourceError
 
@@ -36,8 +35,10 @@ _MARKERS = ("array is too big", "maximum allowed size exceeded", "maximum allowe
 
 def nbytes(shape: Sequence[int], dtype: str = "float32", arrays: int = 1) -> int:
     """Bytes of ``arrays`` arrays of ``shape`` and ``dtype``, as a Python int (no overflow)."""
-    name = str(getattr(dtype, "name", dtype)).replace("torch.", "")
-    return arrays * math.prod(int(d) for d in shape) * _ITEMSIZE.get(name, 4)
+    size = _ITEMSIZE.get(dtype) if type(dtype) is str else None
+    if size is None:  # a NumPy / torch dtype object
+        size = _ITEMSIZE.get(str(getattr(dtype, "name", dtype)).replace("torch.", ""), 4)
+    return arrays * math.prod(shape) * size
 
 
 def _limit() -> tuple[int, str]:
@@ -67,13 +68,21 @@ def _message(what: str, n: int, shape: Sequence[int], dtype: str, arrays: int, r
     return f"Cannot allocate {what}: it needs {_human(n)} ({each}), and {reason}. {nothing} Fix: {fix}"
 
 
+#: Below this many bytes the address-space limit is not asked (a syscall) before allocating:
+#: no process runs under a smaller one, and a failure is still mapped by ``allocating``.
+_ASK_LIMIT_FROM = 1 << 26
+
+
 def check_size(what: str, shape: Sequence[int], dtype: str = "float32", *, arrays: int = 1, fix: str = FIX,
                nothing: str = "Nothing was changed.") -> int:
     """The bytes of the allocation; ``ResourceError`` before allocating when no array of this
     process can be that large (NumPy's limit, the address-space limit)."""
     n = nbytes(shape, dtype, arrays)
+    each = n // arrays if arrays > 1 else n
+    if each < _ASK_LIMIT_FROM:
+        return n
     limit, why = _limit()
-    if n // max(arrays, 1) > limit:
+    if each > limit:
         raise ResourceError(_message(what, n, shape, dtype, arrays, f"that exceeds {why}", nothing, fix))
     return n
 
@@ -87,21 +96,25 @@ def allocation_failed(exc: BaseException) -> bool:
     return isinstance(exc, (RuntimeError, ValueError)) and any(m in text for m in _MARKERS)
 
 
-@contextmanager
-def allocating(what: str, shape: Sequence[int], dtype: str = "float32", *, arrays: int = 1, fix: str = FIX,
-               nothing: str = "Nothing was changed.") -> Iterator[int]:
+class allocating:  # noqa: N801 - used as a function: ``with allocating(...):``
     """Run the block that allocates ``what`` (``arrays`` arrays of ``shape`` and ``dtype``);
     a failed allocation inside it leaves as :class:`ResourceError`. Refuses impossible sizes
-    first (:func:`check_size`). Yields the bytes. ``nothing`` is the caller's promise about
-    state after a failure, said in the message."""
-    n = check_size(what, shape, dtype, arrays=arrays, fix=fix, nothing=nothing)
-    try:
-        yield n
-    except ResourceError:
-        raise
-    except (MemoryError, RuntimeError, ValueError) as exc:
-        if not allocation_failed(exc):
-            raise
+    first (:func:`check_size`). ``nothing`` is the caller's promise about state after a
+    failure, said in the message. A class, not a generator: it wraps every lookup."""
+
+    __slots__ = ("what", "shape", "dtype", "arrays", "fix", "nothing", "nbytes")
+
+    def __init__(self, what: str, shape: Sequence[int], dtype: str = "float32", *, arrays: int = 1,
+                 fix: str = FIX, nothing: str = "Nothing was changed.") -> None:
+        self.what, self.shape, self.dtype, self.arrays, self.fix, self.nothing = what, shape, dtype, arrays, fix, nothing
+        self.nbytes = check_size(what, shape, dtype, arrays=arrays, fix=fix, nothing=nothing)
+
+    def __enter__(self) -> int:
+        return self.nbytes
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: object) -> None:
+        if exc is None or isinstance(exc, ResourceError) or not allocation_failed(exc):
+            return None
         detail = f"{type(exc).__name__}: {str(exc)[:200]}" if str(exc) else type(exc).__name__
-        raise ResourceError(_message(what, n, shape, dtype, arrays, f"that allocation failed ({detail})",
-                                     nothing, fix)) from exc
+        raise ResourceError(_message(self.what, self.nbytes, self.shape, self.dtype, self.arrays,
+                                     f"that allocation failed ({detail})", self.nothing, self.fix)) from exc

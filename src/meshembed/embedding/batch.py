@@ -186,10 +186,11 @@ def prepare(
 
 def _count(x: Any, f: FeatureSpec) -> int:
     """How many ids feature ``f``'s input holds (for the bytes in an allocation error)."""
-    values = getattr(x, "values", None)
+    if not (hasattr(x, "row_splits") or hasattr(x, "indices")):  # dense: one id per output slot
+        return math.prod(f.output_shape)
     try:
-        return int(len(values)) if values is not None else math.prod(f.output_shape)
-    except TypeError:
+        return int(len(x.values))
+    except TypeError:  # not sized: the bytes are unknown
         return 0
 
 
