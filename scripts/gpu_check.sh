@@ -72,6 +72,17 @@ x = b.asarray([1.0, 2.0], dtype="float32")
 where = {"cupy": lambda: f"cuda:{x.device.id}", "torch": lambda: str(x.device),
          "jax": lambda: ",".join(sorted(d.platform for d in x.devices()))}[run]()
 print(f"[{run}] arrays on {where}; capabilities {b.capabilities}")
+if run == "cupy":  # segment sums in np.add.at's order, bit for bit (cupy_kernels.rows_in_order)
+    import numpy as np
+    rng = np.random.default_rng(0)
+    for dtype in ("float32", "float64", "float16"):
+        ids = np.minimum(rng.zipf(1.2, 5000), 300).astype(np.int64)
+        vals = rng.standard_normal((5000, 16)).astype(dtype)
+        uids = np.unique(ids)
+        want = np.zeros((uids.size, 16), dtype)
+        np.add.at(want, np.searchsorted(uids, ids), vals)
+        got = b.to_numpy(b.segment_sum(b.asarray(ids), b.asarray(vals))[1])
+        print(f"[cupy] segment_sum {dtype} vs np.add.at: {int((got != want).sum())} of {want.size} elements differ")
 if not cpu and "cuda" not in where and "gpu" not in where:
     sys.exit(f"[{run}] arrays are not on the GPU")
 EOF

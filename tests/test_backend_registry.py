@@ -83,6 +83,19 @@ def test_entry_point_group_lists_builtin_backends():
     assert isinstance(me.get_backend("numpy").asarray([1.0]), np.ndarray)
 
 
-def test_cupy_says_why_it_is_not_shipped():
-    with pytest.raises(me.BackendUnavailableError, match="only be verified on an NVIDIA GPU"):
+def test_cupy_is_registered_and_says_why_it_cannot_run_here():
+    """Registered once it passed the GPU conformance run (conformance/README.md): by entry point
+    and in the source tree's table; without cupy or a CUDA device, unavailable with the reason."""
+    import pathlib
+    import tomllib
+
+    from meshembed_array_api import CupyBackend
+
+    pyproject = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["entry-points"]["meshembed.backends"]["cupy"] == registry._BUILTIN["cupy"]
+    assert registry._BUILTIN["cupy"] == "meshembed_array_api:CupyBackend"
+    if CupyBackend.unavailable_reason() is None:
+        pytest.skip("CuPy sees a CUDA device here: scripts/gpu_check.sh runs the suite on it")
+    with pytest.raises(me.BackendUnavailableError, match="Backend 'cupy' is unavailable here: (cupy|CuPy)"):
         me.get_backend("cupy")
+    assert "cupy" not in me.available_backends()

@@ -9,7 +9,9 @@ The standard has no scatter and no in-place indexed add, so:
   the sums are bit-identical to the NumPy backend's and deterministic on any library. Work is
   O(len(ids) · D). Once at most ``HOT_IDS`` ids (the most frequent, under Zipf) are left, each
   finishes with one ``cumulative_sum`` of its running sum and its remaining rows — the same
-  order where the library's scan is sequential (NumPy's is); elsewhere a scan's own order.
+  order where the library's scan is sequential (NumPy's is). A GPU library's scan is a tree
+  (CuPy's: the GPU conformance run found last-bit differences), so such a backend passes
+  ``finish``: the hot ids' remaining rows summed in row order, by its own kernel.
 * **row writes** find, for every row of a shard, its position among the sorted written ids
   (``searchsorted``) and choose new or old with ``where``: a new array, O(rows · D) per write.
 
@@ -18,7 +20,7 @@ Correct first; a library with an indexed add or in-place writes overrides these.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 
 #: Below this many ids still summing, each finishes with one ``cumulative_sum`` over its rows.
@@ -45,7 +47,23 @@ def replace_rows(xp: Any, base: Any, rows_ids: Any, rows: Any) -> Any:
     return xp.where(hit, new, base)
 
 
-def segment_sum(xp: Any, ids: Any, values: Any) -> tuple[Any, Any]:
+#: ``finish(xp, acc, svals, starts, counts)`` -> ``[k, ...]``: row i is
+#: ``((acc[i] + svals[starts[i]]) + svals[starts[i] + 1]) + ...`` over ``counts[i]`` rows, or None
+#: where it cannot (a dtype its kernel lacks: the rounds then go on, one row per id each).
+Finish = Callable[[Any, Any, Any, Any, Any], Any]
+
+
+def scan_finish(xp: Any, acc: Any, svals: Any, starts: Any, counts: Any) -> Any:
+    """The default ``finish``: one ``cumulative_sum`` per hot id (in order where the scan is)."""
+    hot = []
+    for i in range(int(acc.shape[0])):
+        start, count = int(starts[i]), int(counts[i])
+        run = xp.concat([acc[i : i + 1, ...], svals[start : start + count, ...]], axis=0)
+        hot.append(xp.cumulative_sum(run, axis=0)[-1:, ...])
+    return xp.concat(hot, axis=0) if hot else acc
+
+
+def segment_sum(xp: Any, ids: Any, values: Any, finish: Finish | None = None) -> tuple[Any, Any]:
     """(sorted unique ids, per-id sums of ``values`` rows in input order); see the module."""
     rest = tuple(int(d) for d in values.shape[1:])
     if int(ids.shape[0]) == 0:
@@ -65,23 +83,20 @@ def segment_sum(xp: Any, ids: Any, values: Any) -> tuple[Any, Any]:
         if k < int(acc.shape[0]):
             done.append(acc[k:, ...])
             acc = acc[:k, ...]
-        if k <= HOT_IDS:  # the few most frequent ids: each one's remaining rows in one scan
-            hot = []
-            for i in range(k):
-                start, count = int(starts[i]), int(counts[i])
-                run = xp.concat([acc[i : i + 1, ...], svals[start + r : start + count, ...]], axis=0)
-                hot.append(xp.cumulative_sum(run, axis=0)[-1:, ...])
-            acc = xp.concat(hot, axis=0) if hot else acc
-            break
+        if k <= HOT_IDS:  # the few most frequent ids: each one's remaining rows at once
+            summed = (finish or scan_finish)(xp, acc, svals, starts[:k] + r, counts[:k] - r)
+            if summed is not None:
+                acc = summed
+                break
         acc = acc + take_rows(xp, svals, starts[:k] + r)
     done.append(acc)
     sums = xp.concat(done[::-1], axis=0)  # in by_count order
     return uids, take_rows(xp, sums, xp.argsort(by_count))
 
 
-def segment_sum_to(xp: Any, values: Any, segment_ids: Any, num_segments: int) -> Any:
+def segment_sum_to(xp: Any, values: Any, segment_ids: Any, num_segments: int, finish: Finish | None = None) -> Any:
     """Dense ``out[k] = Σ values[i] for segment_ids[i] == k``, shape ``[num_segments, ...]``."""
-    uids, sums = segment_sum(xp, segment_ids, values)
+    uids, sums = segment_sum(xp, segment_ids, values, finish)
     rest = tuple(int(d) for d in values.shape[1:])
     out = xp.zeros((num_segments,) + rest, dtype=values.dtype, device=_device(values))
     return replace_rows(xp, out, uids, sums)

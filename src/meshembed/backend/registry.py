@@ -30,13 +30,12 @@ _BUILTIN = {
     "torch": "meshembed_torch:TorchBackend",
     "jax": "meshembed_jax:JaxBackend",
     "array_api_strict": "meshembed_array_api:ArrayAPIStrictBackend",
+    # usable only where cupy imports and sees a CUDA device (CupyBackend.unavailable_reason);
+    # certified by the GPU conformance run (conformance/README.md, scripts/gpu_check.sh)
+    "cupy": "meshembed_array_api:CupyBackend",
 }
 # Backends designed but not shipped yet, with the reason (shown instead of "unknown").
-_NOT_SHIPPED = {
-    "cupy": "the CuPy backend (meshembed_array_api.CupyBackend: the generic Array API backend over "
-    "array_api_compat.cupy) is not registered yet: it can only be verified on an NVIDIA GPU (it is "
-    "advertised once it has passed the conformance suite there), and none was available to run it",
-}
+_NOT_SHIPPED: dict[str, str] = {}
 _INSTALL_HINT = {
     "torch": "pip install 'meshembed[torch]'  (torch==2.13.0)",
     "jax": "pip install 'meshembed[jax]'",
