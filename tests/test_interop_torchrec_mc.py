@@ -278,3 +278,17 @@ def test_benchmark_mch_row_counts_what_meshembed_counts():
     assert (mch.lookups, mch.hits) == (st.stats["lookups"], st.stats["hits"]) and mch.hits > 0
     assert mch.size == st.size
     assert mch.nbytes >= 3 * 8 * 4097  # sorted ids, rows, last access: int64 per slot
+
+
+def test_an_unpooled_managed_collection_needs_max_sequence_length():
+    from torchrec.modules.embedding_configs import EmbeddingConfig as TrecEmbeddingConfig
+
+    m = MCHManagedCollisionModule(zch_size=CAP + 1, device=torch.device("cpu"), eviction_policy=LFU_EvictionPolicy(),
+                                  eviction_interval=1)
+    mcc = ManagedCollisionCollection({"item": m}, [TrecEmbeddingConfig(num_embeddings=CAP + 1, embedding_dim=D,
+                                                                       name="item", feature_names=["f"])])
+    with pytest.raises(ConfigError, match="max_sequence_length"):
+        from_torchrec_mc(mcc, torch.optim.SGD, batch_size=B)
+    cfg, gaps = from_torchrec_mc(mcc, torch.optim.SGD, batch_size=B, max_sequence_length=3)
+    assert cfg.features[0].input_shape == (B, 3) and cfg.tables[0].dynamic.eviction == E.LFU()
+    assert "max_sequence_length" in gaps.fields("item")

@@ -202,10 +202,11 @@ def _spec_from_mch(m: Any, table: str, gaps: _Gaps) -> dv.DynamicVocabulary:
 
 
 def from_torchrec_mc(module: Any, optimizer: Any = None, optimizer_kwargs: Mapping[str, Any] | None = None, *,
-                     batch_size: int, strict: bool = False) -> Translation:
-    """A ``ManagedCollisionCollection`` (or a ``ManagedCollisionEmbeddingBagCollection``) + the
-    optimizer it is trained with -> ``(EmbeddingConfig, gaps)``: ``from_torchrec`` of its tables,
-    each a dynamic table of capacity ``zch_size - 1``. Refused (``ConfigError`` naming it): any
+                     batch_size: int, max_sequence_length: int | None = None, strict: bool = False
+                     ) -> Translation:
+    """A ``ManagedCollisionCollection`` (or a ``ManagedCollisionEmbedding(Bag)Collection``) + the
+    optimizer it is trained with -> ``(EmbeddingConfig, gaps)``: ``from_torchrec`` of its tables
+    (``max_sequence_length`` for unpooled ones), each a dynamic table of capacity ``zch_size - 1``. Refused (``ConfigError`` naming it): any
     policy or module other than MCH with LRU/LFU, any filter other than ``OccurrenceThreshold``."""
     from meshembed.interop._torchrec import from_torchrec
 
@@ -220,7 +221,7 @@ def from_torchrec_mc(module: Any, optimizer: Any = None, optimizer_kwargs: Mappi
                               "zch_size = num_embeddings >= 2.")
         specs[t.name] = _spec_from_mch(m, t.name, gaps)
     base, table_gaps = from_torchrec(list(mcc.embedding_configs()), optimizer, optimizer_kwargs,
-                                     batch_size=batch_size)
+                                     batch_size=batch_size, max_sequence_length=max_sequence_length)
     for g in table_gaps:
         gaps.add(g.field, g.differs, g.done, g.table)
     tables = [t.replace(vocabulary_size=t.vocabulary_size - 1, dynamic=specs[t.name]) for t in base.tables]
