@@ -17,11 +17,21 @@ every timed step; the ratios the issue asks for, each next to its target:
   ``nn.EmbeddingBag(sparse=True) + torch.optim.SparseAdam`` ÷ engine for Adam and FTRL
   (≥ 3×; torch has no FTRL, so SparseAdam is FTRL's torch peer as well);
 * the per-id step (a sequence feature of 131,072 × 1 ids, activations and gradients
-  ``[131072, 1, 64]``) ÷ the pooled step, same optimizer (≤ 1.5×).
+  ``[131072, 1, 64]``) ÷ the pooled step, same optimizer (≤ 1.5×);
+* the bf16 row (#32): the same optimizer with a bfloat16 table and stochastic rounding
+  (``me.embedding.Precision(parameters="bfloat16")``, slots float32), timed in the same
+  rounds: its median ÷ the float32 engine's, and the table's bytes (half);
+* peak memory (#36 item 6, ``benchmarks.w1_memory``): every row again, each in a fresh
+  process, its peak RSS growth over the baseline after imports ÷ the bytes of its tables,
+  slots and batch (≤ 1.2×).
 
-Run: ``python -m benchmarks.w1_all --backend torch|jax [--optimizers all|sgd,adam,...]
-[--repeats 7] [--rounds 3] [--per-id sgd,...] [--peers fbgemm,tf,sparseadam|none] [--quick]``.
-Prints a markdown table ready for docs/benchmarks.md.
+A new optimizer (e.g. the row-wise ones) gets its rows by being trainable in
+``meshembed.math.OPTIMIZERS`` and having a spec in ``_spec`` (and, for a peer, in ``PEERS``).
+
+Run: ``python -m benchmarks.w1_all --backend torch|jax|numpy [--optimizers all|sgd,adam,...]
+[--repeats 7] [--rounds 3] [--per-id sgd,...] [--bf16 sgd,adagrad|none] [--[no-]memory]
+[--peers fbgemm,tf,sparseadam|none] [--quick]``.
+Prints markdown tables ready for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ from benchmarks.common import TINY_W1, W1, WARMUP, W1Inputs, bandwidth_gbs
 LR = 0.01
 #: The issue's targets.
 TARGET_VS_SGD, TARGET_LR, TARGET_PER_ID = 1.5, 1.05, 1.5
+#: The bf16 row's storage (#32): parameters in bfloat16 with stochastic rounding, slots float32.
+BF16 = "bfloat16"
 TARGET_PEER = {"fbgemm": 1.25, "tf": 3.0, "sparseadam": 3.0}
 ALIASES = {"sgd": "stochastic_gradient_descent"}
 SGD = ALIASES["sgd"]
@@ -90,7 +102,18 @@ def _spec(algorithm: str) -> Any:
         "online_yogi": lambda: E.OnlineYogi(lr, l1=0.01, l2=0.01, beta2=0.99),
         "proximal_yogi": lambda: E.ProximalYogi(lr, l1=0.01, l2=0.01, beta1=0.9, beta2=0.99, epsilon=1e-3),
         "frequency_estimator": lambda: E.FrequencyEstimator(lr, tau=0.25, max_delta=6.0, outlier_threshold=2.0),
+        # Row-wise optimizers (#36 item 5): a row each once trainable() lists them; their
+        # [vocab, 1] slots count as such in the memory table (read from the engine's arrays).
+        "row_wise_adagrad": lambda: E.RowWiseAdagrad(lr),
+        "row_wise_adam": lambda: E.RowWiseAdam(lr),
     }[algorithm]()
+
+
+def n_slots(algorithm: str) -> int:
+    """How many slots the algorithm keeps (the registry's slot names)."""
+    from meshembed.math import OPTIMIZERS
+
+    return len(OPTIMIZERS[algorithm].slot_names)
 
 
 def _learning_rates(algorithm: str, changing: bool) -> Callable[[int], list[float]]:
@@ -107,17 +130,21 @@ def _learning_rates(algorithm: str, changing: bool) -> Callable[[int], list[floa
 _Data = W1Inputs  # the shared W1 inputs (benchmarks.common)
 
 
-def engine(backend: str, d: _Data, algorithm: str, per_id: bool = False) -> tuple[Any, Any, Any]:
+def engine(backend: str, d: _Data, algorithm: str, per_id: bool = False,
+           precision: str | None = None) -> tuple[Any, Any, Any]:
     """``(emb, ids, gradient)``: one W1 engine of ``algorithm`` and its fixed step inputs, on the
-    pooled feature ``[B]`` or, with ``per_id``, the sequence feature ``[B*K, 1]``."""
+    pooled feature ``[B]`` or, with ``per_id``, the sequence feature ``[B*K, 1]``; with
+    ``precision`` (e.g. ``"bfloat16"``) the table is stored so, with stochastic rounding."""
     import meshembed as me
 
     s = d.sizes
     b, k, dim = s["batch"], s["ids_per_sample"], s["dim"]
     shape = (b * k, 1) if per_id else (b,)
+    extra = {} if precision is None else {
+        "precision": me.embedding.Precision(parameters=precision, rounding="stochastic", seed=0)}
     cfg = me.EmbeddingConfig(
         tables=[me.TableConfig(name="t", vocabulary_size=s["vocab"], dimension=dim,
-                               optimizer=_spec(algorithm), combiner="sum")],
+                               optimizer=_spec(algorithm), combiner="sum", **extra)],
         features=[me.FeatureConfig(table="t", input_shape=shape, name="f")],
     )
     emb = me.TPUEmbedding(cfg, backend=backend, num_shards=1)
@@ -129,10 +156,12 @@ def engine(backend: str, d: _Data, algorithm: str, per_id: bool = False) -> tupl
     return emb, feat, grad
 
 
-def _engine_steps(backend: str, d: _Data, algorithm: str, per_id: bool = False) -> dict[str, Callable[[], Any]]:
+def _engine_steps(backend: str, d: _Data, algorithm: str, per_id: bool = False,
+                  precision: str | None = None) -> dict[str, Callable[[], Any]]:
     """``{"constant": step, "changing": step}`` on one engine; with ``per_id`` one step on a
-    sequence feature ``[B*K, 1]`` instead of the pooled ``[B]`` (constant learning rate)."""
-    emb, feat, grad = engine(backend, d, algorithm, per_id)
+    sequence feature ``[B*K, 1]`` instead of the pooled ``[B]`` (constant learning rate); with
+    ``precision``, ``{"bf16": step}`` on a table stored in that dtype (constant learning rate)."""
+    emb, feat, grad = engine(backend, d, algorithm, per_id, precision)
     sync = _syncer(backend)
 
     def make(changing: bool) -> Callable[[], Any]:
@@ -146,10 +175,18 @@ def _engine_steps(backend: str, d: _Data, algorithm: str, per_id: bool = False) 
             sync(acts)  # the update may still run (JAX): the next lookup waits for it
             return acts
 
-        step.finish = lambda: sync(emb.state.tables[0][0].data)  # type: ignore[attr-defined]
+        step.finish = lambda: sync(table_array(emb))  # type: ignore[attr-defined]
         return step
 
+    if precision is not None:
+        return {"bf16": make(False)}
     return {"per_id": make(False)} if per_id else {"constant": make(False), "changing": make(True)}
+
+
+def table_array(emb: Any) -> Any:
+    """The first table's storage (a JAX / torch array; the NumPy backend's shard list)."""
+    table = emb.state.tables[0][0]
+    return getattr(table, "data", table)
 
 
 def _syncer(backend: str) -> Callable[[Any], None]:
@@ -157,7 +194,7 @@ def _syncer(backend: str) -> Callable[[Any], None]:
         import jax
 
         return jax.block_until_ready
-    return lambda x: None
+    return lambda x: None  # torch on CPU and NumPy: done when the call returns
 
 
 def _sparseadam_step(d: _Data) -> Callable[[], Any]:
@@ -220,16 +257,22 @@ class Result:
     n_slots: int
     times: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    #: row (constant, per_id, bf16, a peer) -> benchmarks.w1_memory.measure's figures
+    memory: dict[str, dict] = field(default_factory=dict)
+    table_bytes: dict[str, int] = field(default_factory=dict)  # "float32" / "bf16": the parameters
 
     def med(self, key: str) -> float:
         return self.times.get(key, (float("nan"),) * 3)[0]
 
 
 def run(backend: str, sizes: dict, algorithms: tuple[str, ...], *, repeats: int = 7, rounds: int = 3,
-        warmup: int = WARMUP, per_id: tuple[str, ...] = (SGD,),
-        peers: tuple[str, ...] = ("fbgemm", "tf", "sparseadam"), verbose: bool = False) -> list[Result]:
+        warmup: int = WARMUP, per_id: tuple[str, ...] = (SGD,), bf16: tuple[str, ...] = (SGD, "adagrad"),
+        peers: tuple[str, ...] = ("fbgemm", "tf", "sparseadam"), memory: bool = True,
+        verbose: bool = False) -> list[Result]:
     """Time every optimizer of ``algorithms`` (engine constant / changing lr, its per-id step
-    when listed in ``per_id``, and its peers), all rows of one optimizer interleaved."""
+    when listed in ``per_id``, its bf16 step when listed in ``bf16``, and its peers), all rows
+    of one optimizer interleaved; with ``memory``, then each row's peak memory in a process
+    of its own (``benchmarks.w1_memory``)."""
     from benchmarks.torch_w1 import _timed_rounds
     from meshembed.math import OPTIMIZERS
 
@@ -247,6 +290,13 @@ def run(backend: str, sizes: dict, algorithms: tuple[str, ...], *, repeats: int 
                 steps.update(_engine_steps(backend, d, algorithm, per_id=True))
         except Exception as exc:  # noqa: BLE001 - an optimizer that cannot run is a table row
             res.notes["engine"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        if algorithm in bf16:
+            try:
+                steps.update(_engine_steps(backend, d, algorithm, precision=BF16))
+                res.table_bytes = {"float32": sizes["vocab"] * sizes["dim"] * 4,
+                                   "bf16": sizes["vocab"] * sizes["dim"] * 2}
+            except Exception as exc:  # noqa: BLE001
+                res.notes["bf16"] = f"{type(exc).__name__}: {str(exc)[:160]}"
         for peer in PEERS.get(algorithm, ()):
             if peer not in peers:
                 continue
@@ -277,6 +327,19 @@ def run(backend: str, sizes: dict, algorithms: tuple[str, ...], *, repeats: int 
         if verbose:
             cells = "  ".join(f"{k} {m:.2f} ({lo:.2f}-{hi:.2f})" for k, (m, lo, hi) in res.times.items())
             print(f"{short(algorithm):24s} {cells}", flush=True)
+    if memory:
+        from benchmarks import w1_memory
+
+        for res in results:
+            rows = [k for k in ("constant", "per_id", "bf16") if k in res.times]
+            rows += [p for p in PEERS.get(res.algorithm, ()) if p in res.times]
+            for row in rows:
+                res.memory[row] = w1_memory.run_row(backend, res.algorithm, row, sizes)
+                if verbose:
+                    m = res.memory[row]
+                    print(f"{short(res.algorithm):24s} {row:10s} memory "
+                          + (f"peak {m['peak_mb']:.0f} MB ÷ bytes {w1_memory.ratio(m):.2f}" if "peak_mb" in m
+                             else m["error"]), flush=True)
     return results
 
 
@@ -299,8 +362,9 @@ def _verdict(value: float, target: float, at_most: bool) -> str:
 def table(results: list[Result]) -> str:
     """The markdown table of one backend's run: one row per optimizer."""
     head = ("| optimizer | slots | constant lr ms (min–max) | changing lr ms | changing ÷ constant (≤ 1.05) "
-            "| ÷ SGD beside it (≤ 1.5), SGD ms | peer ÷ engine (target) | per-id ms, ÷ pooled (≤ 1.5) | note |")
-    lines = [head, "|" + "---|" * 9]
+            "| ÷ SGD beside it (≤ 1.5), SGD ms | peer ÷ engine (target) | per-id ms, ÷ pooled (≤ 1.5) "
+            "| bf16 SR ms, ÷ float32; table MB | note |")
+    lines = [head, "|" + "---|" * 10]
     for r in results:
         const = r.times.get("constant", (float("nan"),) * 3)
         peer_cells = []
@@ -312,11 +376,16 @@ def table(results: list[Result]) -> str:
         per_id = ""
         if "per_id" in r.times:
             per_id = f"{r.med('per_id'):.2f}, {_verdict(_ratio(r.med('per_id'), const[0]), TARGET_PER_ID, True)}"
+        bf16 = ""
+        if "bf16" in r.times:
+            bf16 = (f"{r.med('bf16'):.2f}, {_ratio(r.med('bf16'), const[0]):.2f}×; "
+                    f"{r.table_bytes['bf16'] / 2**20:.0f} vs {r.table_bytes['float32'] / 2**20:.0f}")
         note = "; ".join(f"{k}: {v}" for k, v in r.notes.items())
         lines.append(
             f"| {short(r.algorithm)} | {r.n_slots} | {const[0]:.2f} ({const[1]:.2f}–{const[2]:.2f}) "
             f"| {r.med('changing'):.2f} | {_verdict(_ratio(r.med('changing'), const[0]), TARGET_LR, True)} "
-            f"| {_verdict(_vs_sgd(r), TARGET_VS_SGD, True)}, {r.med('sgd'):.2f} | {'; '.join(peer_cells)} | {per_id} | {note} |"
+            f"| {_verdict(_vs_sgd(r), TARGET_VS_SGD, True)}, {r.med('sgd'):.2f} | {'; '.join(peer_cells)} | {per_id} "
+            f"| {bf16} | {note} |"
         )
     return "\n".join(lines)
 
@@ -331,6 +400,10 @@ def misses(results: list[Result]) -> list[str]:
                   ("per-id ÷ pooled", _ratio(r.med("per_id"), c), TARGET_PER_ID, True)]
         checks += [(f"{PEER_NAME[p]} ÷ engine", _ratio(r.med(p), c), TARGET_PEER[p], False)
                    for p in PEERS.get(r.algorithm, ())]
+        from benchmarks import w1_memory
+
+        checks += [(f"{row} peak memory ÷ (tables+slots+batch)", w1_memory.ratio(m), w1_memory.TARGET, True)
+                   for row, m in r.memory.items()]
         for what, value, target, at_most in checks:
             if value == value and not (value <= target if at_most else value >= target):
                 out.append(f"{short(r.algorithm)}: {what} = {value:.2f} (target {'≤' if at_most else '≥'} {target})")
@@ -351,9 +424,12 @@ def _names(arg: str, every: tuple[str, ...]) -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", choices=("torch", "jax"), default="torch")
+    ap.add_argument("--backend", choices=("torch", "jax", "numpy"), default="torch")
     ap.add_argument("--optimizers", default="all", help="'all' or a comma list (sgd, adagrad, adam, ...)")
     ap.add_argument("--per-id", default="sgd", help="optimizers that also get the per-id step ('all', 'none')")
+    ap.add_argument("--bf16", default="sgd,adagrad", help="optimizers that also get the bf16 + SR row ('all', 'none')")
+    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
+                    help="the per-row peak memory pass (default: on, off with --quick)")
     ap.add_argument("--peers", default="fbgemm,tf,sparseadam", help="comma list of fbgemm, tf, sparseadam, or none")
     ap.add_argument("--repeats", type=int, default=7, help="timed steps per row per round")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
@@ -362,19 +438,27 @@ def main(argv: list[str] | None = None) -> None:
     every = trainable()
     algorithms = _names(args.optimizers, every)
     per_id = _names(args.per_id, every)
+    bf16 = _names(args.bf16, every)
+    memory = not args.quick if args.memory is None else args.memory
     peers = () if args.peers == "none" else tuple(p.strip() for p in args.peers.split(",") if p.strip())
     if args.quick:
         sizes, warmup, rounds = TINY_W1, 1, 1
     else:
         sizes, warmup, rounds = W1, WARMUP, args.rounds
     results = run(args.backend, sizes, algorithms, repeats=args.repeats, rounds=rounds, warmup=warmup,
-                  per_id=per_id, peers=peers, verbose=True)
+                  per_id=per_id, bf16=bf16, peers=peers, memory=memory, verbose=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     gbs = bandwidth_gbs(1 << 24 if args.quick else 1 << 28)
     print(f"\nW1 on {args.backend}: {sizes}; {_Data(sizes).unique} unique rows/step; {args.repeats} steps × "
           f"{rounds} rounds per row; load average {load:.1f} on {os.cpu_count()} cores; "
           f"copy bandwidth {gbs:.1f} GB/s\n")
     print(table(results))
+    if memory:
+        from benchmarks import w1_memory
+
+        print(f"\nPeak memory per row (each in a fresh process; growth of peak RSS over the baseline after "
+              f"imports; target ≤ {w1_memory.TARGET}×):\n")
+        print(w1_memory.table({(r.algorithm, row): m for r in results for row, m in r.memory.items()}, short))
     missed = misses(results)
     print("\nevery measured target met" if not missed else "\ntargets missed:\n" + "\n".join(missed))
 

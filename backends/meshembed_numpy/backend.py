@@ -2,7 +2,9 @@
 
 Each table is a list of per-shard arrays placed by MOD/DIV (``meshembed.sharding``).
 Row access goes shard by shard, exactly as a multi-device backend routes ids to owners,
-so a placement bug shows up here first.
+so a placement bug shows up here first. Segment sums add each key's rows in input order
+(``segments.py``: the bits every other backend reproduces), fetching rows as they go, so a
+step builds no ``[ids, D]`` array of gathered rows or per-id gradients.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ from typing import Any
 import array_api_compat.numpy as xp_numpy
 import numpy as np
 
-from meshembed.backend.protocol import Backend, Capabilities, walk_blocks
+from meshembed.backend.protocol import Backend, Capabilities, RowUpdate, check_rule, walk_blocks
+from meshembed.errors import NonFiniteError
+from meshembed.math.rule import apply_rule
 from meshembed.sharding.placement import Placement, shard, unshard
 from meshembed_numpy.dense import NumpyDenseMixin
+from meshembed_numpy.segments import Segments
 from meshembed_numpy.table import NumpyShardedTable
 
 
@@ -58,8 +63,10 @@ class NumpyBackend(NumpyDenseMixin, Backend):
 
     def gather(self, table: NumpyShardedTable, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
+        if len(table.shards) == 1:  # one shard: local row == global id under MOD and DIV
+            return table.shards[0][ids]
         owner = table.placement.owner(ids)
-        local = table.placement.local_row(ids)
+        local = table.placement.local_row(ids, owner=owner)
         out = np.empty((ids.shape[0], table.shape[1]), dtype=table.dtype)
         for s, part in enumerate(table.shards):
             mask = owner == s
@@ -68,21 +75,64 @@ class NumpyBackend(NumpyDenseMixin, Backend):
 
     def scatter(self, table: NumpyShardedTable, ids: np.ndarray, rows: np.ndarray) -> NumpyShardedTable:
         ids = np.asarray(ids, dtype=np.int64)
+        if len(table.shards) == 1:
+            table.shards[0][ids] = rows
+            return table
         owner = table.placement.owner(ids)
-        local = table.placement.local_row(ids)
+        local = table.placement.local_row(ids, owner=owner)
         for s, part in enumerate(table.shards):
             mask = owner == s
             part[local[mask]] = rows[mask]
         return table
 
     def segment_sum(self, ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        ids = np.asarray(ids, dtype=np.int64)
-        uids, inverse = np.unique(ids, return_inverse=True)
-        sums = np.zeros((uids.shape[0],) + values.shape[1:], dtype=values.dtype)
-        np.add.at(sums, inverse.reshape(-1), values)
-        return uids, sums
+        values = np.asarray(values)
+        segs = Segments(ids)
+        return segs.unique, segs.sum(lambda pos: values[pos], values.shape[1], values.dtype)
 
     def segment_sum_to(self, values: np.ndarray, segment_ids: np.ndarray, num_segments: int) -> np.ndarray:
+        values = np.asarray(values)
+        segs = Segments(segment_ids)
         out = np.zeros((num_segments,) + values.shape[1:], dtype=values.dtype)
-        np.add.at(out, np.asarray(segment_ids, dtype=np.int64), values)
+        out[segs.unique] = segs.sum(lambda pos: values[pos], values.shape[1], values.dtype)
         return out
+
+    def gather_combine(self, table: NumpyShardedTable, ids: np.ndarray, segment_ids: np.ndarray, num_segments: int,
+                       weights: np.ndarray | None = None) -> np.ndarray:
+        """The protocol's gather → weight → segment sum, with the rows gathered as summed."""
+        ids = np.asarray(ids, dtype=np.int64)
+        dtype = table.dtype if weights is None else np.result_type(table.dtype, weights.dtype)
+
+        def rows(pos: np.ndarray) -> np.ndarray:
+            r = self.gather(table, ids[pos])
+            return r if weights is None else r * np.reshape(weights[pos], (-1, 1))
+
+        segs = Segments(segment_ids)
+        out = np.zeros((num_segments, table.shape[1]), dtype=dtype)
+        out[segs.unique] = segs.sum(rows, table.shape[1], dtype)
+        return out
+
+    def apply_update(self, u: RowUpdate) -> list[NumpyShardedTable]:
+        """The protocol's default (segment sum, gather, rule, scatter), with the per-id gradient
+        rows ``grads[grad_index] * grad_weights`` made as they are summed."""
+        values = check_rule(u.rule, u.values, self.name)
+        grads = np.asarray(u.grads)
+        if u.check_finite and not self.all_finite(grads):
+            raise NonFiniteError()
+        if u.guard is not None and not bool(u.guard):
+            return list(u.tables)
+        index, weights = u.grad_index, u.grad_weights
+        dtype = grads.dtype if index is None or weights is None else np.result_type(grads.dtype, weights.dtype)
+
+        def rows(pos: np.ndarray) -> np.ndarray:
+            if index is None:
+                return grads[pos]
+            r = grads[index[pos]]
+            return r if weights is None else r * np.reshape(weights[pos], (-1, 1))
+
+        segs = Segments(u.ids)
+        g = segs.sum(rows, grads.shape[-1], dtype, sorted_keys=False)  # rows of segs.by_count
+        uids = segs.by_count
+        old = [self.gather(t, uids) for t in u.tables]
+        new = apply_rule(self.xp, u.rule, values, g, *old)
+        return [self.scatter(t, uids, r) for t, r in zip(u.tables, new)]
