@@ -414,8 +414,6 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         dtypes = [np.dtype(d) for d in dtypes]
         if self.capacity is not None or not self.fused or len(set(dtypes)) != 1:
             return None
-        if getattr(rule.math, "row_slots", ()):  # the FFI driver steps every array by dim: the XLA step
-            return None
         if not kernels.use_cpu_kernels(layout, dtypes[0]):
             return None
         kernel = cpu_kernels.row_kernel(rule, len(dtypes), dtypes[0])

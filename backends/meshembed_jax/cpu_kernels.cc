@@ -361,7 +361,8 @@ bool ReadParams(const ffi::AnyBuffer& hp, int64_t blocks, std::vector<double>& o
   return blocks > 0 && int64_t(out.size()) % blocks == 0;
 }
 
-// The rule's kernel applied to row `row` of the table and its slots.
+// The rule's kernel applied to row `row` of the table and its slots; width[k]: array k's row
+// length (dim, or 1 for a row-wise rule's per-row slot: codegen's RowKernel.widths).
 template <class T>
 struct GeneratedUpdate {
   RowFn<T> fn;
@@ -369,11 +370,18 @@ struct GeneratedUpdate {
   size_t n;
   T* base[kMaxArrays];
   const double* hp;
+  int64_t width[kMaxArrays];
+  bool rowwise;
 
   void Apply(int64_t row, const T* g) const {
     T* rows[kMaxArrays];
-    for (size_t k = 0; k < n; ++k) rows[k] = base[k] + row * dim;
+    for (size_t k = 0; k < n; ++k) rows[k] = base[k] + row * width[k];
     fn(rows, g, dim, hp);
+  }
+  template <class I>
+  void Prefetch(const I* uniq, int64_t s, int64_t hi) const {
+    if (!rowwise) return meshembed::PrefetchUpdateRows(base, int64_t(n), uniq, s, hi, dim);
+    for (size_t k = 0; k < n; ++k) meshembed::PrefetchUpdateRows(base + k, 1, uniq, s, hi, width[k]);
   }
 };
 
@@ -385,7 +393,7 @@ void FusedRows(const GeneratedUpdate<T>& upd, const Groups& gr, const I* uniq, i
   meshembed::LocalRow<D, T> sum(upd.dim);
   const int64_t end = gr.start[hi], row_bytes = int64_t(sizeof(T)) * upd.dim;
   for (int64_t s = lo; s < hi; ++s) {
-    meshembed::PrefetchUpdateRows(upd.base, int64_t(upd.n), uniq, s, hi, upd.dim);
+    upd.Prefetch(uniq, s, hi);
     sum.Zero();
     for (int64_t p = gr.start[s], e = gr.start[s + 1]; p < e; ++p) {
       meshembed::PrefetchAhead(p, end, row_bytes, false, [&](int64_t q) { return src(gr.order[q]); });
@@ -414,6 +422,7 @@ ffi::Error FusedUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::AnyBuff
   if (combined && segs.element_type() != ffi::DataType::S32) return Unsupported("segment dtype");
   if (weighted && w.element_type() != type) return Unsupported("weight dtype");
   void* data[kMaxArrays] = {};
+  int64_t width[kMaxArrays] = {};
   int64_t m = 0, d = 0;
   for (size_t t = 0; t < n_tables; ++t) {
     auto in = tables.get<ffi::AnyBuffer>(t);
@@ -421,10 +430,12 @@ ffi::Error FusedUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::AnyBuff
     if (!in.has_value() || !out.has_value()) return ffi::Error::InvalidArgument("meshembed fused update: bad table");
     if (in->element_type() != type) return Unsupported("table dtype (tables, slots and gradients must agree)");
     if (t == 0) m = Rows(*in), d = Dim(*in);
-    if (Rows(*in) != m || Dim(*in) != d || (*out)->element_count() != in->element_count())
+    width[t] = Dim(*in);  // a slot of width 1: a row-wise rule's per-row value
+    if (Rows(*in) != m || (width[t] != d && (t == 0 || width[t] != 1)) ||
+        (*out)->element_count() != in->element_count())
       return ffi::Error::InvalidArgument("meshembed fused update: a table and its slots differ in shape");
     data[t] = (*out)->untyped_data();
-    if (data[t] != in->untyped_data()) std::memcpy(data[t], in->untyped_data(), ffi::ByteWidth(type) * m * d);
+    if (data[t] != in->untyped_data()) std::memcpy(data[t], in->untyped_data(), ffi::ByteWidth(type) * m * width[t]);
   }
   const int64_t s_all = Rows(grads);
   if (Dim(grads) != d || (!combined && s_all < ids.element_count()))
@@ -432,8 +443,12 @@ ffi::Error FusedUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::AnyBuff
   return Dispatch(type, ids.element_type(), [&](auto t, auto i) {
     using T = decltype(t);
     using I = decltype(i);
-    GeneratedUpdate<T> upd{reinterpret_cast<RowFn<T>>(fn), d, n_tables, {}, params.data()};
-    for (size_t k = 0; k < n_tables; ++k) upd.base[k] = static_cast<T*>(data[k]);
+    GeneratedUpdate<T> upd{reinterpret_cast<RowFn<T>>(fn), d, n_tables, {}, params.data(), {}, false};
+    for (size_t k = 0; k < n_tables; ++k) {
+      upd.base[k] = static_cast<T*>(data[k]);
+      upd.width[k] = width[k];
+      upd.rowwise |= width[k] != d;
+    }
     const int64_t n = ids.element_count();
     const I* id = static_cast<const I*>(ids.untyped_data());
     const T* gr = static_cast<const T*>(grads.untyped_data());

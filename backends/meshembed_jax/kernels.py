@@ -456,9 +456,9 @@ def make_fused_update(layout: ShardLayout, dim: int, n_tables: int, address: int
 
         # a loop of one trip (none when the guard is false): inline, XLA copies the donated
         # tables around the in-place call, as with the scatter in _apply_unique
-        flats = tuple(b.reshape(m, dim) for b in blocks)
+        flats = tuple(b.reshape(m, b.shape[-1]) for b in blocks)  # a row-wise slot: one column
         new = lax.fori_loop(0, guard.astype(jnp.int32), body, _varying(flats))
-        return tuple(f.reshape(k, r_max, dim) for f in new)
+        return tuple(f.reshape(k, r_max, f.shape[-1]) for f in new)
 
     specs = (tuple(P(AXIS) for _ in range(n_tables)), P(), P(), P(), P(), P(), P())
     fn = device_map(layout, per_device, in_specs=specs, out_specs=tuple(P(AXIS) for _ in range(n_tables)))

@@ -29,8 +29,9 @@ struct Problem {
   RowKernel<T> kernel;
   const double* hp;
   int n_arrays;
-  T* const* arrays;           // the table, then its slots, each [num_rows, dim]
+  T* const* arrays;           // the table, then its slots, each [num_rows, dim] ...
   int64_t dim;
+  int row_mask;               // ... but [num_rows, 1] where bit k is set (a row-wise slot)
   const T* grads;
   int64_t n;                  // contributions, in batch order:
   const int32_t* rank;        // ... the unique row each one adds to,
@@ -69,9 +70,15 @@ bool sum_range(const Problem<T>& p, int64_t lo, int64_t hi) {
 template <class T>
 void update_range(const Problem<T>& p, int64_t lo, int64_t hi) {
   T* rows[kMaxArrays];
+  int64_t width[kMaxArrays];
+  for (int k = 0; k < p.n_arrays; ++k) width[k] = (p.row_mask >> k) & 1 ? 1 : p.dim;
   for (int64_t u = lo; u < hi; ++u) {
-    meshembed::PrefetchUpdateRows(p.arrays, p.n_arrays, p.uniq, u, hi, p.dim);
-    for (int k = 0; k < p.n_arrays; ++k) rows[k] = p.arrays[k] + p.uniq[u] * p.dim;
+    if (p.row_mask == 0) {
+      meshembed::PrefetchUpdateRows(p.arrays, p.n_arrays, p.uniq, u, hi, p.dim);
+    } else {
+      for (int k = 0; k < p.n_arrays; ++k) meshembed::PrefetchUpdateRows(p.arrays + k, 1, p.uniq, u, hi, width[k]);
+    }
+    for (int k = 0; k < p.n_arrays; ++k) rows[k] = p.arrays[k] + p.uniq[u] * width[k];
     p.kernel(rows, p.sums + u * p.dim, p.dim, p.hp);
   }
 }
@@ -81,12 +88,15 @@ void update_range(const Problem<T>& p, int64_t lo, int64_t hi) {
 // outside [1, kMaxArrays], -4 if `check` and an element of grads is NaN or Inf — any of its
 // grad_rows rows, whether a contribution reads it or not (the engine's NaN/Inf policy, checked
 // here in the sum phase, which ends before the first write, instead of in a pass of its own).
-// Without grad_index, grad_rows must equal n.
+// Without grad_index, grad_rows must equal n. row_mask: bit k set = array k holds one value per
+// row (a row-wise rule's slot, RowKernel.widths); never the table (bit 0).
 template <class T>
 int64_t fused_update(void* kernel, const double* hp, int n_arrays, T* const* arrays, int64_t num_rows,
                      const int64_t* rows, int64_t n, const int64_t* grad_index, const T* weights, const T* grads,
-                     int64_t grad_rows, int64_t dim, int threads, int check) {
-  if (n_arrays < 1 || n_arrays > kMaxArrays || (!grad_index && grad_rows != n)) return -3;
+                     int64_t grad_rows, int64_t dim, int threads, int check, int row_mask) {
+  if (n_arrays < 1 || n_arrays > kMaxArrays || (!grad_index && grad_rows != n) || (row_mask & 1) ||
+      row_mask < 0 || row_mask >= (1 << n_arrays))
+    return -3;
   // Unique rows ascending (so the updates walk the table in address order) and the rank of
   // each contribution's row among them: the bitmap dedup the JAX kernels use too.
   thread_local std::vector<int64_t> uniq;
@@ -101,7 +111,7 @@ int64_t fused_update(void* kernel, const double* hp, int n_arrays, T* const* arr
   }
   sums.resize(unique * dim);
 
-  Problem<T> p{reinterpret_cast<RowKernel<T>>(kernel), hp, n_arrays, arrays, dim, grads, n, rank.data(),
+  Problem<T> p{reinterpret_cast<RowKernel<T>>(kernel), hp, n_arrays, arrays, dim, row_mask, grads, n, rank.data(),
                grad_index, weights, uniq.data(), sums.data(), check != 0};
   // Sums: the unique rows split into ranges of about equal contribution counts;
   // updates: ranges of equal row counts.
@@ -133,9 +143,10 @@ int64_t fused_update(void* kernel, const double* hp, int n_arrays, T* const* arr
 #define MESHEMBED_FUSED_UPDATE(T, NAME)                                                                        \
   extern "C" int64_t NAME(void* kernel, const double* hp, int n_arrays, T* const* arrays, int64_t num_rows,     \
                           const int64_t* rows, int64_t n, const int64_t* grad_index, const T* weights,         \
-                          const T* grads, int64_t grad_rows, int64_t dim, int threads, int check) {            \
+                          const T* grads, int64_t grad_rows, int64_t dim, int threads, int check,              \
+                          int row_mask) {                                                                      \
     return fused_update<T>(kernel, hp, n_arrays, arrays, num_rows, rows, n, grad_index, weights, grads,        \
-                           grad_rows, dim, threads, check);                                                   \
+                           grad_rows, dim, threads, check, row_mask);                                         \
   }
 MESHEMBED_FUSED_UPDATE(float, meshembed_fused_update_float32)
 MESHEMBED_FUSED_UPDATE(double, meshembed_fused_update_float64)

@@ -3,7 +3,8 @@
 The driver does the dedup, the per-row gradient sums (in batch order) and, per unique row, one
 call of the optimizer's row kernel — generated from the core's math by
 :mod:`meshembed_native.codegen`, so no formula is written here — in one pass over each row
-(what fbgemm's TBE does). Every element-wise optimizer, float32 and float64, with clipping and
+(what fbgemm's TBE does). Every element-wise optimizer and the row-wise ones (a per-row slot is
+``[rows, 1]``, stepped by 1: ``RowKernel.widths``), float32 and float64, with clipping and
 weight decay; the learning rate and other dynamic values are the kernel's parameters, so a
 value that changes every step compiles nothing. It is an *optimisation* of the core function:
 ``TorchBackend(fused=False)`` / ``MESHEMBED_TORCH_FUSED=0`` (read by the backend's constructor)
@@ -34,7 +35,7 @@ _state: dict[str, Any] = {}
 
 _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
          ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-         ctypes.c_int, ctypes.c_int]
+         ctypes.c_int, ctypes.c_int, ctypes.c_int]
 _GATHER_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                 ctypes.c_int]
 
@@ -68,7 +69,11 @@ def kernel_for(rule: Any, values: Sequence[float], datas: Sequence[Any], grads: 
                             for t in (*datas, grads)):
         return None
     dim = datas[0].shape[1] if datas[0].dim() == 2 else -1
-    if grads.dim() != 2 or grads.shape[1] != dim or any(d.shape != datas[0].shape for d in datas):
+    row_slots = set(getattr(rule.math, "row_slots", ()))
+    widths = [1 if k and rule.slot_names[k - 1] in row_slots else dim
+              for k in range(len(datas))] if len(datas) <= 1 + len(rule.slot_names) else []
+    if grads.dim() != 2 or grads.shape[1] != dim or len(widths) != len(datas) or any(
+            tuple(d.shape) != (datas[0].shape[0], w) for d, w in zip(datas, widths)):  # row-wise slots: [rows, 1]
         return None
     if (grad_index is None and grads.shape[0] != n) or (grad_index is not None and grad_index.numel() != n):
         return None
@@ -77,7 +82,7 @@ def kernel_for(rule: Any, values: Sequence[float], datas: Sequence[Any], grads: 
     if len(values) != len(rule.dynamic) or _library() is None:
         return None
     kernel = codegen.row_kernel(rule if rule.dtype == dtype else dataclasses.replace(rule, dtype=dtype), len(datas))
-    if kernel is None:
+    if kernel is None or [dim if w == 0 else 1 for w in kernel.widths] != widths:
         return None
     return kernel, kernel.params(values)
 
@@ -100,7 +105,8 @@ def update(kernel: tuple[codegen.RowKernel, tuple[float, ...]], rows: Any, grads
     done = getattr(_library(), f"meshembed_fused_update_{row_kernel.dtype}")(
         row_kernel.address, params, len(datas), arrays, datas[0].shape[0], rows.data_ptr(), rows.numel(),
         None if index is None else index.data_ptr(), None if w is None else w.data_ptr(), grads.data_ptr(),
-        grads.shape[0], grads.shape[1], int(threads), int(bool(check_finite)))
+        grads.shape[0], grads.shape[1], int(threads), int(bool(check_finite)),
+        sum(1 << k for k, w in enumerate(row_kernel.widths) if w))
     if done == -4:
         raise NonFiniteError()
     if done == -2:
