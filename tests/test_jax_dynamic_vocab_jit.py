@@ -240,3 +240,43 @@ def test_refusals_name_the_policy_and_the_fix():
         me.jax.map_keys(state, kb.batch)
     with pytest.raises(InputError, match="dynamic tables"):
         me.jax.map_keys(type(state)(state.tables, state.step, state._static, {}), kb)
+
+
+EIGHT_DEVICES = """
+import jax, numpy as np, meshembed as me
+from tests.test_jax_dynamic_vocab_jit import CAPS, CASES, check_same, config, engine_step, jitted_step, stream
+assert jax.device_count() == 8
+spec, opt, combiner, _ = CASES["after_n_ttl"]
+cfg = config(spec, opt, combiner)
+emb = me.TPUEmbedding(cfg, backend="numpy", num_shards=3, seed=5)
+state, step = me.jax.init(cfg, num_shards=8, seed=5), jitted_step()
+for s in range(6):
+    state = step(state, me.jax.prepare(state, stream(s), capacity=CAPS))[0]
+    engine_step(emb, s)
+    check_same(state, emb, 0.0)
+assert step._cache_size() == 1 and len(state.tables["item"]["parameters"].sharding.device_set) == 8
+state, batch = me.jax.map_keys(state, me.jax.prepare(state, stream(6), capacity=CAPS))  # eager: one program too
+emb.enqueue(stream(6))
+real = np.asarray(batch.slots[0]) < batch.features[0].num_slots
+r = np.asarray(batch.ids[0])[real]
+np.testing.assert_array_equal(r[r >= 0], emb.pending.features[0].ids)
+assert me.jax.vocabulary(state, "item").equal(emb.vocabulary("item"))
+st = emb.vocabulary("item").stats
+assert st["evicted"] > 0 and st["rejected"] > 0, st
+print("EIGHT OK")
+"""
+
+
+def test_eight_devices_sharded_tables_match_the_engine():
+    """The key tables replicated, the tables over 8 devices (the re-initialisation scatters into
+    the shards, the host callback's values reach every device), 3 NumPy shards: the same bits."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", EIGHT_DEVICES], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=600)
+    assert proc.returncode == 0 and "EIGHT OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

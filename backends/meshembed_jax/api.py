@@ -720,10 +720,13 @@ def map_keys(state: EmbeddingState, batch: Any, *, training: bool = True) -> tup
                             "lookup / apply_gradients directly)"))
     _check_batch(st, batch.batch)
     jdyn.check_vocab(tvs, state.vocab)
-    tables, vocab, ids = _in_transformations(
-        "map_keys", lambda tabs, voc, b, step: jdyn.map_tables(tvs, st.layout, st.shard_layouts, st.names, tabs, voc,
-                                                              b, step, training),
-        state.tables, state.vocab, batch, state.step)
+    def fn(tabs: Any, voc: Any, b: Any, step: Any) -> tuple:
+        return jdyn.map_tables(tvs, st.layout, st.shard_layouts, st.names, tabs, voc, b, step, training)
+
+    args = (state.tables, state.vocab, batch, state.step)
+    if not any(_traced(x) for x in jax.tree.leaves(args)):  # eager: one program (op by op, the host
+        fn = jdyn.eager_program(st, training, fn)             # callback's result would sit on one device)
+    tables, vocab, ids = _in_transformations("map_keys", fn, *args)
     return EmbeddingState(tables, state.step, st, vocab), jdyn.row_batch(batch, ids)
 
 

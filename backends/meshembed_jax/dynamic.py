@@ -497,6 +497,14 @@ def map_tables(tvs: Mapping[int, TableVocab], layout: Any, shard_layouts: Mappin
     return tables, vocab, tuple(ids)
 
 
+def eager_program(static: Any, training: bool, fn: Any) -> Any:
+    """``fn`` jitted once per state's static part and mode: what an eager ``map_keys`` runs."""
+    cache = static.__dict__.setdefault("dynamic_programs", {})
+    if training not in cache:
+        cache[training] = jax.jit(fn)
+    return cache[training]
+
+
 def row_batch(kb: KeyBatch, ids: tuple) -> Any:
     """The Batch of rows: each position without a row gets the padding's slot and no factor, so
     it reads nothing and gets no gradient (the reference drops it from its feature)."""
