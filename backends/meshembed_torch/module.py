@@ -710,25 +710,12 @@ class EmbeddingCollection(torch.nn.Module):
 
     # -- op bodies ---------------------------------------------------------------------------
     def _by_name(self, values: Any, what: str, allow_missing: bool = False) -> list[Any]:
-        names = self._names
-        if isinstance(values, Mapping):
-            unknown = sorted(set(values) - set(names))
-            missing = [n for n in names if n not in values]
-            if unknown or (missing and not allow_missing):
-                raise InputError(
-                    f"Invalid `{what}`: expected one entry per feature {names}. Missing: {missing}; "
-                    f"unknown: {unknown}"
-                )
-            return [values.get(n) for n in names]
-        if isinstance(values, (list, tuple)) and len(values) == len(names) and not (
-                len(names) == 1 and len(values) == 2 and isinstance(values[0], torch.Tensor)):
-            return list(values)
-        if len(names) == 1:
+        """Config-order values by the engine's one rule (``batch.by_feature``); a module of one
+        feature also takes that feature's input bare (a tensor or an ``(ids, offsets)`` pair)."""
+        if len(self._names) == 1 and not isinstance(values, Mapping) and not (
+                isinstance(values, (list, tuple)) and len(values) == 1):
             return [values]
-        raise InputError(
-            f"Invalid `{what}`: expected a dict keyed by feature name {names} or a list in config order. "
-            f"Received: {type(values).__name__}"
-        )
+        return batches.by_feature(self.engine.layout, values, what, allow_none=allow_missing)
 
     def _run_forward(self, spec: str, tensors: Sequence[torch.Tensor], lrs: torch.Tensor | None) -> list[torch.Tensor]:
         if spec.startswith("!"):
@@ -794,10 +781,10 @@ class EmbeddingCollection(torch.nn.Module):
             hi = np.inf if quant.upper is None else quant.upper
             rows = quantize(backend.xp, rows, lo, hi, quant.num_buckets)
         rows = rows.float().clone()  # gather may hand out a recycled buffer
-        slots = torch.from_numpy(np.asarray(d.slots, dtype=np.int64)).to(rows.device)
+        slots = torch.from_numpy(np.array(d.slots, dtype=np.int64)).to(rows.device)  # a copy: batches are read-only
         n = weights.shape[0]
         kept = None if d.ids.shape[0] == n else _kept(engine_input, f.output_shape, n)
-        w = torch.from_numpy(np.ascontiguousarray(weights if kept is None else weights[kept])).to(rows.device)
+        w = torch.from_numpy(np.array(weights if kept is None else weights[kept], order="C")).to(rows.device)
         combiner = str(t.combiner).lower()
         if combiner != "sum":
             sq = combiner == "sqrtn"
