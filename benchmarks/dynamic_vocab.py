@@ -14,6 +14,9 @@ A stream of batches of 64-bit keys — ranks drawn from a Zipf(s) law bounded to
 * **the engine step** (``enqueue`` -> ``dequeue`` -> ``apply_gradients``, SGD, sum combiner)
   of a dynamic table against the same table fed ``key % capacity`` as plain row ids, per
   backend: what the mapping costs inside a training step.
+* **the jitted me.jax step** (``--jax-jit``: host ``prepare``, then one ``jax.jit`` program of
+  ``map_keys`` -> ``lookup`` -> ``apply_gradients``) of the same two tables: the mapping as jnp
+  ops inside the compiled step instead of on the host.
 
 Each configuration first runs until the table is full (the steady state, with evictions), then
 times ``--steps`` batches: median, min and max per batch, keys per second from the median, the
@@ -24,6 +27,7 @@ so the rows are interleaved batch by batch (``--rounds``) and medians reported.
     python -m benchmarks.dynamic_vocab                      # capacity 2**20, 10x vocabulary, 131072 keys/batch
     python -m benchmarks.dynamic_vocab --quick              # CI sizes
     python -m benchmarks.dynamic_vocab --engine numpy,torch --json out.json
+    python -m benchmarks.dynamic_vocab --engine jax --jax-jit   # the engine on JAX and jitted me.jax
     .venv/interop/bin/python -m benchmarks.dynamic_vocab --torchrec on    # with torchrec's MCH row
 """
 
@@ -291,6 +295,81 @@ def engine_rows(args: argparse.Namespace, backend: str) -> list[dict]:
     return rows
 
 
+def jax_jit_rows(args: argparse.Namespace) -> list[dict]:
+    """The jitted me.jax step of a dynamic table (keys mapped by ``map_keys`` inside the program)
+    against the same table fed ``key % capacity``; each timed step includes the host ``prepare``
+    and waits for the step counter (as the engine rows include ``enqueue``)."""
+    import jax
+
+    import meshembed as me
+
+    C, dim, per = args.capacity, args.dim, args.ids_per_sample
+    samples = args.batch // per
+    n = samples * per
+    rng = np.random.default_rng(args.seed + 1)
+    vocab = args.ratio * C
+    splits = np.arange(0, n + 1, per, dtype=np.int64)
+    grad = jax.numpy.full((samples, dim), 1e-3, jax.numpy.float32)
+
+    def config(dynamic: bool) -> Any:
+        return me.EmbeddingConfig(
+            tables=[me.TableConfig("t", C, dim, optimizer=me.embedding.SGD(learning_rate=0.01), combiner="sum",
+                                   dynamic=dv.DynamicVocabulary() if dynamic else None)],
+            features=[me.FeatureConfig("t", (samples,), name="f")], sharding_strategy="mod")
+
+    @jax.jit
+    def dyn_step(state: Any, keys: Any) -> Any:
+        state, batch = me.jax.map_keys(state, keys)
+        me.jax.lookup(state, batch)
+        return me.jax.apply_gradients(state, batch, [grad])
+
+    @jax.jit
+    def plain_step(state: Any, batch: Any) -> Any:
+        me.jax.lookup(state, batch)
+        return me.jax.apply_gradients(state, batch, [grad])
+
+    runs = {"dynamic table (keys, map_keys in jit)": [dyn_step, None], "plain table (key % capacity)": [plain_step, None]}
+    for name, dynamic in zip(runs, (True, False)):
+        runs[name][1] = me.jax.init(config(dynamic), num_shards=1, initializers={"t": "zeros"})
+
+    def step(name: str, keys: np.ndarray) -> None:
+        fn, state = runs[name]
+        ids = keys if name.startswith("dynamic") else (keys.view(np.uint64) % np.uint64(C)).astype(np.int64)
+        state = fn(state, me.jax.prepare(state, [me.RaggedIds(splits, ids)], capacity=n))
+        state.step.block_until_ready()
+        runs[name][1] = state
+
+    dyn_name = next(iter(runs))
+    warm = 0
+    while me.jax.vocabulary(runs[dyn_name][1], "t").size < C and warm < args.max_warmup:
+        keys = zipf_keys(rng, n, vocab, args.zipf)
+        for name in runs:
+            step(name, keys)
+        warm += 1
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    st0 = dict(me.jax.vocabulary(runs[dyn_name][1], "t").stats)
+    for i in range(args.steps):
+        keys = zipf_keys(rng, n, vocab, args.zipf)
+        for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+            t = time.perf_counter()
+            step(name, keys)
+            times[name].append(time.perf_counter() - t)
+    voc = me.jax.vocabulary(runs[dyn_name][1], "t")
+    rows = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        row = {"case": "jitted me.jax step [jax]", "implementation": name, "capacity": C, "vocabulary": vocab,
+               "batch": n, "warmup_batches": warm, "full": voc.size >= C, "median_ms": 1e3 * med,
+               "min_ms": 1e3 * min(ts), "max_ms": 1e3 * max(ts), "keys_per_s": n / med,
+               "hit_rate": float("nan"), "bytes_per_key": float("nan")}
+        if name.startswith("dynamic"):
+            st1 = voc.stats
+            row["hit_rate"] = (st1["hits"] - st0["hits"]) / max(1, st1["lookups"] - st0["lookups"])
+        rows.append(row)
+        assert dyn_step._cache_size() == 1  # one program for every step
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     head = ("| case | implementation | median ms | min–max ms | keys/s (median) | hit rate | host bytes/key |\n"
             "|---|---|---|---|---|---|---|")
@@ -312,6 +391,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=15, help="timed batches per row")
     p.add_argument("--max-warmup", type=int, default=400)
     p.add_argument("--engine", default="", help="backends for the engine-step rows, e.g. numpy,torch")
+    p.add_argument("--jax-jit", action="store_true", help="the jitted me.jax rows (map_keys inside jax.jit)")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--ids-per-sample", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
@@ -327,6 +407,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = mapping_rows(args)
     for backend in [b for b in args.engine.split(",") if b]:
         rows += engine_rows(args, backend)
+    if args.jax_jit:
+        rows += jax_jit_rows(args)
     print(f"capacity {args.capacity}, vocabulary {args.ratio}x, {args.batch} keys per batch, Zipf({args.zipf})")
     print(table(rows))
     if args.json:

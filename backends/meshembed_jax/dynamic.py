@@ -437,8 +437,10 @@ def initial_values(tv: TableVocab, lo: Any, hi: Any, mask: Any) -> Any:
     float64 Box–Muller has no bit-exact float32 form)."""
     n, dim = lo.shape[0], tv.dimension
     init = tv.init
-    if isinstance(init, Constant) or (not callable(init) and not isinstance(init, str) and np.ndim(init) == 0):
-        value = init.value if isinstance(init, Constant) else float(init)
+    named = {"zeros": 0.0, "ones": 1.0}  # the reference's named constants
+    if isinstance(init, Constant) or (isinstance(init, str) and init in named) or (
+            not callable(init) and not isinstance(init, str) and np.ndim(init) == 0):
+        value = init.value if isinstance(init, Constant) else named[init] if isinstance(init, str) else float(init)
         return jnp.full((n, dim), np.float32(value), jnp.float32)
 
     def host(lo_h: np.ndarray, hi_h: np.ndarray, mask_h: np.ndarray) -> np.ndarray:
