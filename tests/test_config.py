@@ -73,7 +73,10 @@ def test_every_oneof_member_has_a_spec_class():
     assert set(OPTIMIZER_CLASSES) == {f.name for f in oneof.fields} == set(SLOTS)
     exported = {name for name in me.config.__all__ if isinstance(getattr(me.config, name), type)
                 and issubclass(getattr(me.config, name), OptimizerSpec) and name != "OptimizerSpec"}
-    assert exported == {cls.__name__ for cls in OPTIMIZER_CLASSES.values()}
+    from meshembed.config.rowwise import ROW_WISE_CLASSES  # the extensions with no proto form
+
+    assert exported == {cls.__name__ for cls in (*OPTIMIZER_CLASSES.values(), *ROW_WISE_CLASSES.values())}
+    assert not set(ROW_WISE_CLASSES) & set(OPTIMIZER_CLASSES)
 
 
 @pytest.mark.parametrize("algorithm", sorted(SLOTS))
