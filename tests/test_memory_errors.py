@@ -171,6 +171,9 @@ out["update_kept"] = emb.pending is not None and emb.step == 0 and same(before, 
 emb.apply_gradients(grads)
 out["update_after"] = emb.step
 attempt("retrieve", lambda: emb.retrieve_parameters("dense"), 8 * MiB)
+before, values = tables(emb), np.full((DENSE, 64), 0.5)  # float64: loading makes a float32 copy
+attempt("load", lambda: emb.load_parameters("dense", values), 8 * MiB)
+out["load_kept"] = same(before, tables(emb))
 
 # the dense Adadelta's slots: those of a small variable are made, then one of a 16 MiB one fails
 def variables():
@@ -246,6 +249,13 @@ def test_table_update_failure_changes_no_table(limited_run):
 def test_host_copy_failure(limited_run):
     _, out = limited_run
     _failed(out["retrieve"], "host copy of table 'dense'", f"{DENSE * 64 * 4:,} bytes", "shard_id")
+
+
+def test_load_failure_loads_nothing(limited_run):
+    _, out = limited_run
+    _failed(out["load"], "float32 copy of `parameters` for table 'dense'", f"{DENSE * 64 * 4:,} bytes",
+            "Nothing was loaded")
+    assert out["load_kept"]
 
 
 def test_dense_adadelta_slot_failure_leaves_the_optimizer_unbuilt(limited_run):

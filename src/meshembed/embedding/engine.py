@@ -553,7 +553,8 @@ class TPUEmbedding:
                 raise InputError(
                     f"Invalid {what}: expected shape {self._slot_shape(t, name, rows)}. Received: shape={arr.shape}"
                 )
-            with np.errstate(over="ignore", invalid="ignore"):
+            with np.errstate(over="ignore", invalid="ignore"), memory.allocating(
+                    f"a float32 copy of {what}", arr.shape, nothing="Nothing was loaded."):
                 arr = np.array(arr, dtype=np.float32)  # a private copy, in the tables' dtype
             if not allow and not np.all(np.isfinite(arr)):
                 k = np.argwhere(~np.isfinite(arr))[0].tolist()
@@ -576,7 +577,9 @@ class TPUEmbedding:
                 continue
             stored = precision.to_storage(values[name], dtypes[k])  # 16-bit storage: rounded to nearest
             if ids is None:
-                state[k] = self.backend.create_table(stored, self._placements[t.index])
+                with memory.allocating(f"table {t.name!r} `{name}` on backend {self.backend.name!r}", stored.shape,
+                                       str(stored.dtype), nothing="Nothing was loaded."):
+                    state[k] = self.backend.create_table(stored, self._placements[t.index])
             else:
                 state[k] = self.backend.scatter(
                     state[k], self.backend.asarray(ids, dtype="int64"), self.backend.asarray(stored, dtype=stored.dtype)
