@@ -8,7 +8,11 @@ errors, NaN/Inf included (``global_clipnorm`` follows ``tf.clip_by_global_norm``
 
 Works under ``optax.inject_hyperparams``: the learning rate, ``rho`` and ``epsilon`` may be
 0-d arrays, traced inside ``jax.jit``; a traced value cannot be checked (it was checked where
-``inject_hyperparams`` made it concrete, in ``init``).
+``inject_hyperparams`` made it concrete, in ``init``). ``rho`` and ``epsilon`` may also be
+callables, of the step count like an optax schedule or with no argument (tf_keras' legacy
+``rho=lambda: 0.95``). Complex parameters are optimised as ``torch.optim.Adadelta`` does: as
+their real view, real and imaginary parts two independent reals (the slots, complex like the
+parameter, hold ``E[re(g)²] + i·E[im(g)²]``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 from meshembed.errors import ConfigError, InputError
 from meshembed.math.adadelta import AdadeltaSlots
 from meshembed.math.adadelta import adadelta as adadelta_step
-from meshembed.optimizers.adadelta import check_rho_epsilon
+from meshembed.optimizers.adadelta import call_hyperparameter, check_rho_epsilon, hyperparameter
 from meshembed.optimizers.config import check_learning_rate
 from meshembed.optimizers.options import EMAOption, GradientsClipOption, clip, ema
 from meshembed.optimizers.step import check_in_dtype
@@ -47,6 +51,21 @@ def _concrete(x: Any) -> Any:
     if isinstance(x, (jax.Array, np.ndarray, np.generic)) and np.ndim(x) == 0:
         return np.asarray(x).item()
     return x
+
+
+def _real(x: Any) -> Any:
+    """A complex array as its real view ``[..., 2]`` (real, imaginary); a real one as it is."""
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1) if jnp.iscomplexobj(x) else x
+
+
+def _unreal(x: Any, like: Any) -> Any:
+    """Inverse of :func:`_real` for an array shaped like ``like``."""
+    return jax.lax.complex(x[..., 0], x[..., 1]) if jnp.iscomplexobj(like) else x
+
+
+def _at_step(value: Any, count: Any) -> Any:
+    """A hyper-parameter's value at step ``count``: a callable called (of the count, or of nothing)."""
+    return call_hyperparameter(value, lambda: count) if hyperparameter(value) else value
 
 
 def _counter_dtype() -> Any:
@@ -74,7 +93,8 @@ def adadelta(learning_rate: Any = 0.001, rho: float = 0.95, epsilon: float = 1e-
     if not isinstance(clip_option, GradientsClipOption) or not isinstance(ema_opt, EMAOption):
         raise ConfigError("Invalid `gradients_clip_option`/`ema_option`. Expected me.optimizers.GradientsClipOption "
                           f"/ EMAOption or None. Received: {gradients_clip_option!r}, {ema_option!r}")
-    known = {"rho": _concrete(rho), "epsilon": _concrete(epsilon)}
+    known = {"rho": None if hyperparameter(rho) else _concrete(rho),
+             "epsilon": None if hyperparameter(epsilon) else _concrete(epsilon)}
     check_rho_epsilon(known["rho"], known["epsilon"])
     lr_known = _concrete(learning_rate)
     if lr_known is not None:
@@ -103,22 +123,29 @@ def adadelta(learning_rate: Any = 0.001, rho: float = 0.95, epsilon: float = 1e-
         leaves, tree = jax.tree.flatten(params)
         grads = _matched_gradients(updates, params)
         lr = learning_rate(state.iteration) if callable(learning_rate) else learning_rate
-        grads = clip(jnp, grads, clip_option)
+        rho_now, eps_now = _at_step(rho, state.iteration), _at_step(epsilon, state.iteration)
+        if hyperparameter(rho) or hyperparameter(epsilon):  # checked where the values are concrete
+            check_rho_epsilon(*(_concrete(n) if hyperparameter(v) else None
+                                for v, n in ((rho, rho_now), (epsilon, eps_now))))
+        real = [_real(p) for p in leaves]  # a complex leaf as its real view, throughout (torch's rule)
+        grads = clip(jnp, [_real(g) for g in grads], clip_option)
         accs, deltas = jax.tree.leaves(state.accumulated_grad), jax.tree.leaves(state.accumulated_delta_var)
         new_p, new_a, new_u = [], [], []
-        for p, g, a, u in zip(leaves, grads, accs, deltas):
-            q, slots = adadelta_step(jnp, p, g, AdadeltaSlots(a, u), lr=lr, rho=rho, epsilon=epsilon)
+        for p, g, a, u in zip(real, grads, accs, deltas):
+            q, slots = adadelta_step(jnp, p, g, AdadeltaSlots(_real(a), _real(u)), lr=lr, rho=rho_now, epsilon=eps_now)
             new_p.append(q)
             new_a.append(slots.accumulators)
             new_u.append(slots.updates)
         average = state.average
         if ema_opt.use_ema:
-            average, new_p = ema(jnp, jax.tree.leaves(state.average), new_p, ema_opt.ema_momentum, state.iteration,
-                                 overwrite_frequency=ema_opt.ema_overwrite_frequency)
-            average = jax.tree.unflatten(tree, average)
-        out = jax.tree.unflatten(tree, [q - p for q, p in zip(new_p, leaves)])
-        return out, AdadeltaState(state.iteration + 1, jax.tree.unflatten(tree, new_a),
-                                  jax.tree.unflatten(tree, new_u), average)
+            average, new_p = ema(jnp, [_real(x) for x in jax.tree.leaves(state.average)], new_p, ema_opt.ema_momentum,
+                                 state.iteration, overwrite_frequency=ema_opt.ema_overwrite_frequency)
+            average = jax.tree.unflatten(tree, [_unreal(x, p) for x, p in zip(average, leaves)])
+        back = [_unreal(q, p) for q, p in zip(new_p, leaves)]
+        out = jax.tree.unflatten(tree, [q - p for q, p in zip(back, leaves)])
+        return out, AdadeltaState(state.iteration + 1,
+                                  jax.tree.unflatten(tree, [_unreal(x, p) for x, p in zip(new_a, leaves)]),
+                                  jax.tree.unflatten(tree, [_unreal(x, p) for x, p in zip(new_u, leaves)]), average)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -126,7 +153,8 @@ def adadelta(learning_rate: Any = 0.001, rho: float = 0.95, epsilon: float = 1e-
 def _matched_gradients(updates: Any, params: Any) -> list[Any]:
     """The gradients as leaves in the params' order, cast to each param's dtype. The trees must
     match exactly (zipping the leaves of two different trees would pair a gradient with the
-    wrong parameter), each gradient have its param's shape and a real or integer dtype."""
+    wrong parameter), each gradient have its param's shape and a real or integer dtype (or a
+    complex one for a complex param)."""
     g_tree, p_tree = jax.tree.structure(updates), jax.tree.structure(params)
     if g_tree != p_tree:
         raise InputError(
@@ -137,9 +165,11 @@ def _matched_gradients(updates: Any, params: Any) -> list[Any]:
     for (path, g), p in zip(jax.tree_util.tree_leaves_with_path(updates), jax.tree.leaves(params)):
         where = jax.tree_util.keystr(path)
         dtype = g.dtype if hasattr(g, "dtype") else np.asarray(g).dtype
-        if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        complex_ok = jnp.iscomplexobj(p) and jnp.issubdtype(dtype, jnp.complexfloating)
+        if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer) or complex_ok):
             raise InputError(
-                f"Invalid gradient for {where}. Expected an integer or real floating array. Received: dtype={dtype}"
+                f"Invalid gradient for {where}. Expected an integer or real floating array (complex for a complex "
+                f"param). Received: dtype={dtype} for a param of dtype {jnp.result_type(p)}"
             )
         if jnp.shape(g) != jnp.shape(p):
             raise InputError(f"Invalid gradient for {where}. Expected shape {jnp.shape(p)}. Received: shape={jnp.shape(g)}")

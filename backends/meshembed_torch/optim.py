@@ -15,7 +15,12 @@ Defaults are Keras' (lr 1e-3, ρ 0.95, ε 1e-7). ``torch.optim.Adadelta``'s are 
 The slots live in ``opt.state[p]`` (``step``, ``square_avg``, ``acc_delta``, ``ema``) as the very
 tensors the step updates, as with any torch optimizer, so checkpoint tools see them. Hyper-
 parameters are checked as ``me.optimizers.Adadelta`` checks them, and in each parameter's dtype,
-when a group is added and before ``load_state_dict`` changes anything.
+when a group is added and before ``load_state_dict`` changes anything; ``rho`` and ``eps`` may be
+callables (tf_keras' legacy optimizers take them: called once per step, checked then).
+
+Complex parameters are optimised as ``torch.optim.Adadelta`` does: as ``torch.view_as_real``,
+real and imaginary parts two independent reals (``square_avg`` holds ``E[re(g)²] + i·E[im(g)²]``,
+complex like the parameter, as torch's state does).
 """
 
 from __future__ import annotations
@@ -33,6 +38,16 @@ __all__ = ["Adadelta"]
 
 _FIXED = ("rho", "eps", "weight_decay", "gradients_clip_option", "ema_option")
 _SLOTS = ("step", "square_avg", "acc_delta")
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor's ``view_as_real`` (its storage, real and imaginary parts as reals)."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A slot as ``p``'s dtype shows it: the complex view of a complex parameter's real slot."""
+    return torch.view_as_complex(t) if p.is_complex() else t
 
 
 class Adadelta(torch.optim.Optimizer):
@@ -81,13 +96,14 @@ class Adadelta(torch.optim.Optimizer):
             learning_rate=lr, rho=group["rho"], epsilon=group["eps"], weight_decay=group["weight_decay"] or None,
             gradients_clip_option=group["gradients_clip_option"], ema_option=group["ema_option"])
         for k, p in enumerate(group["params"]):
-            if not p.is_floating_point():
+            if not (p.is_floating_point() or p.is_complex()):
                 raise InputError(
-                    f"Invalid parameter of dtype {p.dtype}: Adadelta needs floating parameters. Fix: "
-                    "optimize torch.view_as_real(...) or a float copy instead."
+                    f"Invalid parameter of dtype {p.dtype}: Adadelta needs floating or complex parameters. Fix: "
+                    "optimize a float copy instead."
                 )
-            scalars = {"lr": opt.learning_rate, "eps": opt.epsilon, "weight_decay": opt.weight_decay}
-            check_in_dtype(scalars, f"param {k}", str(p.dtype).removeprefix("torch."))
+            scalars = {"lr": opt.learning_rate, "eps": None if callable(opt.epsilon) else opt.epsilon,
+                       "weight_decay": opt.weight_decay}
+            check_in_dtype(scalars, f"param {k}", str(_real(p).dtype).removeprefix("torch."))
         return opt
 
     def _driver(self, group: dict) -> tuple[Any, list]:
@@ -97,11 +113,12 @@ class Adadelta(torch.optim.Optimizer):
         params = group["params"]
         entry = self._inner.get(id(group))
         if entry is not None and entry[0] == fixed and len(entry[2]) == len(params) and all(
-                v.value.data_ptr() == p.data_ptr() for v, p in zip(entry[2], params)):
+                v.value.data_ptr() == p.data_ptr() and v.shape == _real(p).shape for v, p in zip(entry[2], params)):
             return entry[1], entry[2]
         opt = self._optimizer(group)
         backend = me.get_backend("torch")
-        variables = [me.Variable(Fresh(p.detach()), name=f"param_{k}", backend=backend) for k, p in enumerate(params)]
+        variables = [me.Variable(Fresh(_real(p.detach())), name=f"param_{k}", backend=backend)
+                     for k, p in enumerate(params)]
         opt.build(variables)
         if entry is not None:  # carry the slots (and the step count) over
             old = self._slots(entry[1])
@@ -128,13 +145,12 @@ class Adadelta(torch.optim.Optimizer):
         averages = opt.averages
         for k, (p, (a, d)) in enumerate(zip(group["params"], self._slots(opt))):
             state = self.state[p]
-            if state.get("square_avg") is a.value and state.get("acc_delta") is d.value and state.get("step") is step \
-                    and (not averages or state.get("ema") is averages[k].value):
-                continue
+            live = {"square_avg": a.value, "acc_delta": d.value, **({"ema": averages[k].value} if averages else {})}
+            if state.get("step") is step and set(state) == {"step", *live} and all(
+                    _real(state[name]).data_ptr() == value.data_ptr() for name, value in live.items()):
+                continue  # the live tensors (or, for a complex parameter, their complex views)
             state.clear()
-            state.update(step=step, square_avg=a.value, acc_delta=d.value)
-            if averages:
-                state["ema"] = averages[k].value
+            state.update(step=step, **{name: _like(p, value) for name, value in live.items()})
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -151,7 +167,8 @@ class Adadelta(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise InputError("Invalid gradient: me.torch.Adadelta does not take sparse gradients.")
-                pairs.append((-p.grad if group["maximize"] else p.grad, v))
+                grad = _real(p.grad)
+                pairs.append((-grad if group["maximize"] else grad, v))
             if not pairs:
                 continue
             lr = group["lr"]  # a scheduler's new value: no recompilation
@@ -159,8 +176,8 @@ class Adadelta(torch.optim.Optimizer):
             opt.apply_gradients(pairs)
             for p, v in zip(group["params"], variables):
                 if v.value.data_ptr() != p.data_ptr():  # a path that returned new arrays
-                    p.copy_(v.value)
-                    v.adopt(p.detach())
+                    _real(p).copy_(v.value)
+                    v.adopt(_real(p.detach()))
             self._publish(group, opt)
         return loss
 
@@ -172,8 +189,8 @@ class Adadelta(torch.optim.Optimizer):
             opt.finalize_variable_values(variables)
             for p, v in zip(group["params"], variables):
                 if v.value.data_ptr() != p.data_ptr():
-                    p.copy_(v.value)
-                    v.adopt(p.detach())
+                    _real(p).copy_(v.value)
+                    v.adopt(_real(p.detach()))
 
     def state_dict(self) -> dict[str, Any]:
         """torch's format: per parameter ``step``, ``square_avg``, ``acc_delta`` (+ ``ema``)."""
@@ -195,10 +212,10 @@ class Adadelta(torch.optim.Optimizer):
                 for k, (state, (a, d)) in enumerate(zip(states, self._slots(opt))):
                     if not state:
                         continue
-                    a.value.copy_(state["square_avg"])
-                    d.value.copy_(state["acc_delta"])
+                    a.value.copy_(_real(state["square_avg"]))
+                    d.value.copy_(_real(state["acc_delta"]))
                     if averages and "ema" in state:
-                        averages[k].value.copy_(state["ema"])
+                        averages[k].value.copy_(_real(state["ema"]))
                     opt.step_counter.assign(torch.as_tensor(state["step"]).to(torch.int64).numpy())
                 self._publish(group, opt)
 

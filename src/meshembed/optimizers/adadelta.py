@@ -22,11 +22,12 @@ from typing import Any
 
 from meshembed.errors import ConfigError
 from meshembed.optimizers.base import Optimizer
+from meshembed.optimizers.config import _required_positional
 from meshembed.optimizers.options import EMAOption, GradientsClipOption
 from meshembed.sharding.mesh import Mesh
 from meshembed.variable import Variable
 
-__all__ = ["Adadelta", "check_rho_epsilon"]
+__all__ = ["Adadelta", "call_hyperparameter", "check_rho_epsilon", "hyperparameter"]
 
 
 def _number(name: str, value: Any, low: float, high: float | None = None) -> float:
@@ -35,6 +36,18 @@ def _number(name: str, value: Any, low: float, high: float | None = None) -> flo
         bounds = f"[{low}, {high}]" if high is not None else f">= {low} and finite"
         raise ConfigError(f"Invalid `{name}`. Expected a number {bounds}. Received: {name}={value!r}")
     return float(value)
+
+
+def hyperparameter(value: Any) -> bool:
+    """Whether ``value`` is a hyper-parameter given as a callable (tf_keras' legacy optimizers
+    take ``rho=lambda: 0.95``): a zero-argument callable, or one of the step like a schedule."""
+    return callable(value) and not isinstance(value, numbers.Real)
+
+
+def call_hyperparameter(fn: Any, step: Any) -> Any:
+    """A callable hyper-parameter's value now: ``fn()``, or ``fn(step())`` for one of the step
+    (``step`` is called only then: reading the step counter may cost a host sync)."""
+    return fn(step()) if _required_positional(fn) else fn()
 
 
 def check_rho_epsilon(rho: Any, epsilon: Any) -> tuple[float | None, float | None]:
@@ -54,7 +67,12 @@ class Adadelta(Optimizer):
     Args:
         learning_rate: float, a ``schedules.LearningRateSchedule`` or a callable of the step.
         rho, epsilon: decay rate and the ε inside both roots (Keras defaults 0.95, 1e-7);
-            ε must be finite (also in the variables' dtype: 1e39 is Inf in float32).
+            ε must be finite (also in the variables' dtype: 1e39 is Inf in float32); ``None``
+            is 1e-7, as in tf_keras' legacy Adadelta (Keras 3 refuses it at the first step). Either may
+            be a callable, zero-argument (tf_keras' legacy ``rho=lambda: 0.95``) or of the step
+            like a schedule, called once per step and its value checked then; a changing value
+            is a call-time input of the compiled step (no recompilation). As with a callable
+            learning rate, ``get_config`` refuses it (tf_keras would write its value now).
         gradients_clip_option, ema_option: the DTensor options, honoured with tf_keras'
             semantics (Keras' DTensor optimizer ignored them).
         name: Keras name, also in the config.
@@ -99,10 +117,51 @@ class Adadelta(Optimizer):
             loss_scale_factor=loss_scale_factor, gradient_accumulation_steps=gradient_accumulation_steps,
             allow_nonfinite=allow_nonfinite,
         )
-        self.rho, self.epsilon = check_rho_epsilon(rho, epsilon)
+        if epsilon is None:  # tf_keras' legacy Adadelta: `epsilon or backend.epsilon()`
+            epsilon = 1e-7
+        if not hyperparameter(rho):
+            _number("rho", rho, 0.0, 1.0)  # None too: check_rho_epsilon takes None for "traced"
+        check_rho_epsilon(None, None if hyperparameter(epsilon) else epsilon)
+        self.rho: Any = rho if hyperparameter(rho) else float(rho)
+        self.epsilon: Any = epsilon if hyperparameter(epsilon) else float(epsilon)
+        self._hypers_now: dict[str, float] | None = None  # the callables' values during one step
+        self._callables = tuple(k for k in ("epsilon", "rho") if hyperparameter(getattr(self, k)))  # sorted
+
+    def _hyperparameters_now(self) -> dict[str, float]:
+        """``rho`` and ``epsilon`` for this step: the callables called (once per step) and checked."""
+        if self._hypers_now is not None:
+            return self._hypers_now
+        if not self._callables:  # checked at construction
+            return {"rho": self.rho, "epsilon": self.epsilon}
+        now = {}
+        for name in ("rho", "epsilon"):
+            value = getattr(self, name)
+            if hyperparameter(value):
+                value = call_hyperparameter(value, self._calls)
+                if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+                    value = value.item()  # a 0-d array or tensor of the user's framework
+            now[name] = value
+        rho, eps = check_rho_epsilon(now["rho"], now["epsilon"])
+        return {"rho": rho, "epsilon": eps}
+
+    def apply_gradients(self, grads_and_vars: Any) -> Variable:
+        """The base's step, with callable ``rho``/``epsilon`` called once and checked first."""
+        if not self._callables or self._hypers_now is not None:
+            return super().apply_gradients(grads_and_vars)
+        self._hypers_now = self._hyperparameters_now()
+        try:
+            return super().apply_gradients(grads_and_vars)
+        finally:
+            self._hypers_now = None
 
     def _dtype_checked_scalars(self) -> dict[str, float | None]:
-        return {**super()._dtype_checked_scalars(), "epsilon": self.epsilon}
+        return {**super()._dtype_checked_scalars(), "epsilon": self._hyperparameters_now()["epsilon"]}
+
+    def _dynamic_hyperparameters(self) -> dict[str, float]:
+        if not self._callables:
+            return {}
+        now = self._hyperparameters_now()
+        return {k: now[k] for k in self._callables}
 
     def build(self, var_list: list[Variable]) -> None:
         if self.built:
@@ -126,7 +185,7 @@ class Adadelta(Optimizer):
     _algorithm = "adadelta"  # meshembed.math.adadelta, shared with the embedding engine
 
     def _static_hyperparameters(self) -> dict[str, float]:
-        return {"rho": self.rho, "epsilon": self.epsilon}
+        return {k: getattr(self, k) for k in ("rho", "epsilon") if k not in self._callables}
 
     def update_step(self, grad: Any, variable: Variable) -> None:
         i = self._slot_index(variable)
@@ -135,4 +194,10 @@ class Adadelta(Optimizer):
         self._apply_step(targets, grad, touched)
 
     def get_config(self) -> dict[str, Any]:
+        for name in ("rho", "epsilon"):
+            if hyperparameter(getattr(self, name)):  # as for a callable learning rate
+                raise ConfigError(
+                    f"Invalid `{name}` for get_config(). Expected a float, which can be written to a config; a "
+                    f"callable cannot (its value now would freeze it). Received: {name}={getattr(self, name)!r}"
+                )
         return {**super().get_config(), "rho": self.rho, "epsilon": self.epsilon}
