@@ -69,7 +69,8 @@ def test_row_wise_adagrad_matches_fbgemm_formula(dtype):
     for step in range(3):
         gs = g * dtype(step + 1)
         want_p, want_acc = _fbgemm_rowwise_adagrad(p, gs, slots.accumulators, 0.05, 1e-6)
-        p, slots = me_math.apply_update(np, "row_wise_adagrad", p, gs, slots, lr=0.05, hyperparameters={"epsilon": 1e-6})
+        p, slots = me_math.apply_update(np, "row_wise_adagrad", p, gs, slots, lr=0.05,
+                                        hyperparameters={"epsilon": 1e-6})
         assert p.dtype == dtype and slots.accumulators.shape == (V, 1)
         np.testing.assert_array_equal(slots.accumulators, want_acc)
         np.testing.assert_array_equal(p, want_p)
@@ -97,8 +98,9 @@ def test_row_wise_adam_matches_fbgemm_formula(dtype):
 def test_math_is_framework_neutral(xp_name):
     """The same function over torch / jax arrays: float32 rows within 2 ulps of NumPy's."""
     p, g = _data(np.float32, seed=2)
-    ref_p, ref_slots = me_math.apply_update(np, "row_wise_adagrad", p, g, me_math.initial_slots(np, "row_wise_adagrad", p, (0.2,)),
-                                            lr=0.1, hyperparameters={"epsilon": 1e-8})
+    fresh = me_math.initial_slots(np, "row_wise_adagrad", p, (0.2,))
+    ref_p, ref_slots = me_math.apply_update(np, "row_wise_adagrad", p, g, fresh, lr=0.1,
+                                            hyperparameters={"epsilon": 1e-8})
     if xp_name == "torch":
         torch = pytest.importorskip("torch", reason="torch is an optional extra")
         xp, conv = me_math.common.namespace(torch.ones(1)), torch.from_numpy
@@ -116,7 +118,8 @@ def test_rules_are_not_elementwise_and_slots_are_per_row():
     for name, row in (("row_wise_adagrad", ("accumulators",)), ("row_wise_adam", ("velocities",))):
         m = me_math.get_math(name)
         assert m.row_slots == row and name not in me_math.OPTIMIZERS  # an extension, not a proto field
-        rule = me_math.rule.build_rule(name, {"epsilon": 1e-3, **({"beta1": 0.9, "beta2": 0.99} if "adam" in name else {})})
+        betas = {"beta1": 0.9, "beta2": 0.99} if "adam" in name else {}
+        rule = me_math.rule.build_rule(name, {"epsilon": 1e-3, **betas})
         assert not rule.elementwise
 
 
@@ -295,7 +298,8 @@ def test_generated_kernel_is_bit_identical_to_numpy(name, hp, init, dtype):
     for dim in (1, 7, 8, 13, 64, 128, 129, 300):
         p = rng.uniform(-1, 1, (9, dim)).astype(dtype)
         g = (rng.normal(size=(9, dim)) * rng.uniform(0.01, 100, (9, 1))).astype(dtype)
-        slots = [np.full((9, 1) if s in rule.math.row_slots else (9, dim), v, dtype) for s, v in zip(rule.slot_names, init)]
+        slots = [np.full((9, 1) if s in rule.math.row_slots else (9, dim), v, dtype)
+                 for s, v in zip(rule.slot_names, init)]
         want = me_math.apply_rule(np, rule, (0.05,), g, p, *slots)
         arrays = [p.copy(), *(s.copy() for s in slots)]
         kernel.apply(arrays, g, (0.05,))

@@ -3,7 +3,9 @@
 One pure function per algorithm of ``OptimizationParameters.parameters``
 (``fn(xp, params, grads, slots, *, lr, **hyperparameters) -> (params, slots)``, keywords =
 proto field names), the shared mechanics of spec §4.1 (:func:`apply_update`) and forward
-simulated quantization (:func:`quantize`). See ``docs/optimizers.md``.
+simulated quantization (:func:`quantize`). Beside them, fbgemm's row-wise Adagrad and Adam
+(:mod:`meshembed.math.rowwise`, registry :data:`ROW_WISE`: one slot value per row, no proto
+form). See ``docs/optimizers.md``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from meshembed.math.user_defined import user_defined_program, user_defined_slot_
 from meshembed.math.yogi import OnlineYogiSlots, ProximalYogiSlots, online_yogi, proximal_yogi
 
 __all__ = [
-    "GRADIENT_ACCUMULATOR_INITIAL_VALUE", "OPTIMIZERS", "ROW_WISE", "RowWiseAdagradSlots", "RowWiseAdamSlots", "AdadeltaSlots", "AdagradMomentumSlots",
+    "GRADIENT_ACCUMULATOR_INITIAL_VALUE", "OPTIMIZERS", "ROW_WISE", "RowWiseAdagradSlots",
+    "RowWiseAdamSlots", "AdadeltaSlots", "AdagradMomentumSlots",
     "AdagradSlots", "AdamSlots", "AssignSlots", "BoundedAdagradSlots", "CenteredRmsPropSlots",
     "CustomOptimizer", "FrequencyAwareAdagradSlots", "FrequencyEstimatorSlots", "FtrlSlots",
     "LionSlots", "MdlAdagradLightSlots", "MomentumSlots", "OnlineYogiSlots", "OptimizerMath",
@@ -51,6 +54,7 @@ __all__ = [
     "adagrad", "adagrad_momentum", "adam", "apply_rule", "apply_update", "assign", "bounded_adagrad",
     "centered_rms_prop", "frequency_aware_adagrad", "frequency_estimator", "ftrl", "get_math",
     "initial_slots", "lion", "mdl_adagrad_light", "momentum", "online_yogi", "proximal_adagrad",
-    "proximal_yogi", "quantize", "rms_prop", "row_wise_adagrad", "row_wise_adam", "stochastic_gradient_descent", "user_defined_program",
+    "proximal_yogi", "quantize", "rms_prop", "row_wise_adagrad", "row_wise_adam",
+    "stochastic_gradient_descent", "user_defined_program",
     "user_defined_slot_names",
 ]
