@@ -528,7 +528,8 @@ def _marker_for(path: pathlib.Path) -> bool:
 
 def _nbytes(tables: Sequence[Any]) -> int:
     """Bytes of every table's float32 parameters and slots, unsharded."""
-    return sum(4 * int(t.vocabulary_size) * int(t.dimension) * (1 + len(t.optimizer.slot_names)) for t in tables)
+    return sum(4 * int(t.vocabulary_size) * sum(slot_width(t.optimizer, name, t.dimension)
+                                                for name in ("parameters", *t.optimizer.slot_names)) for t in tables)
 
 
 def _out_of_memory(what: str, where: Any, tables: Sequence[Any], nothing: str) -> CheckpointError:
