@@ -38,7 +38,7 @@ def nbytes(shape: Sequence[int], dtype: str = "float32", arrays: int = 1) -> int
     size = _ITEMSIZE.get(dtype) if type(dtype) is str else None
     if size is None:  # a NumPy / torch dtype object
         size = _ITEMSIZE.get(str(getattr(dtype, "name", dtype)).replace("torch.", ""), 4)
-    return arrays * math.prod(shape) * size
+    return arrays * math.prod(map(int, shape)) * size  # NumPy ints would wrap
 
 
 def _limit() -> tuple[int, str]:
