@@ -330,16 +330,16 @@ def assign(tv: TableVocab, arrs: dict, lo: Any, hi: Any, valid: Any, step: Any, 
         klo, khi, clo, chi = (jnp.where(ex, _u32(0), v) for v in (klo, khi, clo, chi))
         last = jnp.where(ex, jnp.zeros((), last.dtype), last)
 
-    # residents: one sort of the resident keys (tag 0) with the distinct batch keys (tag 1)
-    flag = jnp.concatenate([~used, ~u_valid]).astype(jnp.uint32)
-    tag = jnp.concatenate([jnp.zeros(cap, jnp.uint32), jnp.ones(n, jnp.uint32)])
+    # residents: one sort of the resident keys (tag 0) with the distinct batch keys (tag 1; 2:
+    # a free row or no key): a batch key's resident, if any, sorts right before it
+    tag = jnp.concatenate([jnp.where(used, 0, 2), jnp.where(u_valid, 1, 2)]).astype(jnp.uint32)
     idx = jnp.concatenate([jnp.arange(cap, dtype=jnp.int32), jnp.arange(n, dtype=jnp.int32)])
-    f_s, h_s, l_s, t_s, i_s = lax.sort((flag, jnp.concatenate([khi, u_hi]), jnp.concatenate([klo, u_lo]), tag, idx),
-                                       num_keys=4)
-    match = jnp.concatenate([jnp.zeros(1, bool), (f_s[1:] == 0) & (f_s[:-1] == 0) & (h_s[1:] == h_s[:-1])
-                             & (l_s[1:] == l_s[:-1]) & (t_s[:-1] == 0) & (t_s[1:] == 1)])
+    h_s, l_s, t_s, i_s = lax.sort((jnp.concatenate([khi, u_hi]), jnp.concatenate([klo, u_lo]), tag, idx),
+                                  num_keys=3)
+    match = jnp.concatenate([jnp.zeros(1, bool), (h_s[1:] == h_s[:-1]) & (l_s[1:] == l_s[:-1])
+                             & (t_s[:-1] == 0) & (t_s[1:] == 1)])
     prev = jnp.concatenate([jnp.zeros(1, jnp.int32), i_s[:-1]])
-    target = jnp.where((t_s == 1) & (f_s == 0), i_s, n)
+    target = jnp.where(t_s == 1, i_s, n)
     u_row = _scatter_set(jnp.full(n, -1, jnp.int32), target, jnp.where(match, prev, -1))
     if not training:
         rows = jnp.where(valid, u_row[run_of], -1)
@@ -398,13 +398,16 @@ def assign(tv: TableVocab, arrs: dict, lo: Any, hi: Any, valid: Any, step: Any, 
     cand = used & (last < s)
     order = spec.order
     free = ~used
-    cls = jnp.where(free, 0, jnp.where(cand & (order is not None), 1, 2)).astype(jnp.int32)
-    z32, zl = jnp.zeros(cap, jnp.uint32), jnp.zeros((), last.dtype)
-    o_last = jnp.where(free, zl, last)
+    z32 = jnp.zeros(cap, jnp.uint32)
     o_chi, o_clo = jnp.where(free, z32, chi), jnp.where(free, z32, clo)
-    rows_all = jnp.arange(cap, dtype=jnp.int32)
-    keys = (cls, o_last, o_chi, o_clo) if isinstance(order, ref.LRU) else (cls, o_chi, o_clo, o_last)
-    supply = lax.sort((*keys, rows_all), num_keys=5)[-1]
+    rows_all = jnp.arange(cap, dtype=jnp.int32)  # a stable sort: the lower row breaks the last ties
+    if isinstance(order, ref.LRU):  # free rows (-1) first, then candidates by last_seen (>= 0), then the rest
+        top = jnp.where(free, -1, jnp.where(cand, last, jnp.iinfo(last.dtype).max)).astype(last.dtype)
+        keys = (top, o_chi, o_clo)
+    else:
+        cls = jnp.where(free, 0, jnp.where(cand & (order is not None), 1, 2)).astype(jnp.int32)
+        keys = (cls, o_chi, o_clo, jnp.where(free, jnp.zeros((), last.dtype), last))
+    supply = lax.sort((*keys, rows_all), num_keys=len(keys), is_stable=True)[-1]
     n_free = jnp.sum(free.astype(jnp.int32))
     n_supply = n_free + (jnp.sum(cand.astype(jnp.int32)) if order is not None else 0)
     j_sorted = lax.sort(((~adm).astype(jnp.int32), u_first, jnp.arange(n, dtype=jnp.int32)), num_keys=2)[-1]
