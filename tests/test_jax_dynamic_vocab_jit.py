@@ -207,6 +207,21 @@ def test_checkpoint_mid_run_resumes_equal_both_ways(tmp_path):
     assert int(resumed.step) == straight.step == 8
 
 
+def test_restore_asks_again_for_a_callable_initializer(tmp_path):
+    def init(shape, dtype=None, rng=None):
+        return np.full(shape, 0.125, np.float32)
+
+    cfg = config(dv.DynamicVocabulary())
+    emb = me.TPUEmbedding(cfg, backend="jax", num_shards=1, initializers={"item": init})
+    engine_step(emb, 0)
+    emb.save(tmp_path / "c")
+    with pytest.raises(InputError, match=r"initializers=\{'item'"):
+        me.jax.restore(tmp_path / "c")
+    state = me.jax.restore(tmp_path / "c", initializers={"item": init})
+    check_same(state, emb, 0.0)
+    assert me.jax.to_engine(state).dynamic_initializers["item"] is init
+
+
 def test_inference_reads_without_changing_anything():
     cfg = config(dv.DynamicVocabulary())
     emb = me.TPUEmbedding(cfg, backend="jax", num_shards=1)

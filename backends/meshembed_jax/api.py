@@ -525,10 +525,14 @@ def save(state: EmbeddingState, path: Any, *, allow_nonfinite: bool = False) -> 
     return to_engine(state, allow_nonfinite=allow_nonfinite).save(path)
 
 
-def restore(path: Any, *, mesh: Any = None, axis: str | None = None, allow_nonfinite: bool = False) -> EmbeddingState:
+def restore(path: Any, *, mesh: Any = None, axis: str | None = None, allow_nonfinite: bool = False,
+            initializers: Mapping[str, Any] | None = None) -> EmbeddingState:
     """The state of a meshembed checkpoint (written by any backend), on ``mesh``'s devices
-    (over its axis ``axis``, as :func:`init`)."""
-    return from_engine(TPUEmbedding.restore(path, backend=_backend_for(mesh, axis), allow_nonfinite=allow_nonfinite))
+    (over its axis ``axis``, as :func:`init`). ``initializers``: ``{table: callable}`` of
+    dynamic tables whose initializer was a callable (a checkpoint cannot store one)."""
+    extra = {} if initializers is None else {"initializers": initializers}
+    return from_engine(TPUEmbedding.restore(path, backend=_backend_for(mesh, axis), allow_nonfinite=allow_nonfinite,
+                                            **extra))
 
 
 # -- checks of the pytrees -----------------------------------------------------------------
