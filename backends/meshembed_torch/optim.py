@@ -50,6 +50,11 @@ def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_complex(t) if p.is_complex() else t
 
 
+def _shows(shown: Any, live: torch.Tensor) -> bool:
+    """``opt.state`` holds the live slot ``live`` itself, or (complex parameter) its view."""
+    return shown is live or (shown is not None and shown._base is live)
+
+
 class Adadelta(torch.optim.Optimizer):
     """Adadelta (Keras/TPU rule, see ``meshembed.math.adadelta``) as a torch optimizer.
 
@@ -145,12 +150,14 @@ class Adadelta(torch.optim.Optimizer):
         averages = opt.averages
         for k, (p, (a, d)) in enumerate(zip(group["params"], self._slots(opt))):
             state = self.state[p]
-            live = {"square_avg": a.value, "acc_delta": d.value, **({"ema": averages[k].value} if averages else {})}
-            if state.get("step") is step and set(state) == {"step", *live} and all(
-                    _real(state[name]).data_ptr() == value.data_ptr() for name, value in live.items()):
-                continue  # the live tensors (or, for a complex parameter, their complex views)
+            if state.get("step") is step and _shows(state.get("square_avg"), a.value) \
+                    and _shows(state.get("acc_delta"), d.value) \
+                    and (not averages or _shows(state.get("ema"), averages[k].value)):
+                continue
             state.clear()
-            state.update(step=step, **{name: _like(p, value) for name, value in live.items()})
+            state.update(step=step, square_avg=_like(p, a.value), acc_delta=_like(p, d.value))
+            if averages:
+                state["ema"] = _like(p, averages[k].value)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
