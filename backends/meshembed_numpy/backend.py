@@ -92,10 +92,11 @@ class NumpyBackend(NumpyDenseMixin, Backend):
 
     def segment_sum_to(self, values: np.ndarray, segment_ids: np.ndarray, num_segments: int) -> np.ndarray:
         values = np.asarray(values)
+        flat = values.reshape(values.shape[0], -1)  # any trailing shape (1-D: a dense optimizer's sparse rows)
         segs = Segments(segment_ids)
-        out = np.zeros((num_segments,) + values.shape[1:], dtype=values.dtype)
-        out[segs.unique] = segs.sum(lambda pos: np.take(values, pos, axis=0), values.shape[1], values.dtype)
-        return out
+        out = np.zeros((num_segments, flat.shape[1]), dtype=values.dtype)
+        out[segs.unique] = segs.sum(lambda pos: np.take(flat, pos, axis=0), flat.shape[1], values.dtype)
+        return out.reshape((num_segments,) + values.shape[1:])
 
     def gather_combine(self, table: NumpyShardedTable, ids: np.ndarray, segment_ids: np.ndarray, num_segments: int,
                        weights: np.ndarray | None = None) -> np.ndarray:
