@@ -220,8 +220,9 @@ def compare_torchrec(tables: Any, optimizer: Any, optimizer_kwargs: dict[str, An
             acc = peer.accumulator(t.name)
             slots = engine.table_slot_names(t.name)
             if slots and acc is not None:  # fbgemm starts at 0, the translated spec too
+                width = engine.retrieve_parameters(t.name)[slots[0]].shape[1]  # 1: RowWiseAdagrad
                 arrays[slots[0]] = np.broadcast_to(acc.detach().numpy().reshape(t.vocabulary_size, -1),
-                                                   (t.vocabulary_size, t.dimension))
+                                                   (t.vocabulary_size, width))
             engine.load_parameters(t.name, **arrays)
     kind = "fbgemm TBE" if bare_tbe else "torchrec"
     name = case or f"{kind} {opt}/{'+'.join(sorted({c.combiner for c in cfg.tables}))}"

@@ -17,6 +17,7 @@ import numpy as np
 from meshembed.config import EmbeddingConfig, FeatureConfig, TableConfig
 from meshembed.config.common import parsing_proto
 from meshembed.config.optimizers import SGD, Adagrad, AdagradMomentum, DynamicLearningRate
+from meshembed.config.rowwise import RowWiseAdagrad, slot_width
 from meshembed.errors import ConfigError, InputError
 from meshembed.interop._gaps import Translation, _Gaps
 
@@ -129,6 +130,11 @@ def _meshembed_optimizer(opt: str, kw: dict[str, Any], gaps: _Gaps) -> Any:
             gaps.add("optimizer", "fbgemm SGD adds duplicate ids' gradients to a row one at a time "
                      "(atomic, unordered); TPU sums them first", "mapped to SGD (same values up to rounding)")
         spec: Any = SGD(learning_rate=lr)
+    elif "row_wise" in opt and float(kw["eps"]) > 0.0:  # fbgemm's rule itself: one accumulator per row
+        spec = RowWiseAdagrad(learning_rate=lr, epsilon=float(kw["eps"]))
+        if opt == "row_wise_adagrad":
+            gaps.add("optimizer", "non-exact row-wise Adagrad applies duplicate ids one at a time",
+                     "duplicates are summed first, as exact_row_wise_adagrad")
     elif opt in ("exact_adagrad", "exact_row_wise_adagrad", "row_wise_adagrad"):
         eps = float(kw["eps"])
         spec = _adagrad_like(lr, eps)
@@ -136,9 +142,9 @@ def _meshembed_optimizer(opt: str, kw: dict[str, Any], gaps: _Gaps) -> Any:
             gaps.add("optimizer.eps", f"fbgemm divides by sqrt(acc) + eps (eps={eps:g}); TPU Adagrad has no "
                      "epsilon", f"AdagradMomentum(momentum=0, epsilon=eps²={eps * eps:g}) puts it under "
                      "the root: relative difference <= eps/sqrt(acc) per step")
-        if "row_wise" in opt:
-            gaps.add("optimizer.rowwise", "fbgemm row-wise Adagrad keeps one accumulator per row "
-                     "(acc += mean(g²) over the row); TPU has only element-wise accumulators",
+        if "row_wise" in opt:  # eps == 0: RowWiseAdagrad refuses it (a zero row's update is 0/0)
+            gaps.add("optimizer.rowwise", "fbgemm row-wise Adagrad with eps=0 divides a row whose gradients "
+                     "are all zero by sqrt(0); me.embedding.RowWiseAdagrad needs eps > 0",
                      "trained element-wise (acc += g² per element); imported row accumulators are "
                      "broadcast over the row, exported ones averaged over it")
         if opt == "row_wise_adagrad":
@@ -269,10 +275,14 @@ def _fbgemm_optimizer(spec: Any, table: str, gaps: _Gaps) -> tuple[str, dict[str
                      "fbgemm adds eps outside it", f"eps=sqrt(epsilon)={eps:g}: relative difference "
                      "<= eps/sqrt(acc) per step", table)
         out = ("exact_adagrad", {"learning_rate": float(lr), "eps": eps}, None)
+    elif algo == "row_wise_adagrad":
+        out = ("exact_row_wise_adagrad", {"learning_rate": float(lr), "eps": float(spec.epsilon)},
+               float(spec.initial_accumulator_value))
     else:
         raise ConfigError(
-            f"Table {table!r}: optimizer {type(spec).__name__} has no fbgemm CPU equivalent. Expected SGD, Adagrad "
-            "or AdagradMomentum(momentum=0, beta2=1, exponent=2) (fbgemm's CPU TBE trains SGD and Adagrad only).")
+            f"Table {table!r}: optimizer {type(spec).__name__} has no fbgemm CPU equivalent. Expected SGD, Adagrad, "
+            "AdagradMomentum(momentum=0, beta2=1, exponent=2) or RowWiseAdagrad (fbgemm's CPU TBE trains SGD and "
+            "(row-wise) Adagrad only).")
     options = {"clip_weight_min": spec.clip_weight_min, "clip_weight_max": spec.clip_weight_max,
                "clipvalue": spec.clipvalue, "weight_decay_factor": spec.weight_decay_factor or None,
                "simulated_quantization": spec.simulated_quantization}
@@ -394,8 +404,10 @@ def import_torchrec_state(engine: Any, module: Any) -> None:
                 raise InputError(f"Table {name!r}: the engine has slots {slots} but the torchrec module has no fused "
                                  "optimizer state for it. Expected a FusedEmbeddingBagCollection with Adagrad.")
             acc = moment.detach().cpu().numpy()
-            if acc.ndim == 1:
-                acc = np.broadcast_to(acc[:, None], arrays["parameters"].shape)
+            if acc.ndim == 1:  # per row: RowWiseAdagrad's (V, 1), else broadcast over the row
+                spec = engine.layout.table(name)
+                acc = acc[:, None] if slot_width(spec.optimizer, slots[0], spec.dimension) == 1 else np.broadcast_to(
+                    acc[:, None], arrays["parameters"].shape)
             arrays[slots[0]] = acc
             for extra in slots[1:]:
                 arrays[extra] = np.zeros_like(arrays["parameters"])
@@ -430,7 +442,7 @@ def export_torchrec_state(engine: Any, module: Any) -> None:
         moment = state.get(f"{name}.weight", {}).get(f"{name}.weight.momentum_1")
         if slots and moment is not None:
             acc = got[slots[0]]
-            pairs.append((moment, acc.mean(axis=1) if moment.ndim == 1 else acc))
+            pairs.append((moment, acc[:, 0] if acc.shape[1] == 1 else acc.mean(axis=1) if moment.ndim == 1 else acc))
     for dst, src in pairs:
         if tuple(dst.shape) != tuple(src.shape):
             raise InputError(f"Shape mismatch exporting to torchrec: {tuple(src.shape)} into {tuple(dst.shape)}.")
