@@ -109,6 +109,22 @@ def test_backend_sums_and_update_match_the_plain_definitions():
         assert be.unshard(new).tobytes() == expect.tobytes()
 
 
+def test_values_of_any_trailing_shape():
+    """1-D values (a dense optimizer's sparse rows) and ``[n, a, b]`` ones, as ``np.add.at``."""
+    rng = np.random.default_rng(8)
+    be = NumpyBackend()
+    ids = rng.integers(0, 9, 500)
+    for shape in ((500,), (500, 3, 2)):
+        values = rng.standard_normal(shape).astype(np.float32)
+        want_ids, want = _oracle(ids, values.reshape(500, -1))
+        uids, sums = be.segment_sum(ids, values)
+        np.testing.assert_array_equal(uids, want_ids)
+        assert sums.shape == (want_ids.size,) + shape[1:] and sums.tobytes() == want.tobytes()
+        dense = np.zeros((12,) + shape[1:], np.float32)
+        np.add.at(dense, ids, values)
+        assert be.segment_sum_to(values, ids, 12).tobytes() == dense.tobytes()
+
+
 def _sgd_table(vocab: int, d: int):
     cfg = me.EmbeddingConfig(
         tables=[me.TableConfig(name="t", vocabulary_size=vocab, dimension=d,

@@ -87,8 +87,10 @@ class NumpyBackend(NumpyDenseMixin, Backend):
 
     def segment_sum(self, ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         values = np.asarray(values)
+        flat = values.reshape(values.shape[0], -1)  # any trailing shape, as segment_sum_to
         segs = Segments(ids)
-        return segs.unique, segs.sum(lambda pos: np.take(values, pos, axis=0), values.shape[1], values.dtype)
+        sums = segs.sum(lambda pos: np.take(flat, pos, axis=0), flat.shape[1], values.dtype)
+        return segs.unique, sums.reshape((segs.unique.shape[0],) + values.shape[1:])
 
     def segment_sum_to(self, values: np.ndarray, segment_ids: np.ndarray, num_segments: int) -> np.ndarray:
         values = np.asarray(values)
