@@ -336,6 +336,11 @@ class JaxTables:
         from meshembed_jax import kernels
 
         layout, dim = table.layout, table.shape[1]
+        n = int(np.prod(ids.shape))
+        if self._jax.process_count() == 1 and bucket(n) != n:
+            # pad on the host: an eager pad of a native array compiles once per row count
+            # (the dynamic vocabulary's re-initialised rows change count every step)
+            ids, rows = (self.to_numpy(x) if self.is_native(x) else x for x in (ids, rows))
         gids, grows, _, _ = self._global_batch(layout, ids, rows)
         write = self._kernel(("scatter", layout, dim), lambda: kernels.make_scatter(layout, dim))
         table.data = write(table.data, gids, grows)
