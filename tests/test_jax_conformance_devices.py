@@ -23,6 +23,7 @@ def _suite_on_eight_devices(backend: str, paths: list[str]) -> str:
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env["MESHEMBED_TEST_BACKENDS"] = backend
+    env["MESHEMBED_TEST_DEVICE_REPEATS"] = "0"  # option variants: device-independent, run on 1 device (README)
     code = "import jax, sys, pytest; assert jax.device_count() == 8; sys.exit(pytest.main(sys.argv[1:]))"
     proc = subprocess.run(
         [sys.executable, "-c", code, *paths, "-q", "-p", "no:cacheprovider", "-x"],
