@@ -50,7 +50,9 @@ def _run(world, tmp_path, args=(), **env):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_whole_conformance_suite_passes_on_gloo_ranks(world, tmp_path):
-    results, logs = _run(world, tmp_path)
+    # 4 ranks: the optimizer option variants are left out (conformance/README.md, "Repeats on 8 devices"):
+    # per-row math after the owners' sum, the same on 2 ranks, where they all run
+    results, logs = _run(world, tmp_path, **({"MESHEMBED_TEST_DEVICE_REPEATS": "0"} if world == 4 else {}))
     assert [r.returncode for r in results] == [0] * world, logs
     counts = [_counts(r.junit) for r in results]
     for r, c in enumerate(counts):
