@@ -9,6 +9,7 @@ step builds no ``[ids, D]`` array of gathered rows or per-id gradients.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import array_api_compat.numpy as xp_numpy
@@ -87,14 +88,14 @@ class NumpyBackend(NumpyDenseMixin, Backend):
 
     def segment_sum(self, ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         values = np.asarray(values)
-        flat = values.reshape(values.shape[0], -1)  # any trailing shape, as segment_sum_to
+        flat = values.reshape(values.shape[0], math.prod(values.shape[1:]))  # any trailing shape, as segment_sum_to
         segs = Segments(ids)
         sums = segs.sum(lambda pos: np.take(flat, pos, axis=0), flat.shape[1], values.dtype)
         return segs.unique, sums.reshape((segs.unique.shape[0],) + values.shape[1:])
 
     def segment_sum_to(self, values: np.ndarray, segment_ids: np.ndarray, num_segments: int) -> np.ndarray:
         values = np.asarray(values)
-        flat = values.reshape(values.shape[0], -1)  # any trailing shape (1-D: a dense optimizer's sparse rows)
+        flat = values.reshape(values.shape[0], math.prod(values.shape[1:]))  # any trailing shape (1-D: a dense optimizer's sparse rows)
         segs = Segments(segment_ids)
         out = np.zeros((num_segments, flat.shape[1]), dtype=values.dtype)
         out[segs.unique] = segs.sum(lambda pos: np.take(flat, pos, axis=0), flat.shape[1], values.dtype)
