@@ -86,6 +86,22 @@ def same_decisions(got: list, want: list) -> None:
             np.testing.assert_array_equal(a[k], b[k], err_msg=f"step {step}: {k}")
 
 
+def train_and_check(emb, want_steps) -> dict:
+    """Train ``STEPS`` steps, check every step's decisions, return the tables."""
+    same_decisions(train(emb, 0, STEPS), want_steps)
+    return tables(emb)
+
+
+def same_tables(got: dict, want: dict, exact: bool) -> None:
+    """Every array of every table: bit for bit, or within the suite's tolerance."""
+    for t in want:
+        for k in want[t]:
+            if exact:
+                np.testing.assert_array_equal(got[t][k], want[t][k], err_msg=f"{t}.{k}")
+            else:
+                assert_close(got[t][k], want[t][k], what=f"{t}.{k}")
+
+
 @pytest.mark.parametrize("spec,shards", [("after2-lru-ttl", 1), ("after2-lru-ttl", 2), ("after2-lru-ttl", 4),
                                          ("prob-lfu", 2)])
 def test_same_keys_same_rows_decisions_and_values(backend, spec, shards):
@@ -95,11 +111,7 @@ def test_same_keys_same_rows_decisions_and_values(backend, spec, shards):
     emb = engine(backend, config(spec), shards, seed=3)
     if emb is None:
         return
-    same_decisions(train(emb, 0, STEPS), want_steps)
-    got = tables(emb)
-    for t in want_tables:
-        for k in want_tables[t]:
-            np.testing.assert_array_equal(got[t][k], want_tables[t][k], err_msg=f"{t}.{k}")
+    same_tables(train_and_check(emb, want_steps), want_tables, exact=True)
 
 
 def test_adagrad_mean_same_decisions_values_within_tolerance(backend):
@@ -107,11 +119,7 @@ def test_adagrad_mean_same_decisions_values_within_tolerance(backend):
     emb = engine(backend, config("after2-lru-ttl", E.Adagrad(learning_rate=0.2), "mean"), 2, seed=3)
     if emb is None:
         return
-    same_decisions(train(emb, 0, STEPS), want_steps)
-    got = tables(emb)
-    for t in want_tables:
-        for k in want_tables[t]:
-            assert_close(got[t][k], want_tables[t][k], what=f"{t}.{k}")
+    same_tables(train_and_check(emb, want_steps), want_tables, exact=False)
 
 
 @pytest.mark.parametrize("spec", sorted(SPECS))
