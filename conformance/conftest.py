@@ -111,18 +111,20 @@ def _xfails() -> dict[str, dict[str, str]]:
 
 #: ``MESHEMBED_TEST_DEVICE_REPEATS=0`` (the 8-device runs, tests/test_jax_conformance_devices.py): leave out the
 #: optimizer variants whose path does not depend on the device count (README, "Repeats on 8 devices").
-_DEVICE_REPEATS = os.environ.get("MESHEMBED_TEST_DEVICE_REPEATS", "1") != "0"
+_DEVICE_REPEATS = os.environ.get("MESHEMBED_TEST_DEVICE_REPEATS", "1")
+if _DEVICE_REPEATS not in ("0", "1"):
+    raise pytest.UsageError(f"MESHEMBED_TEST_DEVICE_REPEATS={_DEVICE_REPEATS!r}: expected 0 or 1")
 
 
 def _device_repeat(item) -> bool:
     """An option variant (clip, decay, dynamic lr) of a rule other than adagrad: the same math on 1 device."""
     params = getattr(getattr(item, "callspec", None), "params", {})
-    return (item.originalname == "test_optimizer_matches_reference" and params.get("option", "plain") != "plain"
+    return (getattr(item, "originalname", None) == "test_optimizer_matches_reference" and params.get("option", "plain") != "plain"
             and params.get("name") != "adagrad")
 
 
 def pytest_collection_modifyitems(config, items):
-    if not _DEVICE_REPEATS:
+    if _DEVICE_REPEATS == "0":
         repeats = [item for item in items if _device_repeat(item)]
         items[:] = [item for item in items if not _device_repeat(item)]
         config.hook.pytest_deselected(items=repeats)
