@@ -25,6 +25,7 @@ jax_compile_cache.share()  # before jax is imported: identical XLA programs comp
 import meshembed as me  # noqa: E402
 from conformance import distributed as _ranks  # noqa: E402
 from conformance import functional_jax as _functional  # noqa: E402
+from conformance import functional_torch as _module  # noqa: E402
 from meshembed.errors import BackendUnavailableError  # noqa: E402
 
 #: This process's rank context when it runs as one rank of a group, else None.
@@ -32,6 +33,15 @@ RANKS = _ranks.from_env()
 
 _HERE = pathlib.Path(__file__).parent
 GOLDEN = _HERE / "golden"
+
+
+#: The suite's front-end entries (not registry backends) and the registry backend under each.
+FRONT_ENDS = {_functional.NAME: _functional.INNER, **{name: _module.INNER for name in _module.NAMES}}
+
+
+def inner(name: str) -> str:
+    """The registry backend under a backend name of the suite (a front end's, or itself)."""
+    return FRONT_ENDS.get(name, name)
 
 
 def _requested() -> list[str]:
@@ -44,14 +54,15 @@ def _requested() -> list[str]:
     if RANKS is not None:
         return [_ranks.BACKEND_NAME]
     names = list(me.available_backends())
-    return names + [_functional.NAME] if _functional.INNER in names else names  # me.jax, jitted
+    # me.jax (jitted); me.torch.EmbeddingCollection (eager, compiled)
+    return names + [name for name, under in FRONT_ENDS.items() if under in names]
 
 
 def _params() -> list:
     params = []
     for name in _requested():
         try:
-            me.get_backend(_functional.INNER if name == _functional.NAME else name)
+            me.get_backend(inner(name))
         except BackendUnavailableError as exc:
             params.append(pytest.param(name, marks=pytest.mark.skip(reason=str(exc)), id=name))
             continue
@@ -75,15 +86,19 @@ def backend_name(request) -> str:
 @pytest.fixture
 def backend(backend_name):
     """The Backend instance under test."""
-    return me.get_backend(_functional.INNER if backend_name == _functional.NAME else backend_name)
+    return me.get_backend(inner(backend_name))
 
 
 @pytest.fixture(autouse=True)
 def _functional_front_end(request, monkeypatch):
-    """On ``jax-functional``, ``me.TPUEmbedding`` steps through jitted me.jax (functional_jax.py)."""
+    """On ``jax-functional``, ``me.TPUEmbedding`` steps through jitted me.jax (functional_jax.py); on
+    ``torch-module`` / ``torch-module-compiled`` through me.torch.EmbeddingCollection (functional_torch.py)."""
     callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("backend_name") == _functional.NAME:
+    name = callspec.params.get("backend_name") if callspec is not None else None
+    if name == _functional.NAME:
         monkeypatch.setattr(me, "TPUEmbedding", _functional.FunctionalEngine)
+    elif name in _module.NAMES:
+        monkeypatch.setattr(me, "TPUEmbedding", _module.engine_class(name))
 
 
 @pytest.fixture
@@ -134,6 +149,8 @@ def pytest_collection_modifyitems(config, items):
         name = callspec.params.get("backend_name") if callspec else None
         if name == _functional.NAME and not _functional.covers(item.nodeid):
             item.add_marker(pytest.mark.skip(reason=_functional.SKIP_REASON))
+        if name in _module.NAMES and not _module.covers(item.nodeid, name):
+            item.add_marker(pytest.mark.skip(reason=_module.skip_reason(item.nodeid)))
         for pattern, reason in manifest.get(name or "", {}).items():
             if pattern in item.nodeid:
                 item.add_marker(pytest.mark.xfail(reason=f"[{name}] {reason}", strict=True))
