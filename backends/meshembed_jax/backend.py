@@ -253,6 +253,10 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
     def bitcast(self, x: Any, dtype: Any) -> Any:
         return self._jax.lax.bitcast_convert_type(self.asarray(x), np.dtype(dtype))
 
+    def from_real_view(self, x: Any) -> Any:
+        """``lax.complex`` of the two parts (exact; traceable, keeps the sharding)."""
+        return self._jax.lax.complex(x[..., 0], x[..., 1])
+
     def compile(self, fn: Callable, **options: Any) -> Callable:
         """``jax.jit``; options such as ``donate_argnums``/``static_argnames`` pass through."""
         return self._jax.jit(fn, **options)

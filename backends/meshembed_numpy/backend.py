@@ -44,6 +44,18 @@ class NumpyBackend(NumpyDenseMixin, Backend):
     def bitcast(self, x: Any, dtype: Any) -> np.ndarray:
         return np.ascontiguousarray(x).view(np.dtype(dtype))
 
+    def real_view_aliases(self, x: Any) -> bool:
+        return isinstance(x, np.ndarray) and x.flags.c_contiguous
+
+    def real_view(self, x: Any) -> np.ndarray:
+        """A view of ``x``'s storage (``x`` C-contiguous; otherwise of a contiguous copy)."""
+        x = np.ascontiguousarray(x)
+        return x[..., None].view(np.float32 if x.dtype == np.complex64 else np.float64)
+
+    def from_real_view(self, x: Any) -> np.ndarray:
+        x = np.ascontiguousarray(x)
+        return x.view(np.complex64 if x.dtype == np.float32 else np.complex128)[..., 0]
+
     def create_table(self, values: np.ndarray, placement: Placement) -> NumpyShardedTable:
         return NumpyShardedTable(shard(np.asarray(values), placement), placement)  # fresh arrays
 

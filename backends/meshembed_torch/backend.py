@@ -193,6 +193,16 @@ class TorchBackend(TorchDenseMixin, Backend):
     def bitcast(self, x: Any, dtype: Any) -> Any:
         return self.asarray(x).contiguous().view(self.torch_dtype(dtype))
 
+    def real_view_aliases(self, x: Any) -> bool:
+        return isinstance(x, self._torch.Tensor)  # view_as_real is a view at any strides
+
+    def real_view(self, x: Any) -> Any:
+        """``torch.view_as_real``: a view of ``x``'s storage."""
+        return self._torch.view_as_real(x)
+
+    def from_real_view(self, x: Any) -> Any:
+        return self._torch.view_as_complex(x.contiguous())
+
     # -- sharded row tables ----------------------------------------------------------------
     def _rank_group(self) -> Any:
         """The RankGroup of the current process group, or None in a single process."""

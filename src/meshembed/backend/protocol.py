@@ -154,6 +154,28 @@ class Backend(abc.ABC):
         host = np.ascontiguousarray(self.to_numpy(x))
         return self.asarray(host.view(np.dtype(dtype)))
 
+    def real_view(self, x: Array) -> Array:
+        """A complex array as its real view ``[..., 2]`` (real part, imaginary part; the
+        layout of ``torch.view_as_real``): how the dense optimizer runs a complex variable
+        through its real rule (torch.optim's semantics). Default: the standard's
+        ``stack(real(x), imag(x))``, a copy; NumPy and torch return a view of the storage
+        (:meth:`real_view_aliases`)."""
+        xp = self.xp
+        return xp.stack([xp.real(x), xp.imag(x)], axis=-1)
+
+    def from_real_view(self, x: Array) -> Array:
+        """Inverse of :meth:`real_view`, bit for bit: float32 ``[..., 2]`` -> complex64,
+        float64 -> complex128. The Array API standard cannot build a complex array from two
+        real ones exactly (``re + 1j·im`` makes the real part NaN where ``im`` is Inf, and
+        drops signs of zeros), so this default goes through a NumPy copy."""
+        host = np.ascontiguousarray(self.to_numpy(x))
+        return self.asarray(host.view(np.complex64 if host.dtype == np.float32 else np.complex128)[..., 0])
+
+    def real_view_aliases(self, x: Array) -> bool:
+        """Whether :meth:`real_view` of the complex array ``x`` is a view of its storage
+        (writes into it change ``x``), so an in-place dense step may run on it. Default: no."""
+        return False
+
     def is_traced(self, x: Any) -> bool:
         """Whether ``x`` is an abstract value of a trace (a JAX tracer inside ``jax.jit``):
         the stateful engine refuses it rather than storing it. Eager backends: never."""

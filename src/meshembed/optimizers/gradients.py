@@ -61,9 +61,9 @@ class GradientsMixin:
 
     @staticmethod
     def _as_native(value: Any, variable: Variable) -> Any:
-        """A backend array of the variable's dtype from an integer or real floating gradient;
-        string, object, bool and complex gradients are refused (never parsed, truncated or
-        cast silently)."""
+        """A backend array of the variable's dtype from an integer or real floating gradient
+        (or a complex one, for a complex variable); string, object and bool gradients, and
+        complex ones for a real variable, are refused (never parsed, truncated or cast silently)."""
         backend = variable.backend
         native = backend.is_native(value)
         if native:
@@ -79,12 +79,14 @@ class GradientsMixin:
             else:
                 kind = arr.dtype.kind if arr.dtype.kind in "fiuc" else str(arr.dtype)
                 kind = "f" if "float" in str(arr.dtype) else ("i" if kind == "u" else kind)
-        if kind not in ("f", "i"):
+        if kind not in ("f", "i", "c") or (kind == "c" and "complex" not in variable.dtype):
             what = {"c": "complex"}.get(kind, kind)
             raise InputError(
                 f"Invalid gradient for {variable.name!r}. Expected an integer or real floating array "
-                f"(cast to {variable.dtype}). Received: {what} values. Fix: pass the gradient as a float array"
-                + (" (the real part, or a real view of both parts)." if kind == "c" else ".")
+                f"(cast to {variable.dtype}; complex for a complex variable). Received: {what} values. Fix: pass "
+                "the gradient as a float array"
+                + (" (the real part, or a real view of both parts), or make the variable complex." if kind == "c"
+                   else ".")
             )
         try:
             if native:
@@ -110,7 +112,8 @@ class GradientsMixin:
         xp = backend.xp
         n = variable.shape[0]
         dense = backend.segment_sum_to(grad.values, grad.indices, n)
-        touched = backend.segment_sum_to(xp.ones_like(grad.values), grad.indices, n) > 0
+        ones = xp.ones_like(xp.real(grad.values) if xp.isdtype(grad.values.dtype, "complex floating") else grad.values)
+        touched = backend.segment_sum_to(ones, grad.indices, n) > 0  # (a complex sum has no order)
         if variable.layout is not None:
             dense, touched = backend.place(dense, variable.layout), backend.place(touched, variable.layout)
         return dense, touched

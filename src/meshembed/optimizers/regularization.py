@@ -13,6 +13,7 @@ from meshembed.errors import ConfigError, InputError, StateError
 from meshembed.math.common import decay_weights
 from meshembed.optimizers.gradients import _all_finite
 from meshembed.optimizers.options import clip, ema, sum_squares
+from meshembed.optimizers.step import real_dtype
 from meshembed.variable import IndexedSlices, Variable
 
 __all__ = ["RegularizationMixin"]
@@ -57,6 +58,12 @@ class RegularizationMixin:
         option = self.gradients_clip_option
         xp = self._xp
         values = [g.values if isinstance(g, IndexedSlices) else g for g in grads]
+        # A complex gradient is clipped as its real view (torch's clip_grad_norm_: the norm over
+        # real and imaginary parts; clipvalue clamps each part), then made complex again.
+        given = values
+        complex_ = [option.active and real_dtype(v.dtype) != v.dtype for v in variables]
+        if any(complex_):
+            values = [v.backend.real_view(x) if c else x for x, v, c in zip(values, variables, complex_)]
         sums = [sum_squares(xp, x) for x in values] if option.uses_norm else None
         in_rule = [option.active and not option.uses_norm and id(v) in self._folded for v in variables]
         if any(in_rule):
@@ -80,6 +87,9 @@ class RegularizationMixin:
                     f"Invalid gradients for {bad}: NaN or Inf after clipping{why}. Nothing was updated. "
                     "Fix: check the loss, lower the loss scale, or pass `allow_nonfinite=True` to apply them anyway."
                 )
+        if any(complex_):  # unclipped (clipvalue left to the rule): the given array itself
+            clipped = [x if c is r else v.backend.from_real_view(c) if k else c
+                       for c, r, x, v, k in zip(clipped, values, given, variables, complex_)]
         return [IndexedSlices(c, g.indices, g.dense_shape) if isinstance(g, IndexedSlices) else c
                 for g, c in zip(grads, clipped)]
 

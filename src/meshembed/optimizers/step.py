@@ -18,7 +18,21 @@ from meshembed.optimizers.config import _required_positional
 from meshembed.optimizers.gradients import _map_values
 from meshembed.variable import IndexedSlices, Variable
 
-__all__ = ["StepMixin", "check_in_dtype"]
+__all__ = ["StepMixin", "check_in_dtype", "real_dtype"]
+
+
+def real_dtype(name: str) -> str:
+    """The dtype a variable of dtype ``name`` is optimised in: itself for a real one, the
+    dtype of its parts for a complex one (``"complex64"`` -> ``"float32"``, ``"complex128"`` ->
+    ``"float64"``, a namespace prefix kept). A complex variable is optimised as
+    ``torch.optim`` optimises a complex parameter: as its real view ``[..., 2]``, real and
+    imaginary parts two independent reals (``Backend.real_view``); its slots stay complex
+    (``accumulated_grad`` holds ``E[re(g)²] + i·E[im(g)²]``, as torch's ``square_avg``)."""
+    if name.endswith("complex64"):
+        return name[: -len("complex64")] + "float32"
+    if name.endswith("complex128"):
+        return name[: -len("complex128")] + "float64"
+    return name
 
 
 def check_in_dtype(scalars: dict[str, Any], variable: str, dtype: Any) -> None:
@@ -65,13 +79,14 @@ class StepMixin:
         clip = self.gradients_clip_option
         clipvalue = clip.clipvalue if folded and not clip.uses_norm else None
         decay = self.weight_decay if folded and self.weight_decay and self._uses_weight_decay(variable) else 0.0
-        key = (variable.dtype, clipvalue, decay)
+        dtype = real_dtype(variable.dtype)  # a complex variable's rule runs on its real view
+        key = (dtype, clipvalue, decay)
         rule = self._rules.get(key)
         if rule is None:
             rule = build_rule(
                 self._algorithm, self._static_hyperparameters(), tuple(self._dynamic_hyperparameters()),
                 gradient_clip=None if clipvalue is None else (-clipvalue, clipvalue), weight_decay=float(decay or 0.0),
-                multiply_weight_decay_by_lr=True, lazy=False, dtype=variable.dtype,
+                multiply_weight_decay_by_lr=True, lazy=False, dtype=dtype,
             )
             self._rules[key] = rule
         return rule
@@ -145,6 +160,9 @@ class StepMixin:
         dynamic = self._dynamic_hyperparameters()
         values = (self.learning_rate, *(dynamic[k] for k in sorted(dynamic)))  # the rule's `dynamic` order
         rule = self._rule(variable, touched is None and id(variable) in self._folded)
+        if real_dtype(variable.dtype) != variable.dtype:
+            self._apply_complex_step(rule, values, targets, grad, touched)
+            return
         if touched is None and self._can_update_in_place(targets):
             update = _InPlace(backend, rule, grad, values, tuple(t.value for t in targets), tuple(targets))
             if self._pending is None:  # update_step called on its own: apply now
@@ -158,6 +176,33 @@ class StepMixin:
         new = step(grad, values if plain else backend.step_values(values, current[0]), *current)
         for t, value in zip(targets, new):
             self._write(t, value, touched)
+
+    def _apply_complex_step(self, rule: UpdateRule, values: tuple, targets: Sequence[Variable], grad: Any,
+                            touched: Any) -> None:
+        """:meth:`_apply_step` of a complex variable: ``rule`` (built for the real dtype) over
+        the real views ``[..., 2]`` of the gradient, the variable and its slots, as torch.optim
+        runs a complex parameter. Where the backend's real view aliases the storage (NumPy,
+        torch: :meth:`Backend.real_view_aliases`) a dense step runs in place on the views, the
+        fast path of a real variable of that shape; elsewhere (JAX, Array API namespaces, a
+        sparse step) the pure step runs on the views and the results are made complex again."""
+        backend = targets[0].backend
+        if touched is None and self._can_update_in_place(targets) and all(
+                backend.real_view_aliases(t.value) for t in targets):
+            # the gradient's view is copied: it may be (a view of) an array this step overwrites
+            real_grad = backend.xp.asarray(backend.real_view(grad), copy=True)
+            views = tuple(backend.real_view(t.value) for t in targets)
+            update = _InPlace(backend, rule, real_grad, values, views, tuple(targets))
+            if self._pending is None:  # update_step called on its own: apply now
+                self._run_in_place([update])
+            else:
+                self._deferred.append(update)
+            return
+        current = [backend.real_view(self._read(t)) for t in targets]
+        plain = self._traced or backend.sharding_of(current[0]) is not None
+        step = self._compiled(backend, rule)
+        new = step(backend.real_view(grad), values if plain else backend.step_values(values, current[0]), *current)
+        for t, value in zip(targets, new):
+            self._write(t, backend.from_real_view(value), touched)
 
     # -- steps ----------------------------------------------------------------------------
     def update_step(self, grad: Any, variable: Variable) -> None:

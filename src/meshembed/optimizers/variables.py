@@ -173,16 +173,15 @@ class VariablesMixin:
 
     @staticmethod
     def _check_trainable(v: Variable) -> None:
-        """Only real floating variables: an integer one would truncate every update, and a
-        complex one has no Adadelta of its own (torch.optim runs it on the real view)."""
+        """Floating variables: real, or complex64/complex128 (optimised as torch.optim does, on
+        their real view: :func:`~meshembed.optimizers.step.real_dtype`). An integer one
+        would truncate every update."""
         name = v.dtype
-        kind = "f" if "float" in name else "c" if "complex" in name else "i"
-        if kind != "f":
-            fix = ("optimize torch.view_as_real / the real and imaginary parts as float variables"
-                   if kind == "c" else "create it with a float dtype (e.g. dtype='float32')")
+        if "float" not in name and not name.endswith(("complex64", "complex128")):
             raise InputError(
-                f"Invalid variable {v.name!r}. Expected a real floating dtype (float16/bfloat16/float32/float64). "
-                f"Received: dtype={v.dtype}. Fix: {fix}."
+                f"Invalid variable {v.name!r}. Expected a floating dtype (float16/bfloat16/float32/float64, "
+                f"or complex64/complex128). Received: dtype={v.dtype}. Fix: create it with a float dtype "
+                "(e.g. dtype='float32')."
             )
 
     def _check_var_list(self, var_list: Any, what: str) -> list[Variable]:
