@@ -71,3 +71,56 @@ def test_the_switch_is_the_backends():
     off = TorchBackend(device="cpu", fused=False)
     assert not off.capabilities.generated_kernels and off.in_place_group(RULES[0]) != 64
     assert TorchBackend(device="cpu").capabilities.generated_kernels
+
+
+@pytest.mark.parametrize("name", ["stochastic_gradient_descent-base-none-float32", "adagrad-base-none-float32",
+                                  "adam-base-none-float64"])
+@pytest.mark.parametrize("form", ["rows", "index", "weighted"])
+@pytest.mark.parametrize("dim", [16, 13])
+def test_threads_split_the_rows_bit_for_bit(name, form, dim):
+    """Enough unique rows (> 256 a thread) for the driver to split them between 1, 2 and 3
+    threads — each thread sums and updates its own rows (the pooled step's one pass), or with
+    the check and one gradient row per id sums first, then updates — equal to NumPy bit for
+    bit, with and without the NaN/Inf check; a NaN then writes nothing, whatever the split."""
+    from conformance.kernel_cases import LIBM_NUMPY, mixture, values_for
+    from meshembed.math.rule import apply_rule
+
+    rule = RULES[IDS.index(name)]
+    rng = np.random.default_rng(dim)
+    vocab, n, dtype = 4000, 6000, rule.dtype
+    ids = (rng.zipf(1.2, size=n) - 1) % vocab
+    tables = [mixture(rng, (vocab, dim), dtype)] + [mixture(rng, (vocab, dim), dtype, signed=False)
+                                                     for _ in rule.slot_names]
+    if form == "rows":
+        grads, index, weights = rng.standard_normal((n, dim)).astype(dtype), None, None
+    else:
+        grads, index = rng.standard_normal((700, dim)).astype(dtype), rng.integers(0, 700, size=n)
+        weights = rng.uniform(0.1, 2.0, size=n).astype(dtype) if form == "weighted" else None
+    values = values_for(rule)
+    rows = grads if index is None else grads[index] * (1.0 if weights is None else weights.reshape(-1, 1))
+    uids, g = me.get_backend("numpy").segment_sum(ids, rows.astype(dtype))
+    assert uids.size > 3 * 256
+    with np.errstate(all="ignore"):
+        new = apply_rule(LIBM_NUMPY, rule, values, g, *(t[uids] for t in tables))
+    want = [t.copy() for t in tables]
+    for w, r in zip(want, new):
+        w[uids] = r
+    t_grads = torch.from_numpy(grads)
+    t_index = None if index is None else torch.from_numpy(index)
+    t_weights = None if weights is None else torch.from_numpy(weights)
+    kernel = fused_cpu.kernel_for(rule, values, [torch.from_numpy(t) for t in tables], t_grads, n, t_index, t_weights)
+    assert kernel is not None
+    for threads in (1, 2, 3):
+        for check in (False, True):
+            datas = [torch.from_numpy(t.copy()) for t in tables]
+            fused_cpu.update(kernel, torch.from_numpy(ids), t_grads, t_index, t_weights, datas, threads, check)
+            for k, (d, w) in enumerate(zip(datas, want)):
+                assert np.array_equal(d.numpy(), w, equal_nan=True), (threads, check, k)
+        bad = grads.copy()
+        bad[grads.shape[0] // 2, dim // 2] = np.nan
+        datas = [torch.from_numpy(t.copy()) for t in tables]
+        with pytest.raises(me.errors.NonFiniteError):
+            fused_cpu.update(kernel, torch.from_numpy(ids), torch.from_numpy(bad), t_index, t_weights, datas, threads,
+                             True)
+        for d, t in zip(datas, tables):
+            assert np.array_equal(d.numpy(), t, equal_nan=True)

@@ -83,11 +83,50 @@ void update_range(const Problem<T>& p, int64_t lo, int64_t hi) {
   }
 }
 
+// Sums and updates of unique rows [lo, hi) in one pass (the pooled W1 step's path): row u's
+// contributions order[start[u], start[u + 1]) (batch order) summed in registers (LocalRow),
+// then the row kernel on that sum, the rows of the next rows and contributions prefetched.
+// No [unique, dim] buffer of sums is written and read back, and each thread walks only its
+// own contributions (no scan of all n). Same additions in the same order as sum_range.
+template <class T>
+void sum_update_range(const Problem<T>& p, const int32_t* order, const int64_t* start, int64_t lo, int64_t hi) {
+  T* rows[kMaxArrays];
+  int64_t width[kMaxArrays];
+  for (int k = 0; k < p.n_arrays; ++k) width[k] = (p.row_mask >> k) & 1 ? 1 : p.dim;
+  auto src = [&](int64_t i) { return p.grads + (p.grad_index ? p.grad_index[i] : i) * p.dim; };
+  const int64_t row_bytes = p.dim * int64_t(sizeof(T)), end = start[hi];
+  meshembed::WithWidth(p.dim, [&](auto w) {
+    constexpr int D = decltype(w)::value;
+    meshembed::LocalRow<D, T> acc(p.dim);
+    thread_local std::vector<T> g;
+    g.resize(p.dim);
+    for (int64_t u = lo; u < hi; ++u) {
+      if (p.row_mask == 0) {
+        meshembed::PrefetchUpdateRows(p.arrays, p.n_arrays, p.uniq, u, hi, p.dim);
+      } else {
+        for (int k = 0; k < p.n_arrays; ++k) meshembed::PrefetchUpdateRows(p.arrays + k, 1, p.uniq, u, hi, width[k]);
+      }
+      acc.Zero();
+      for (int64_t c = start[u]; c < start[u + 1]; ++c) {
+        meshembed::PrefetchAhead(c, end, row_bytes, false,
+                                 [&](int64_t q) -> const void* { return src(order[q]); });
+        const int64_t i = order[c];
+        if (p.weights) acc.template Add<true>(src(i), p.weights[i]);
+        else acc.template Add<false>(src(i), T(1));
+      }
+      acc.Store(g.data());
+      for (int k = 0; k < p.n_arrays; ++k) rows[k] = p.arrays[k] + p.uniq[u] * width[k];
+      p.kernel(rows, g.data(), p.dim, p.hp);
+    }
+  });
+}
+
 // Returns the number of unique rows updated, or (before writing anything) -1 if a row is
 // outside [0, num_rows), -2 if a gradient index is outside [0, grad_rows), -3 if n_arrays is
 // outside [1, kMaxArrays], -4 if `check` and an element of grads is NaN or Inf — any of its
 // grad_rows rows, whether a contribution reads it or not (the engine's NaN/Inf policy, checked
-// here in the sum phase, which ends before the first write, instead of in a pass of its own).
+// before the first write: with grad_index in a pass over grads of its own, split between the
+// threads; without, in the sum phase, which then ends before the updates).
 // Without grad_index, grad_rows must equal n. row_mask: bit k set = array k holds one value per
 // row (a row-wise rule's slot, RowKernel.widths); never the table (bit 0).
 template <class T>
@@ -105,29 +144,75 @@ int64_t fused_update(void* kernel, const double* hp, int n_arrays, T* const* arr
   uniq.resize(n);
   rank.resize(n);
   const int64_t unique = meshembed::DedupBitmap(rows, n, num_rows, n, uniq.data(), rank.data());
+  // start[u + 1] - start[u]: contributions of row u, counted in the pass that checks the input
+  thread_local std::vector<int64_t> start;
+  start.assign(unique + 1, 0);
   for (int64_t i = 0; i < n; ++i) {
     if (rank[i] < 0) return -1;
     if (grad_index && (grad_index[i] < 0 || grad_index[i] >= grad_rows)) return -2;
+    ++start[rank[i] + 1];
   }
-  sums.resize(unique * dim);
+  for (int64_t u = 0; u < unique; ++u) start[u + 1] += start[u];
 
   Problem<T> p{reinterpret_cast<RowKernel<T>>(kernel), hp, n_arrays, arrays, dim, row_mask, grads, n, rank.data(),
-               grad_index, weights, uniq.data(), sums.data(), check != 0};
+               grad_index, weights, uniq.data(), nullptr, check != 0};
+  const int t_count = int(std::max<int64_t>(1, std::min<int64_t>(threads, unique / 256)));
+  if (!check || grad_index) {
+    // One pass: the contributions grouped by row (a stable counting sort: batch order kept
+    // within a row), then each thread sums and updates a range of rows, the ranges of about
+    // equal cost (a contribution, or a row's update: the update costs about two
+    // contributions' sums).
+    thread_local std::vector<int32_t> order;
+    thread_local std::vector<int64_t> next;
+    order.resize(n);
+    next.assign(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < n; ++i) order[next[rank[i]]++] = int32_t(i);
+    std::vector<int64_t> cut(t_count + 1, unique);
+    cut[0] = 0;
+    for (int t = 1; t < t_count; ++t) {
+      const int64_t goal = (n + 2 * unique) * t / t_count;
+      int64_t a = 0, b = unique;  // the first row u with start[u] + 2u >= goal
+      while (a < b) {
+        const int64_t m = (a + b) / 2;
+        if (start[m] + 2 * m < goal) a = m + 1;
+        else b = m;
+      }
+      cut[t] = a;
+    }
+    std::vector<char> finite(t_count, 1);
+    // the scratch is thread_local: its addresses taken here, on the calling thread
+    const int32_t* order_of = order.data();
+    const int64_t* start_of = start.data();
+#pragma omp parallel num_threads(t_count)
+    {
+      if (check) {
+#pragma omp for schedule(static, 1)
+        for (int t = 0; t < t_count; ++t)
+          finite[t] = meshembed::RowsFinite(grads, grad_rows * t / t_count, grad_rows * (t + 1) / t_count, dim);
+      }
+      const bool ok = std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; });
+#pragma omp for schedule(static, 1)
+      for (int t = 0; t < t_count; ++t)
+        if (ok) sum_update_range(p, order_of, start_of, cut[t], cut[t + 1]);
+    }
+    return std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; }) ? unique : -4;
+  }
+
+  // Checked without grad_index (a per-id gradient, every row read once): the sums first, each
+  // gradient element checked as it is added (no pass of its own), then the updates.
+  sums.resize(unique * dim);
+  p.sums = sums.data();
   // Sums: the unique rows split into ranges of about equal contribution counts;
   // updates: ranges of equal row counts.
-  const int t_count = int(std::max<int64_t>(1, std::min<int64_t>(threads, unique / 256)));
-  const std::vector<int64_t> cut = meshembed::BalancedCuts(rank.data(), n, unique, t_count);
-  // finite[t]: thread t's share of the check; with grad_index (rows may be read many times,
-  // or never) each thread also scans a range of grads' rows in a pass of its own
+  std::vector<int64_t> cut(t_count + 1, unique);
+  cut[0] = 0;
+  for (int t = 1; t < t_count; ++t)
+    cut[t] = std::lower_bound(start.begin(), start.end() - 1, n * t / t_count) - start.begin();
   std::vector<char> finite(t_count, 1);
 #pragma omp parallel num_threads(t_count)
   {
 #pragma omp for schedule(static, 1)
-    for (int t = 0; t < t_count; ++t) {
-      finite[t] = sum_range(p, cut[t], cut[t + 1]);
-      if (check && grad_index)
-        finite[t] &= meshembed::RowsFinite(grads, grad_rows * t / t_count, grad_rows * (t + 1) / t_count, dim);
-    }
+    for (int t = 0; t < t_count; ++t) finite[t] = sum_range(p, cut[t], cut[t + 1]);
     // the barrier closing the loop above publishes every finite[t]: all threads agree
     const bool ok = std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; });
 #pragma omp for schedule(static, 1)
