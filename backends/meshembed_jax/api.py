@@ -38,9 +38,10 @@ from meshembed.embedding.layout import Layout, build_layout, load_config
 from meshembed.embedding.step import EngineState as _EngineState
 from meshembed.embedding.updates import rule_values, update_kind
 from meshembed.errors import CapacityError, ConfigError, InputError, StateError
-from meshembed.math.rule import UpdateRule
+from meshembed.math import rounding
+from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.sharding.placement import Placement
-from meshembed_jax import cpu_kernels, kernels
+from meshembed_jax import cpu_kernels, exact, kernels
 from meshembed_jax.adadelta import AdadeltaState, adadelta  # noqa: F401 (me.jax.adadelta)
 from meshembed_jax.backend import JaxBackend, bucket, traced_rule_errors
 from meshembed_jax.layout import AXIS, ShardLayout
@@ -68,6 +69,10 @@ class _Static:
         self.names = {t.index: ("parameters",) + tuple(t.optimizer.slot_names) for t in layout.tables}
         #: per table: every array's dtype and padded [shards, rows per shard, dimension] shape
         self.dtypes = {k: np.dtype(v) for k, v in dtypes.items()}
+        #: per table: each array's dtype by name (16-bit arrays of a low-precision table: int16
+        #: patterns; its float32 slots: float32; any other table: every array in the table's dtype)
+        self.array_dtypes = {t.index: dict(zip(self.names[t.index], _storage_dtypes(t, self.dtypes[t.index])))
+                             for t in layout.tables}
         self.shapes = {t.index: (shard_layouts[t.index].num_shards, shard_layouts[t.index].max_rows, t.dimension)
                        for t in layout.tables}
         #: what a Batch for this config carries (prepare's _FeatureStatic tail)
@@ -106,6 +111,15 @@ class _Static:
         return next(iter(self.shard_layouts.values())).replicated if self.shard_layouts else None
 
 
+def _storage_dtypes(t: Any, table_dtype: Any) -> tuple:
+    """Table ``t``'s ``(parameters, *slots)`` array dtypes: a low-precision table's 16-bit
+    arrays as their int16 patterns, its other arrays float32 (``embedding.precision``)."""
+    n = 1 + len(tuple(t.optimizer.slot_names))
+    if not precision.is_low(t):
+        return (np.dtype(table_dtype),) * n
+    return tuple(precision.STORAGE.get(d, np.dtype(np.float32)) for d in precision.array_dtypes(t))
+
+
 def _feature_key(layout: Layout, f: Any) -> tuple:
     t = layout.tables[f.table]
     return (f.name, t.name, t.vocabulary_size, t.dimension, t.combiner, tuple(f.output_shape))
@@ -117,7 +131,8 @@ def _step_signature(layout: Layout, rules: Mapping[int, UpdateRule]) -> tuple:
     probe = [0.0] * layout.num_dynamic_inputs
     return (layout.strategy, layout.mode, layout.num_dynamic_inputs, layout.per_table_layout, layout.keys,
             tuple(_feature_key(layout, f) for f in layout.features),
-            tuple((t.name, rules[t.index], tuple(rule_values(t, rules[t.index], probe))) for t in layout.tables))
+            tuple((t.name, rules[t.index], tuple(rule_values(t, rules[t.index], probe)), t.precision)
+                  for t in layout.tables))
 
 
 def _mesh_of(backend: JaxBackend) -> Any:
@@ -139,6 +154,12 @@ def _config_from(desc: dict) -> Any:
     from meshembed.config import EmbeddingConfig
 
     config = EmbeddingConfig.from_proto(base64.b64decode(desc["config"]), combiners=desc["combiners"])
+    precisions = desc.get("precision") or {}  # the proto's extension (docs/low_precision.md), as checkpoints carry it
+    if precisions:
+        from meshembed.config.precision import Precision
+
+        config = config.replace(tables=tuple(t.replace(precision=Precision.from_json(precisions[t.name]))
+                                             if t.name in precisions else t for t in config.tables))
     if desc["feature_keys"]:
         object.__setattr__(config, "feature_keys", tuple(desc["feature_keys"]))
     return config
@@ -170,6 +191,9 @@ def _describe(st: _Static) -> bytes:
             "config": base64.b64encode(config.to_proto()).decode("ascii"), "feature_keys": keys,
             "combiners": {t.name: t.combiner for t in st.layout.tables},
             "num_shards": st.num_shards, "mesh": _mesh_of(st.backend), "tables": tables}
+    precisions = {t.name: t.precision.to_json() for t in st.layout.tables if t.precision is not None}
+    if precisions:  # only where there is one: the bytes of other states are unchanged
+        desc["precision"] = precisions
     layout = build_layout(_config_from(desc))
     if _step_signature(layout, steps.make_rules(st.backend, layout)) != _step_signature(st.layout, st.rules):
         raise InputError("Cannot serialize this me.jax EmbeddingState's static part: its config holds something "
@@ -243,8 +267,11 @@ class EmbeddingState:
         t = st.layout.table(table)
         _refuse_traced(self.tables[t.name], "EmbeddingState.parameters")
         sl = st.shard_layouts[t.index]
-        return {k: st.backend.unshard(JaxShardedTable(self.tables[t.name][k], sl, slot_width(t.optimizer, k, t.dimension)))
-                for k in st.names[t.index]}
+        out = {}
+        for k, d in zip(st.names[t.index], precision.array_dtypes(t)):
+            v = st.backend.unshard(JaxShardedTable(self.tables[t.name][k], sl, slot_width(t.optimizer, k, t.dimension)))
+            out[k] = v if d == "float32" else precision.from_storage(v, d)  # 16-bit: the exact float32 values
+        return out
 
     def __repr__(self) -> str:
         return f"EmbeddingState(tables={list(self.tables)}, step={self.step})"
@@ -444,13 +471,6 @@ def from_engine(emb: TPUEmbedding) -> EmbeddingState:
     must not step afterwards if the state is donated)."""
     if not isinstance(emb.backend, JaxBackend):
         raise ConfigError(f"Invalid engine: me.jax needs backend='jax'. Received: backend={emb.backend.name!r}")
-    low = [t.name for t in emb.layout.tables if precision.is_low(t)]
-    if low:  # me.jax's traced kernels read and write float32 rows
-        raise ConfigError(
-            f"Invalid config for me.jax: tables {low} store 16-bit arrays (TableConfig(precision=...)), which "
-            "me.jax's traced step does not run yet. Nothing was changed. Fix: use the engine "
-            "(me.TPUEmbedding(config, backend='jax')), me.tpu or me.torch for low-precision tables, or store "
-            "them in float32 for me.jax (docs/low_precision.md).")
     from meshembed_jax import dynamic as jdyn
 
     vocab_static = jdyn.statics(emb)  # refuses the policies me.jax cannot run exactly
@@ -567,8 +587,8 @@ def _check_state(state: Any) -> _Static:
         if not isinstance(slots, Mapping) or set(slots) != set(want):
             got = sorted(map(str, slots)) if isinstance(slots, Mapping) else type(slots).__name__
             raise InputError(f"Invalid `state`: table {t.name!r} needs the arrays {list(want)}. Received: {got}")
-        dtype = st.dtypes[t.index]
         for n in want:
+            dtype = st.array_dtypes[t.index][n]
             a = slots[n]
             shape = st.shapes[t.index][:2] + (slot_width(t.optimizer, n, t.dimension),)  # row-wise slots: 1 column
             got_shape, got_dtype = tuple(getattr(a, "shape", ())), getattr(a, "dtype", None)
@@ -862,6 +882,11 @@ def _lookup(st: _Static, features: tuple, params: tuple, ids: tuple, slots: tupl
         fs = features[k]
         nb, sb = fs.capacity, bucket(fs.num_slots)
         quant = getattr(t.optimizer, "simulated_quantization", None)
+        if precision.is_low(t):  # 16-bit rows, widened and combined in float32 (the engine's branch)
+            act = _low_lookup(be, sl, t, fs, table, jnp.asarray(ids[k]), jnp.asarray(slots[k]),
+                              jnp.asarray(scales[k]), quant)
+            out.append(act.reshape(f.output_shape + (dim,)))
+            continue
         if quant is not None and getattr(quant, "enabled", True):
             from meshembed.math import quantize
 
@@ -876,6 +901,101 @@ def _lookup(st: _Static, features: tuple, params: tuple, ids: tuple, slots: tupl
             w = jnp.asarray(scales[k], table.dtype) if fs.weighted else jnp.zeros(1, table.dtype)
             act = fn(table, jnp.asarray(ids[k]), jnp.asarray(slots[k]), w)[: fs.num_slots]
         out.append(act.reshape(f.output_shape + (dim,)))
+    return tuple(out)
+
+
+# -- low-precision tables (docs/low_precision.md) ---------------------------------------------
+# The engine's branch for 16-bit tables (``embedding/precision.py``: lookup_rows, update_table)
+# as one traced program: the same integer and float functions of ``meshembed.math.rounding`` /
+# ``meshembed.math.rule``, called with the backend's jnp namespace; what the engine computes on
+# the host from concrete ids (the sorted unique ids, the counters of the random bits) comes
+# from the traced ids here, bounded by the batch's unique capacity.
+def _low_lookup(be: JaxBackend, sl: ShardLayout, t: Any, fs: _FeatureStatic, table: Any, ids: Any, slots: Any,
+                scale: Any, quant: Any) -> Any:
+    """One feature's float32 activation from a low-precision table, as ``step._low_precision_lookup``:
+    the stored rows widened exactly, simulated quantization, then ``scale · rows`` summed per
+    slot — or, for a batch whose every slot holds exactly one id (the engine's ``identity``),
+    the rows themselves (a sum into zeros would turn a stored -0.0 into +0.0)."""
+    dim, n, s = t.dimension, fs.capacity, fs.num_slots
+    gather = be._kernel(("lookup", sl, dim), lambda: kernels.make_lookup(sl, dim))
+    rows = precision.widen(be, gather(table, ids), precision.array_dtypes(t)[0])
+    if quant is not None and getattr(quant, "enabled", True):
+        from meshembed.math import quantize
+
+        lo = -np.inf if quant.lower is None else quant.lower
+        hi = np.inf if quant.upper is None else quant.upper
+        rows = quantize(be.xp, rows, lo, hi, quant.num_buckets)
+    weighted = rows * scale[:, None]  # padding: a zero row times a zero scale, in a dropped slot
+    act = be.segment_sum_to(weighted, slots, s)
+    if n < s:  # fewer positions than slots: never one id per slot
+        return act
+    ident = jnp.all(slots[:s] == jnp.arange(s, dtype=slots.dtype))
+    if n > s:  # the first position after them is padding (an out-of-range slot), not an id
+        ident = ident & (slots[s] >= s)
+    return jnp.where(ident, weighted[:s], act)
+
+
+def _low_counters(uniq: Any, step: Any, dim: int) -> tuple:
+    """``rounding.counters`` from traced ids and step: ``(column group, row mod 2**32,
+    row // 2**32, step mod 2**32)`` as ``[n, ceil(dim / 4)]`` int32 limb pairs (the layout of
+    ``rounding.random_words``). Behind an optimization barrier, as the engine's host-made
+    arrays are inputs of its compiled words program (XLA:CPU ran 10 rounds fed by broadcasts
+    over 1000× slower)."""
+    groups = -(-int(dim) // 4)
+    shape = (int(uniq.shape[0]), groups)
+    u = uniq.reshape(-1, 1)
+
+    def limbs(x: Any) -> tuple:
+        return (jnp.broadcast_to((x & 0xFFFF).astype(jnp.int32), shape),
+                jnp.broadcast_to(((x >> 16) & 0xFFFF).astype(jnp.int32), shape))
+
+    high = (u >> 32) if u.dtype.itemsize == 8 else jnp.zeros_like(u)  # int32 ids (no x64): below 2**31
+    col = jnp.broadcast_to(jnp.arange(groups, dtype=jnp.int32), shape)
+    ctr = ((col, jnp.zeros(shape, jnp.int32)), limbs(u), limbs(high), limbs(jnp.asarray(step).reshape(1, 1)))
+    return jax.lax.optimization_barrier(ctr)
+
+
+def _low_update(st: _Static, t: Any, rule: UpdateRule, datas: tuple, values: tuple, guard: Any, ids: Any,
+                grads: Any, step: Any, cap: int) -> tuple:
+    """``precision.update_table`` traced: the per-id gradient rows ``grads`` summed per unique
+    id (the engine's ``segment_sum`` program), the rows of every array gathered and widened,
+    ``apply_rule`` in float32 with the step's runtime values, each 16-bit array rounded
+    (stochastically: Philox words keyed by seed, table, array and counted by column, row id and
+    ``step``) and scattered back. At most ``cap`` distinct ids (the padding id -1 is written
+    nowhere; with ``guard`` false no id is)."""
+    be, sl, dim = st.backend, st.shard_layouts[t.index], t.dimension
+    xp, p, dtypes = be.xp, t.precision, precision.array_dtypes(t)
+    n = int(ids.shape[0])
+    seg = be._kernel(("segment_sum", n), lambda: kernels.make_segment_sum(n))
+    uniq, sums, _ = seg(ids, grads)
+    cap = max(1, min(int(cap), n, t.vocabulary_size))
+    idt = kernels.index_dtype(sl)
+    uniq = jnp.where(guard, uniq[:cap], -1).astype(idt)
+    sums = sums[:cap]
+    widths = [slot_width(t.optimizer, name, dim) for name in st.names[t.index]]
+    stored = [be._kernel(("lookup", sl, w), lambda w=w: kernels.make_lookup(sl, w))(d, uniq)
+              for d, w in zip(datas, widths)]
+    rows = [r if d == "float32" else precision.widen(be, r, d) for r, d in zip(stored, dtypes)]
+    # the optimizer op by op, as the engine runs it (exact.py: no fused multiply-add, no rewrite
+    # across operations); the values as the engine passes them (a config's constants stay
+    # Python floats, so derived constants round once, in double)
+    zero = jnp.minimum(jnp.asarray(step), 0)  # a runtime zero (the step is an input of the program)
+    with traced_rule_errors(rule, "me.jax", "train this table with me.TPUEmbedding"):
+        new = exact.call(lambda xp_, vals, g, *r: apply_rule(xp_, rule, vals, g, *r), xp, zero, tuple(values),
+                         sums, *rows)
+    ctr = None
+    out = []
+    for k, (data, row, dtype, w) in enumerate(zip(datas, new, dtypes, widths)):
+        if dtype != "float32":
+            random = None
+            if p.rounding == "stochastic":
+                ctr = _low_counters(uniq, step, dim) if ctr is None else ctr
+                words = jax.lax.optimization_barrier(tuple(
+                    rounding.philox_words(xp, p.seed, precision.stream_of(t.index, k), ctr)))
+                random = rounding.interleave(xp, words, dim)
+            row = precision.narrow(be, row, dtype, p.rounding, random)
+        write = be._kernel(("scatter", sl, w), lambda w=w: kernels.make_scatter(sl, w))
+        out.append(write(data, uniq, row))
     return tuple(out)
 
 
@@ -1105,16 +1225,17 @@ def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learnin
     lrs = _learning_rates(st.layout, learning_rates)
     tables, finite = _in_transformations(
         "apply_gradients", lambda *a: _apply(st, batch.features, batch.unique, return_finite, *a),
-        state.tables, rows, tuple(batch.ids), tuple(batch.slots), tuple(batch.scale), lrs)
+        state.tables, rows, tuple(batch.ids), tuple(batch.slots), tuple(batch.scale), lrs, state.step)
     if not return_finite:
         return EmbeddingState(tables, state.step + 1, st, state.vocab)
     return EmbeddingState(tables, state.step + finite.astype(jnp.result_type(state.step)), st, state.vocab), finite
 
 
 def _apply(st: _Static, features: tuple, unique: tuple, with_finite: bool, tables_in: dict, rows: list,
-           ids_in: tuple, slots: tuple, scales: tuple, lrs: list) -> tuple:
+           ids_in: tuple, slots: tuple, scales: tuple, lrs: list, step: Any) -> tuple:
     """Every table's update (the engine's routing, ``update_kind``); ``(tables, all_finite)``
-    where ``with_finite`` (else ``(tables, None)``)."""
+    where ``with_finite`` (else ``(tables, None)``). ``step``: the steps applied before this
+    one (the counter of a low-precision table's random bits)."""
     layout, be = st.layout, st.backend
     batch = Batch(ids_in, slots, scales, features, unique)
     finite = None
@@ -1141,7 +1262,15 @@ def _apply(st: _Static, features: tuple, unique: tuple, with_finite: bool, table
         values = _update_fn(t, rule, lrs)
         kind = update_kind(t)  # the engine's routing
         ids = jnp.concatenate([jnp.asarray(batch.ids[k]) for k, _ in parts])
-        if kind == "every_row":  # non-lazy Adam/Lion: every row, g = 0 where not looked up (as apply_table)
+        if precision.is_low(t):  # 16-bit arrays: the engine's own branch (update_table), traced
+            g = jnp.concatenate(_row_grads(batch, rows, parts))
+            cap = _unique_cap(batch, t.index, int(ids.shape[0]))
+            if kind == "every_row":  # every row, g = 0 where not looked up (appended last, as the engine)
+                ids = jnp.concatenate([ids, jnp.arange(t.vocabulary_size, dtype=ids.dtype)])
+                g = jnp.concatenate([g, jnp.zeros((t.vocabulary_size, dim), g.dtype)])
+                cap = t.vocabulary_size
+            new = _low_update(st, t, rule, datas, values, guard, ids, g, step, cap)
+        elif kind == "every_row":  # non-lazy Adam/Lion: every row, g = 0 where not looked up (as apply_table)
             every = jnp.arange(t.vocabulary_size, dtype=ids.dtype)
             ids = jnp.concatenate([ids, every])
             g = jnp.concatenate([*_row_grads(batch, rows, parts), jnp.zeros((t.vocabulary_size, dim), jnp.float32)])
