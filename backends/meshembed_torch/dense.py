@@ -155,9 +155,10 @@ class TorchDenseMixin:
             return fallback
 
         def run(grads: Sequence[Any], values: Sequence[Any], *targets: Sequence[Any]) -> None:
-            if not dense_cpu.fits(kernel, grads, targets):
+            prepared = dense_cpu.pointers(kernel, grads, targets)  # checked and collected in one loop
+            if prepared is None:
                 return fallback(grads, values, *targets)
-            dense_cpu.update(kernel, grads, values, targets, torch.get_num_threads())
+            dense_cpu.update(kernel, grads, values, targets, torch.get_num_threads(), prepared)
             self._stats["fused_dense_updates"] += 1
             return None
 

@@ -42,7 +42,8 @@ void dense_update(int64_t fn, const meshembed::DenseChunks& chunks, int64_t coun
 
 // fn: the kernel's address; numels[n]: elements of tensor n; grads[n]: its gradient;
 // targets[k * count + n]: array k (the variable, then the slots) of tensor n; hp[n * n_params ..]:
-// the parameter block of tensor n. Returns the number of chunks run (0 for nothing to do).
+// the parameter block of tensor n (n_params is only the stride: 0 when every tensor reads one
+// block). Returns the number of chunks run (0 for nothing to do).
 extern "C" int64_t meshembed_dense_update(int64_t fn, int64_t count, int64_t n_arrays, int64_t elem_size,
                                           const int64_t* numels, char* const* grads, char* const* targets,
                                           const double* hp, int64_t n_params, int64_t chunk, int threads) {

@@ -52,36 +52,66 @@ def kernel_for(rule: UpdateRule) -> Any:
     return kernel if kernel is not None and _library() is not None else None
 
 
-def fits(kernel: Any, grads: Sequence[Any], targets: Sequence[Sequence[Any]]) -> bool:
-    """Whether the kernel may run on these tensors: CPU, the kernel's dtype, contiguous,
-    each target shaped like its gradient (else the compiled core function runs and reports
-    any error)."""
+def _plain(torch: Any) -> tuple:
+    """The tensor types checked by type alone: a plain tensor or ``nn.Parameter`` (a subclass
+    such as a DTensor takes the slower checks)."""
+    if "plain" not in _state:
+        _state["plain"] = (torch.Tensor, torch.nn.Parameter)
+    return _state["plain"]
+
+
+def pointers(kernel: Any, grads: Sequence[Any], targets: Sequence[Sequence[Any]]) -> tuple | None:
+    """The C call's arrays ``(numels, gradient pointers, target pointers)`` where the kernel
+    may run on these tensors: CPU, the kernel's dtype, contiguous, each target shaped like its
+    gradient; else None (the compiled core function then runs and reports any error). One loop
+    over the tensors that checks and collects at once: W2's 64 variables are 256 tensors, and
+    each attribute read costs ~0.1 µs (docs/benchmarks.md, W2 profile)."""
     import torch
 
     dtype = getattr(torch, kernel.dtype)
-    if len(targets) != kernel.n_arrays:
-        return False
+    k, count = len(targets), len(grads)
+    if k != kernel.n_arrays or any(len(t) != count for t in targets):
+        return None
+    plain = _plain(torch)
+    numels = (ctypes.c_int64 * count)()
+    gptrs = (ctypes.c_void_p * count)()
+    tptrs = (ctypes.c_void_p * (k * count))()
     for n, g in enumerate(grads):
-        own = [t[n] for t in targets]
-        if any(not isinstance(x, torch.Tensor) or hasattr(x, "device_mesh") or x.device.type != "cpu"
-               or x.dtype != dtype or not x.is_contiguous() for x in (g, *own)):
-            return False
-        if any(x.shape != g.shape for x in own):
-            return False
-    return True
+        if not ((type(g) in plain or (isinstance(g, torch.Tensor) and not hasattr(g, "device_mesh")))
+                and g.dtype == dtype and g.is_cpu and g.is_contiguous()):
+            return None
+        shape = g.shape
+        numels[n] = g.numel()
+        gptrs[n] = g.data_ptr()
+        for j in range(k):
+            x = targets[j][n]
+            if not ((type(x) in plain or (isinstance(x, torch.Tensor) and not hasattr(x, "device_mesh")))
+                    and x.dtype == dtype and x.is_cpu and x.is_contiguous() and x.shape == shape):
+                return None
+            tptrs[j * count + n] = x.data_ptr()
+    return numels, gptrs, tptrs
+
+
+def fits(kernel: Any, grads: Sequence[Any], targets: Sequence[Sequence[Any]]) -> bool:
+    """Whether the kernel may run on these tensors (see :func:`pointers`)."""
+    return pointers(kernel, grads, targets) is not None
 
 
 def update(kernel: Any, grads: Sequence[Any], values: Sequence[Sequence[float]],
-           targets: Sequence[Sequence[Any]], threads: int) -> None:
-    """Run ``kernel`` over every tensor in one call, in place (see :func:`fits`)."""
-    count, k = len(grads), len(targets)
-    numels = (ctypes.c_int64 * count)(*(g.numel() for g in grads))
-    gptrs = (ctypes.c_void_p * count)(*(g.data_ptr() for g in grads))
-    tptrs = (ctypes.c_void_p * (k * count))(*(t[n].data_ptr() for t in targets for n in range(count)))
-    block = [p for v in values for p in kernel.params(v)]
+           targets: Sequence[Sequence[Any]], threads: int, prepared: tuple | None = None) -> None:
+    """Run ``kernel`` over every tensor in one call, in place (see :func:`pointers`; ``prepared``:
+    its result for these tensors, computed here if not given). Tensors that share their values
+    (one learning rate for all: the usual case) share one parameter block (stride 0)."""
+    count = len(grads)
+    numels, gptrs, tptrs = prepared or pointers(kernel, grads, targets)
+    first = kernel.params(values[0]) if count else ()
+    if all(v is values[0] for v in values) or all(kernel.params(v) == first for v in values):
+        block, stride = first, 0
+    else:
+        block, stride = [p for v in values for p in kernel.params(v)], kernel.n_params
     hp = (ctypes.c_double * max(1, len(block)))(*block)
     elem = grads[0].element_size() if count else 4
-    _library().meshembed_dense_update(kernel.address, count, k, elem, numels, gptrs, tptrs, hp, kernel.n_params,
+    _library().meshembed_dense_update(kernel.address, count, len(targets), elem, numels, gptrs, tptrs, hp, stride,
                                       CHUNK, int(threads))
 
 
@@ -95,15 +125,19 @@ def all_finite(arrays: Sequence[Any], threads: int) -> bool | None:
     if not arrays:
         return None
     dtype = arrays[0].dtype if isinstance(arrays[0], torch.Tensor) else None
-    if dtype not in (torch.float32, torch.float64) or any(
-            not isinstance(x, torch.Tensor) or hasattr(x, "device_mesh") or x.dtype != dtype
-            or x.device.type != "cpu" or not x.is_contiguous()
-            for x in arrays):
+    if dtype not in (torch.float32, torch.float64):
         return None
     lib = _library()
     if lib is None:
         return None
+    plain = _plain(torch)
     count = len(arrays)
-    numels = (ctypes.c_int64 * count)(*(x.numel() for x in arrays))
-    ptrs = (ctypes.c_void_p * count)(*(x.data_ptr() for x in arrays))
+    numels = (ctypes.c_int64 * count)()
+    ptrs = (ctypes.c_void_p * count)()
+    for n, x in enumerate(arrays):
+        if not ((type(x) in plain or (isinstance(x, torch.Tensor) and not hasattr(x, "device_mesh")))
+                and x.dtype == dtype and x.is_cpu and x.is_contiguous()):
+            return None
+        numels[n] = x.numel()
+        ptrs[n] = x.data_ptr()
     return bool(lib.meshembed_all_finite(count, arrays[0].element_size(), numels, ptrs, CHUNK, int(threads)))
