@@ -205,6 +205,70 @@ def table(rows: list[Row], gbs: float) -> str:
     return "\n".join(lines)
 
 
+#: Issue #36 item 3: a dense W2 step (1 tensor and 64) within this many times its memory floor.
+TARGET_W2_BOUND = 1.2
+#: The meshembed rows judged against it, and the peers they must stay ahead of.
+W2_JUDGED = ("me.optimizers.Adadelta.apply_gradients", "meshembed[torch]", "meshembed[jax]")
+W2_PEERS = ("TensorFlow ResourceApplyAdadelta (C++)", "tf_keras Adadelta (XLA)", "keras 3 Adadelta")
+
+
+def w2_stream_ms(params: int, repeats: int = 9, threads: int | None = None) -> float | None:
+    """Best ms of W2's own access pattern with no math (``benchmarks/w2_stream.cc``: read g,
+    read and write p, a and u in place, on every core): the least any implementation of the
+    step can take here, so the bound of #36 item 3 is this time (= ``w2_bytes`` ÷ this
+    in-place bandwidth). None where it cannot be built (no compiler)."""
+    import ctypes
+    import os
+    from pathlib import Path
+
+    try:
+        from meshembed_native import build as native
+
+        lib = ctypes.CDLL(str(native.build_library(Path(__file__).with_name("w2_stream.cc"), "bench_w2_stream",
+                                                   flags=(*native.FLAGS, "-fopenmp"))))
+    except Exception:  # noqa: BLE001 - no compiler: the copy-bandwidth bound alone is printed
+        return None
+    fn = lib.w2_stream
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int]
+    arrays = [np.full(params, 0.5, np.float32) for _ in range(4)]
+    ptrs = [a.ctypes.data for a in arrays]
+    threads = threads or os.cpu_count() or 1
+    fn(*ptrs, params, threads)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(*ptrs, params, threads)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def issue36_w2(rows: list[Row], stream_ms: float | None, gbs: float) -> list[str]:
+    """#36 item 3, one ✓/✗ line per judged row and case: its median ÷ the bound (the in-place
+    stream time of :func:`w2_stream_ms`; without it, ``w2_bytes`` ÷ the copy bandwidth ``gbs``,
+    a looser figure) ≤ :data:`TARGET_W2_BOUND`, and ahead of every TF / Keras row of the case
+    present in ``rows`` (a peer not run is said so)."""
+    out = []
+    for r in rows:
+        if r.name not in W2_JUDGED or r.workload != "W2" or r.median_ms != r.median_ms:
+            continue
+        if stream_ms is not None:
+            bound, how = stream_ms, f"in-place stream {r.bytes_touched / stream_ms / 1e6:.1f} GB/s"
+        else:
+            bound, how = r.bytes_touched / (gbs * 1e9) * 1e3, f"copy bandwidth {gbs:.1f} GB/s"
+        ratio = r.median_ms / bound
+        line = (f"#36.3 {r.name} {r.case}: {r.median_ms:.2f} ms ÷ bound {bound:.2f} ms ({how}) = {ratio:.2f}× "
+                f"≤ {TARGET_W2_BOUND}×: {'✓' if ratio <= TARGET_W2_BOUND else '✗'}")
+        peers = [p for p in rows if p.name in W2_PEERS and p.case == r.case and p.median_ms == p.median_ms]
+        if peers:
+            line += "; " + ", ".join(f"ahead of {p.name} {p.median_ms:.2f} ms: {'✓' if r.median_ms < p.median_ms else '✗'}"
+                                     for p in peers)
+        else:
+            line += "; TF / Keras peers not run here (meshembed bench --workload W2 --peers runs them)"
+        out.append(line)
+    return out
+
+
 def w2_main(doc: str, w2: Callable[..., list[Row]], impls: tuple[str, ...], argv: list[str] | None) -> None:
     """The command line of a backend's W2 module (``python -m benchmarks.<backend>_w2``)."""
     import argparse
@@ -216,8 +280,12 @@ def w2_main(doc: str, w2: Callable[..., list[Row]], impls: tuple[str, ...], argv
     args = ap.parse_args(argv)
     rows = w2(TINY_W2 if args.tiny else W2, args.repeats, tuple(args.only.split(",")), verbose=True)
     gbs = bandwidth_gbs()
-    print(f"\ncopy bandwidth {gbs:.1f} GB/s")
+    stream = w2_stream_ms((TINY_W2 if args.tiny else W2)["params"])
+    print(f"\ncopy bandwidth {gbs:.1f} GB/s" + ("" if stream is None else
+          f"; W2's in-place stream (no math) {stream:.2f} ms = {w2_bytes((TINY_W2 if args.tiny else W2)['params']) / stream / 1e6:.1f} GB/s"))
     print(table(rows, gbs))
+    for line in issue36_w2(rows, stream, gbs):
+        print(line)
 
 
 class W1Inputs:

@@ -148,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(f"{job.label}: {err}")
     objs = [common.Row(**r) for r in rows]
     print(common.table(objs, gbs))
+    if any(r.workload == "W2" for r in objs):
+        w2 = (common.TINY_W2 if args.workload == "tiny" else common.W2)["params"]
+        for line in common.issue36_w2(objs, common.w2_stream_ms(w2), gbs):
+            print(line)
     for f in failures:
         print("failed:", f)
     if args.json:
