@@ -27,6 +27,14 @@ from meshembed_array_api.table import ArrayAPIShardedTable
 MIN_STANDARD = "2023.12"
 
 
+def _numpy_dtype(dtype: Any) -> np.dtype:
+    """The NumPy dtype of ``dtype``, also of a variable's dtype name with its namespace
+    (``"array_api_strict.int64"``, what ``me.Variable.dtype`` says on this backend)."""
+    if isinstance(dtype, str) and "." in dtype:
+        dtype = dtype.rsplit(".", 1)[1]
+    return np.dtype(dtype)
+
+
 class ArrayAPIBackend(Backend):
     """A backend for the Array API namespace ``xp`` (a module such as ``array_api_strict``, or
     a library that ``array_api_compat`` wraps), its arrays made on ``device`` (default: the
@@ -68,7 +76,7 @@ class ArrayAPIBackend(Backend):
     def _dtype(self, dtype: Any) -> Any:
         if dtype is None:
             return None
-        found = getattr(self._xp, np.dtype(dtype).name, None)
+        found = getattr(self._xp, _numpy_dtype(dtype).name, None)
         if found is None:
             raise ConfigError(
                 f"Invalid `dtype`: backend {self.name!r} (an Array API namespace) has no "
@@ -84,7 +92,7 @@ class ArrayAPIBackend(Backend):
         if self.is_native(x):
             return x if dt is None or x.dtype == dt else self._xp.astype(x, dt)
         host = np.asarray(x if not array_api_compat.is_array_api_obj(x) else np.from_dlpack(x),
-                          dtype=None if dtype is None else np.dtype(dtype))
+                          dtype=None if dtype is None else _numpy_dtype(dtype))
         return self._xp.asarray(np.array(host, copy=True), device=self.device)  # never the caller's memory
 
     def to_numpy(self, x: Any) -> np.ndarray:

@@ -202,7 +202,8 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         import jax.numpy as jnp
 
         dtype = None if dtype is None else np.dtype(dtype)
-        if dtype is not None and dtype.itemsize == 8 and not self._jax.config.jax_enable_x64:
+        # 64-bit numbers need x64; complex64 (two float32) does not
+        if dtype is not None and dtype.itemsize == (16 if dtype.kind == "c" else 8) and not self._jax.config.jax_enable_x64:
             if dtype.kind not in "iu":
                 raise InputError(
                     f"Invalid `dtype` {dtype} for the jax backend without jax_enable_x64. Fix: "

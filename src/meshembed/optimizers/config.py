@@ -135,11 +135,15 @@ class ConfigMixin:
             )
         for v, k in zip(variables, order):
             x = values[k]
-            kind_ok = x.dtype.kind in ("i", "u") if v is variables[0] else x.dtype.kind == "f" or "float" in str(x.dtype)
+            # a complex variable's slots take complex entries only, a real one's real ones (never
+            # the imaginary parts dropped)
+            kind = "integer" if v is variables[0] else "complex" if "complex" in v.dtype else "float"
+            kind_ok = {"integer": x.dtype.kind in ("i", "u"), "complex": x.dtype.kind == "c",
+                       "float": x.dtype.kind == "f" or "float" in str(x.dtype)}[kind]
             if tuple(x.shape) != v.shape or not kind_ok:
                 raise CheckpointError(
                     f"Invalid `store` entry '{k}' for {v.name!r}. Expected shape {v.shape} and a "
-                    f"{'integer' if v is variables[0] else 'float'} dtype. Received: shape={tuple(x.shape)}, dtype={x.dtype}"
+                    f"{kind} dtype. Received: shape={tuple(x.shape)}, dtype={x.dtype}"
                 )
         if int(values["0"]) < 0:
             raise CheckpointError(

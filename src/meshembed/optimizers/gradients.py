@@ -145,6 +145,14 @@ def _map_values(grad: Any, fn: Callable[[Any], Any]) -> Any:
     return fn(grad)
 
 
+def _divide(backend: Any, x: Any, d: float) -> Any:
+    """``x / d``; a complex ``x`` part by part, as its real view (complex arithmetic divides by
+    ``d + 0j``, which rounds differently: ``(re·d + im·0)/(d² + 0)``)."""
+    if not backend.xp.isdtype(x.dtype, "complex floating"):
+        return x / d
+    return backend.from_real_view(backend.real_view(x) / d)
+
+
 def _all_finite(xp: Any, x: Any) -> bool:
     """Every element finite; one sum first (NaN/Inf propagate), the element test only when
     that sum is not finite. Works on a torch DTensor (the reductions are all-reduced)."""

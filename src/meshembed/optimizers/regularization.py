@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from meshembed.errors import ConfigError, InputError, StateError
 from meshembed.math.common import decay_weights
-from meshembed.optimizers.gradients import _all_finite
+from meshembed.optimizers.gradients import _all_finite, _divide
 from meshembed.optimizers.options import clip, ema, sum_squares
 from meshembed.optimizers.step import real_dtype
 from meshembed.variable import IndexedSlices, Variable
@@ -46,7 +46,7 @@ class RegularizationMixin:
             for acc, g in zip(accs, dense):
                 self._write(acc, g + self._read(acc))
             return grads, False
-        out = [(g + self._read(acc)) / n for acc, g in zip(accs, dense)]
+        out = [_divide(v.backend, g + self._read(acc), n) for acc, g, v in zip(accs, dense, variables)]
         for acc in self._accumulators:
             self._write(acc, self._xp.zeros_like(self._read(acc)))
         return out, True

@@ -15,7 +15,7 @@ from meshembed.backend import memory
 from meshembed.errors import ConfigError, InputError, StateError
 from meshembed.math.rule import UpdateRule, apply_rule, build_rule
 from meshembed.optimizers.config import _required_positional
-from meshembed.optimizers.gradients import _map_values
+from meshembed.optimizers.gradients import _divide, _map_values
 from meshembed.variable import IndexedSlices, Variable
 
 __all__ = ["StepMixin", "check_in_dtype", "real_dtype"]
@@ -127,7 +127,12 @@ class StepMixin:
             if new is not None:  # immutable arrays (JAX): the old buffers were donated
                 for k in range(len(first.targets)):
                     for u, value in zip(group, new[k]):
-                        u.variables[k].adopt(value)
+                        u.variables[k].adopt(u.backend.from_real_view(value) if u.real_view else value)
+            else:  # written in place; a complex variable's real view written that is a copy: back
+                for u in group:
+                    if u.real_view and not u.backend.real_view_aliases(u.variables[0].value):
+                        for v, view in zip(u.variables, u.targets):
+                            v.adopt(u.backend.from_real_view(view))
             i = j
 
     def _can_update_in_place(self, targets: Sequence[Variable]) -> bool:
@@ -181,17 +186,18 @@ class StepMixin:
                             touched: Any) -> None:
         """:meth:`_apply_step` of a complex variable: ``rule`` (built for the real dtype) over
         the real views ``[..., 2]`` of the gradient, the variable and its slots, as torch.optim
-        runs a complex parameter. Where the backend's real view aliases the storage (NumPy,
-        torch: :meth:`Backend.real_view_aliases`) a dense step runs in place on the views, the
-        fast path of a real variable of that shape; elsewhere (JAX, Array API namespaces, a
-        sparse step) the pure step runs on the views and the results are made complex again."""
+        runs a complex parameter. A dense step that may run in place runs the backend's fast
+        path of a real variable of that shape on the views: NumPy and torch write through them
+        into the complex storage (:meth:`Backend.real_view_aliases`), JAX donates the views
+        (fresh arrays) and its new real arrays are made complex again. Otherwise (an Array API
+        namespace, EMA, a sparse step) the pure step runs on the views, the results made complex."""
         backend = targets[0].backend
-        if touched is None and self._can_update_in_place(targets) and all(
-                backend.real_view_aliases(t.value) for t in targets):
-            # the gradient's view is copied: it may be (a view of) an array this step overwrites
-            real_grad = backend.xp.asarray(backend.real_view(grad), copy=True)
+        if touched is None and self._can_update_in_place(targets):
+            real_grad = backend.real_view(grad)
+            if backend.real_view_aliases(grad):  # it may view an array this step overwrites
+                real_grad = backend.xp.asarray(real_grad, copy=True)
             views = tuple(backend.real_view(t.value) for t in targets)
-            update = _InPlace(backend, rule, real_grad, values, views, tuple(targets))
+            update = _InPlace(backend, rule, real_grad, values, views, tuple(targets), real_view=True)
             if self._pending is None:  # update_step called on its own: apply now
                 self._run_in_place([update])
             else:
@@ -250,7 +256,8 @@ class StepMixin:
         self._in_place_ok = not self.use_ema and not self._stateless  # EMA reads the new values back
         try:
             if self.loss_scale_factor is not None:
-                grads = [_map_values(g, lambda x: x / self.loss_scale_factor) for g in grads]
+                grads = [_map_values(g, lambda x, v=v: _divide(v.backend, x, self.loss_scale_factor))
+                         for g, v in zip(grads, variables)]
             update = True
             if self.gradient_accumulation_steps:
                 grads, update = self._accumulate(grads, variables)
@@ -395,7 +402,8 @@ def _concrete(x: Any) -> bool:
 class _InPlace(NamedTuple):
     """One staged in-place update: ``rule`` on ``grad`` with the call-time ``values``
     (floats), written over ``targets`` (the variable's array, then its slots'), the arrays of
-    ``variables`` (rebound to the results where the backend returns new arrays)."""
+    ``variables`` (rebound to the results where the backend returns new arrays). With
+    ``real_view`` the variables are complex and ``targets`` (and ``grad``) their real views."""
 
     backend: Any
     rule: UpdateRule
@@ -403,6 +411,7 @@ class _InPlace(NamedTuple):
     values: tuple
     targets: tuple
     variables: tuple
+    real_view: bool = False  # complex variables: ``targets`` are their real views
 
     def same_kernel(self, other: "_InPlace") -> bool:
         return self.backend is other.backend and self.rule == other.rule and len(self.targets) == len(other.targets)
