@@ -10,9 +10,14 @@ every timed step; the ratios the issue asks for, each next to its target:
 
 * each optimizer ÷ SGD on the same backend (≤ 1.5×), SGD's step timed in the same rounds;
 * learning rate changing every step ÷ constant (≤ 1.05×);
-* fbgemm's CPU TBE ÷ engine for SGD and Adagrad (≥ 1.25×; fbgemm_gpu is only in the
-  interop venv: ``.venv/interop/bin/python -m benchmarks.w1_all``, skipped with the reason
-  elsewhere);
+* fbgemm's CPU TBE ÷ engine for SGD (≥ 2.75×, #36 item 1) and Adagrad (≥ 1.25×); fbgemm_gpu
+  is only in the interop venv: ``.venv/interop/bin/python -m benchmarks.w1_all``, skipped with
+  the reason elsewhere;
+* SGD's step itself (#36 item 1): ≤ 3.0 ms on torch; on JAX ≤ 1.2× the torch engine's SGD step,
+  timed in the same rounds (the ``torch`` peer of a JAX run);
+* the pooled lookup (#36 item 2, ``--lookup``, default on): the engine's forward
+  (``enqueue(training=False)`` + ``dequeue``) ÷ the best of plain ``F.embedding_bag`` and
+  fbgemm's TBE forward (``torch.no_grad``) on the same ids, timed in interleaved rounds (≤ 1.1×);
 * TensorFlow (``ResourceSparseApplyFtrl``, LazyAdam-style scatter Adam, ``tf_peers``) and
   ``nn.EmbeddingBag(sparse=True) + torch.optim.SparseAdam`` ÷ engine for Adam and FTRL
   (≥ 3×; torch has no FTRL, so SparseAdam is FTRL's torch peer as well);
@@ -30,7 +35,7 @@ A new optimizer (e.g. the row-wise ones) gets its rows by being trainable in
 
 Run: ``python -m benchmarks.w1_all --backend torch|jax|numpy [--optimizers all|sgd,adam,...]
 [--repeats 7] [--rounds 3] [--per-id sgd,...] [--bf16 sgd,adagrad|none] [--[no-]memory]
-[--peers fbgemm,tf,sparseadam|none] [--quick]``.
+[--peers fbgemm,tf,sparseadam,torch|none] [--[no-]lookup] [--quick]``.
 Prints markdown tables ready for docs/benchmarks.md.
 """
 
@@ -52,14 +57,22 @@ LR = 0.01
 TARGET_VS_SGD, TARGET_LR, TARGET_PER_ID = 1.5, 1.05, 1.5
 #: The bf16 row's storage (#32): parameters in bfloat16 with stochastic rounding, slots float32.
 BF16 = "bfloat16"
-TARGET_PEER = {"fbgemm": 1.25, "tf": 3.0, "sparseadam": 3.0}
+TARGET_PEER = {"fbgemm": 1.25, "tf": 3.0, "sparseadam": 3.0, "torch": 1 / 1.2}
+#: #36 item 1: SGD's fbgemm ratio (fbgemm ÷ engine) and its step time on torch; item 2: the pooled
+#: lookup ÷ the best of plain embedding_bag and fbgemm's forward.
+TARGET_SGD_FBGEMM, TARGET_SGD_MS, TARGET_LOOKUP = 2.75, 3.0, 1.1
 ALIASES = {"sgd": "stochastic_gradient_descent"}
 SGD = ALIASES["sgd"]
 #: Which peer runs for which optimizer.
-PEERS = {SGD: ("fbgemm",), "adagrad": ("fbgemm",),
+PEERS = {SGD: ("fbgemm", "torch"), "adagrad": ("fbgemm",),
          "adam": ("tf", "sparseadam"), "ftrl": ("tf", "sparseadam")}
 PEER_NAME = {"fbgemm": "fbgemm TBE CPU", "tf": "TensorFlow sparse apply",
-             "sparseadam": "nn.EmbeddingBag + SparseAdam"}
+             "sparseadam": "nn.EmbeddingBag + SparseAdam", "torch": "meshembed[torch] engine"}
+
+
+def peer_target(peer: str, algorithm: str) -> float:
+    """peer ÷ engine must be at least this (the torch peer of a JAX run: engine ≤ 1.2× it)."""
+    return TARGET_SGD_FBGEMM if (peer, algorithm) == ("fbgemm", SGD) else TARGET_PEER[peer]
 #: Registry names that are not trainable optimizers here: no public formula, an HLO program,
 #: or a plain assignment of the gradient.
 NOT_TRAINABLE = ("mdl_adagrad_light", "user_defined_program", "assign")
@@ -225,6 +238,8 @@ def _fbgemm_step(d: _Data, algorithm: str) -> Callable[[], Any]:
 
 
 def _peer_step(peer: str, d: _Data, algorithm: str) -> Callable[[], Any]:
+    if peer == "torch":  # the torch engine beside a JAX (or NumPy) run's
+        return _engine_steps("torch", d, algorithm)["constant"]
     if peer == "fbgemm":
         return _fbgemm_step(d, algorithm)
     if peer == "sparseadam":
@@ -235,8 +250,10 @@ def _peer_step(peer: str, d: _Data, algorithm: str) -> Callable[[], Any]:
     return lambda: step().numpy()
 
 
-def _peer_unavailable(peer: str) -> str | None:
-    module = {"fbgemm": "fbgemm_gpu", "tf": "tensorflow", "sparseadam": "torch"}[peer]
+def _peer_unavailable(peer: str, backend: str = "") -> str | None:
+    if peer == "torch" and backend == "torch":
+        return "the engine itself"
+    module = {"fbgemm": "fbgemm_gpu", "tf": "tensorflow", "sparseadam": "torch", "torch": "torch"}[peer]
     try:
         if peer == "tf":
             from benchmarks import tf_peers
@@ -300,7 +317,9 @@ def run(backend: str, sizes: dict, algorithms: tuple[str, ...], *, repeats: int 
         for peer in PEERS.get(algorithm, ()):
             if peer not in peers:
                 continue
-            why = _peer_unavailable(peer)
+            why = _peer_unavailable(peer, backend)
+            if why == "the engine itself":
+                continue
             if why is None:
                 try:
                     steps[peer] = _peer_step(peer, d, algorithm)
@@ -332,7 +351,7 @@ def run(backend: str, sizes: dict, algorithms: tuple[str, ...], *, repeats: int 
 
         for res in results:
             rows = [k for k in ("constant", "per_id", "bf16") if k in res.times]
-            rows += [p for p in PEERS.get(res.algorithm, ()) if p in res.times]
+            rows += [p for p in PEERS.get(res.algorithm, ()) if p in res.times and p != "torch"]
             for row in rows:
                 res.memory[row] = w1_memory.run_row(backend, res.algorithm, row, sizes)
                 if verbose:
@@ -371,8 +390,9 @@ def table(results: list[Result]) -> str:
         for peer in PEERS.get(r.algorithm, ()):
             if peer in r.times:
                 ratio = _ratio(r.med(peer), const[0])
+                target = peer_target(peer, r.algorithm)
                 peer_cells.append(f"{PEER_NAME[peer]} {r.med(peer):.2f} ms: "
-                                  f"{_verdict(ratio, TARGET_PEER[peer], at_most=False)} (≥ {TARGET_PEER[peer]})")
+                                  f"{_verdict(ratio, target, at_most=False)} (≥ {target:.3g})")
         per_id = ""
         if "per_id" in r.times:
             per_id = f"{r.med('per_id'):.2f}, {_verdict(_ratio(r.med('per_id'), const[0]), TARGET_PER_ID, True)}"
@@ -390,6 +410,104 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def lookup_steps(backend: str, d: _Data, peers: tuple[str, ...] = ("fbgemm",)) -> dict[str, Callable[[], Any]]:
+    """The pooled lookup (#36 item 2): ``engine`` (``enqueue(training=False)`` + ``dequeue`` of
+    the W1 batch, SGD table), ``embedding_bag`` (``F.embedding_bag(ids, table, offsets,
+    mode="sum")`` on the int64 tensors of the same ids, a torch table of the same rows) and, with
+    fbgemm_gpu, ``fbgemm`` (the TBE's forward under ``torch.no_grad``). Peers that cannot run
+    are left out."""
+    emb, feat, _ = engine(backend, d, SGD)
+    sync = _syncer(backend)
+
+    def forward() -> Any:
+        emb.enqueue([feat], training=False)
+        acts = emb.dequeue()
+        sync(acts)
+        return acts
+
+    steps: dict[str, Callable[[], Any]] = {"engine": forward}
+    if _peer_unavailable("sparseadam") is None:  # torch imports
+        import torch
+
+        ids, offsets = torch.from_numpy(d.ids), torch.from_numpy(d.splits[:-1])
+        weight = torch.from_numpy(np.ascontiguousarray(emb.retrieve_parameters("t")["parameters"]))
+        steps["embedding_bag"] = lambda: torch.nn.functional.embedding_bag(ids, weight, offsets, mode="sum")
+    if "fbgemm" in peers and _peer_unavailable("fbgemm") is None:
+        import torch
+
+        tbe_step = _fbgemm_step(d, SGD)
+        fb = getattr(tbe_step, "__closure__", None)
+        tbe = next((c.cell_contents for c in fb or () if type(c.cell_contents).__name__.startswith("SplitTable")),
+                   None)
+        if tbe is not None:
+            ids_t, offs_t = torch.from_numpy(d.ids), torch.from_numpy(d.splits)
+
+            def fbgemm_forward() -> Any:
+                with torch.no_grad():
+                    return tbe(ids_t, offs_t)
+
+            steps["fbgemm"] = fbgemm_forward
+    return steps
+
+
+def lookup_times(backend: str, sizes: dict, repeats: int, rounds: int, warmup: int,
+                 peers: tuple[str, ...] = ("fbgemm",)) -> dict[str, tuple[float, float, float]]:
+    """(median, min, max) ms of every :func:`lookup_steps` row, in interleaved rounds."""
+    from benchmarks.torch_w1 import _timed_rounds
+
+    steps = lookup_steps(backend, _Data(sizes), peers)
+    try:
+        return _timed_rounds(steps, repeats, rounds, warmup)
+    finally:
+        steps.clear()
+        gc.collect()
+
+
+def issue36(backend: str, results: list[Result], lookup: dict[str, tuple[float, float, float]] | None) -> list[str]:
+    """#36 items 1 and 2, one ✓/✗ line each: SGD's step (≤ 3.0 ms on torch; on JAX ≤ 1.2× the
+    torch engine beside it), fbgemm ÷ SGD (≥ 2.75×), every optimizer ÷ SGD (≤ 1.5×), the pooled
+    lookup ÷ the best of embedding_bag and fbgemm (≤ 1.1×). A target not measured says so."""
+    def mark(ok: bool) -> str:
+        return "✓" if ok else "✗"
+
+    out = []
+    sgd = next((r for r in results if r.algorithm == SGD), None)
+    if sgd is None or sgd.med("constant") != sgd.med("constant"):
+        out.append("#36.1 SGD step: not measured (run with --optimizers including sgd)")
+    else:
+        ms = sgd.med("constant")
+        if backend == "torch":
+            out.append(f"#36.1 torch SGD step {ms:.2f} ms ≤ {TARGET_SGD_MS} ms: {mark(ms <= TARGET_SGD_MS)}")
+        elif "torch" in sgd.times:
+            ratio = _ratio(ms, sgd.med("torch"))
+            out.append(f"#36.1 {backend} SGD step {ms:.2f} ms ÷ torch engine {sgd.med('torch'):.2f} ms = "
+                       f"{ratio:.2f}× ≤ 1.2×: {mark(ratio <= 1.2)}")
+        else:
+            out.append(f"#36.1 {backend} SGD step {ms:.2f} ms; ÷ torch: not measured (torch peer absent)")
+        if "fbgemm" in sgd.times:
+            ratio = _ratio(sgd.med("fbgemm"), ms)
+            out.append(f"#36.1 fbgemm TBE {sgd.med('fbgemm'):.2f} ms ÷ {backend} SGD {ms:.2f} ms = {ratio:.2f}× "
+                       f"≥ {TARGET_SGD_FBGEMM}×: {mark(ratio >= TARGET_SGD_FBGEMM)}")
+        else:
+            out.append(f"#36.1 fbgemm ÷ SGD: not measured ({sgd.notes.get('fbgemm', 'peer not run')})")
+    worst = max(((_vs_sgd(r), r.algorithm) for r in results if r.algorithm != SGD and _vs_sgd(r) == _vs_sgd(r)),
+                default=None)
+    if worst is not None:
+        out.append(f"#36.1 every optimizer ÷ SGD ≤ {TARGET_VS_SGD}× (worst {short(worst[1])} {worst[0]:.2f}×): "
+                   f"{mark(worst[0] <= TARGET_VS_SGD)}")
+    if lookup:
+        eng = lookup.get("engine", (float("nan"),) * 3)[0]
+        best = min(((lookup[p][0], p) for p in ("embedding_bag", "fbgemm") if p in lookup), default=None)
+        if best is None:
+            out.append(f"#36.2 lookup {eng:.2f} ms: no peer measured")
+        else:
+            ratio = _ratio(eng, best[0])
+            peers_ms = ", ".join(f"{p} {lookup[p][0]:.2f}" for p in ("embedding_bag", "fbgemm") if p in lookup)
+            out.append(f"#36.2 {backend} pooled lookup {eng:.2f} ms ÷ best peer ({best[1]}) {best[0]:.2f} ms = "
+                       f"{ratio:.2f}× ≤ {TARGET_LOOKUP}× [{peers_ms} ms]: {mark(ratio <= TARGET_LOOKUP)}")
+    return out
+
+
 def misses(results: list[Result]) -> list[str]:
     """One line per missed target (empty: every measured target met)."""
     out = []
@@ -398,7 +516,7 @@ def misses(results: list[Result]) -> list[str]:
         checks = [("÷ SGD", _vs_sgd(r), TARGET_VS_SGD, True),
                   ("changing ÷ constant lr", _ratio(r.med("changing"), c), TARGET_LR, True),
                   ("per-id ÷ pooled", _ratio(r.med("per_id"), c), TARGET_PER_ID, True)]
-        checks += [(f"{PEER_NAME[p]} ÷ engine", _ratio(r.med(p), c), TARGET_PEER[p], False)
+        checks += [(f"{PEER_NAME[p]} ÷ engine", _ratio(r.med(p), c), peer_target(p, r.algorithm), False)
                    for p in PEERS.get(r.algorithm, ())]
         from benchmarks import w1_memory
 
@@ -430,7 +548,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bf16", default="sgd,adagrad", help="optimizers that also get the bf16 + SR row ('all', 'none')")
     ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
                     help="the per-row peak memory pass (default: on, off with --quick)")
-    ap.add_argument("--peers", default="fbgemm,tf,sparseadam", help="comma list of fbgemm, tf, sparseadam, or none")
+    ap.add_argument("--peers", default="fbgemm,tf,sparseadam,torch",
+                    help="comma list of fbgemm, tf, sparseadam, torch (the torch engine beside a JAX run), or none")
+    ap.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
+                    help="the pooled lookup beside embedding_bag and fbgemm's forward (#36 item 2)")
     ap.add_argument("--repeats", type=int, default=7, help="timed steps per row per round")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     ap.add_argument("--quick", action="store_true", help="CI sizes, 1 warm-up, 1 round (a smoke test)")
@@ -447,6 +568,11 @@ def main(argv: list[str] | None = None) -> None:
         sizes, warmup, rounds = W1, WARMUP, args.rounds
     results = run(args.backend, sizes, algorithms, repeats=args.repeats, rounds=rounds, warmup=warmup,
                   per_id=per_id, bf16=bf16, peers=peers, memory=memory, verbose=True)
+    lookup = None
+    if args.lookup:
+        lookup = lookup_times(args.backend, sizes, args.repeats, rounds, warmup, peers)
+        print("lookup  " + "  ".join(f"{k} {m:.3f} ({lo:.3f}-{hi:.3f})" for k, (m, lo, hi) in lookup.items()),
+              flush=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     gbs = bandwidth_gbs(1 << 24 if args.quick else 1 << 28)
     print(f"\nW1 on {args.backend}: {sizes}; {_Data(sizes).unique} unique rows/step; {args.repeats} steps × "
@@ -459,6 +585,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nPeak memory per row (each in a fresh process; growth of peak RSS over the baseline after "
               f"imports; target ≤ {w1_memory.TARGET}×):\n")
         print(w1_memory.table({(r.algorithm, row): m for r in results for row, m in r.memory.items()}, short))
+    print("\nIssue #36 items 1-2:\n" + "\n".join(issue36(args.backend, results, lookup)))
     missed = misses(results)
     print("\nevery measured target met" if not missed else "\ntargets missed:\n" + "\n".join(missed))
 

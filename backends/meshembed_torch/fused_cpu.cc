@@ -251,3 +251,28 @@ extern "C" int64_t meshembed_gather_rows(const char* table, int64_t num_rows, co
     bad += meshembed::GatherRowRange(table, num_rows, ids, n * t / parts, n * (t + 1) / parts, row_bytes, out, stream);
   return bad ? -1 : n;
 }
+
+// The inputs of a sum-mode embedding_bag over sorted segments, made in one pass (the pooled
+// lookup's forward: one pass instead of a range check of the ids, a cast to int32 and a
+// unique_consecutive + cumsum of the segment ids): ids32[i] = ids[i] (every id checked against
+// [0, num_rows)), offsets[s] = the first i with slots[i] >= s. Returns 0, or -1 if an id is
+// outside [0, num_rows), -2 if the slots are not non-decreasing or one lies outside
+// [0, num_segments) (the caller then takes its general path, which reports or sorts).
+extern "C" int64_t meshembed_bag_inputs(const int64_t* ids, const int64_t* slots, int64_t n, int64_t num_rows,
+                                        int64_t num_segments, int32_t* ids32, int32_t* offsets) {
+  const uint64_t rows = uint64_t(num_rows);
+  uint64_t bad = 0;
+  int64_t s = -1;  // offsets[0, s] are written
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t id = ids[i], slot = slots[i];
+    bad |= uint64_t(uint64_t(id) >= rows);  // a negative id is larger than any row count
+    ids32[i] = int32_t(id);
+    if (slot != s) {
+      if (slot < s || slot >= num_segments) return -2;
+      for (int64_t k = s + 1; k <= slot; ++k) offsets[k] = int32_t(i);
+      s = slot;
+    }
+  }
+  for (int64_t k = s + 1; k < num_segments; ++k) offsets[k] = int32_t(n);
+  return bad ? -1 : 0;
+}
