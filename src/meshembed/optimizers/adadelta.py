@@ -63,6 +63,9 @@ class Adadelta(Optimizer):
     """Adadelta: ``a ← ρa + (1−ρ)g²``; ``d = √(u+ε)/√(a+ε)·g``; ``u ← ρu + (1−ρ)d²``; ``w ← w − lr·d``.
 
     Slots are created from each variable's reference, so they share its layout (sharding).
+    A complex variable is optimised as ``torch.optim.Adadelta`` does: on its real view, real
+    and imaginary parts two independent reals (clipping norms over both parts); its slots stay
+    complex, ``E[re(g)²] + i·E[im(g)²]`` (docs/optimizers.md, "Complex variables").
 
     Args:
         learning_rate: float, a ``schedules.LearningRateSchedule`` or a callable of the step.
