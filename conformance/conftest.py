@@ -138,18 +138,24 @@ def _device_repeat(item) -> bool:
             and params.get("name") != "adagrad")
 
 
+def _backend_of(item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("backend_name") if callspec else None
+
+
 def pytest_collection_modifyitems(config, items):
     if _DEVICE_REPEATS == "0":
         repeats = [item for item in items if _device_repeat(item)]
         items[:] = [item for item in items if not _device_repeat(item)]
         config.hook.pytest_deselected(items=repeats)
     manifest = _xfails()
+    subset = _module.compiled_subset(item.nodeid for item in items if _backend_of(item) == _module.COMPILED_NAME)
     for item in items:
         callspec = getattr(item, "callspec", None)
         name = callspec.params.get("backend_name") if callspec else None
         if name == _functional.NAME and not _functional.covers(item.nodeid):
             item.add_marker(pytest.mark.skip(reason=_functional.SKIP_REASON))
-        if name in _module.NAMES and not _module.covers(item.nodeid, name):
+        if name in _module.NAMES and not _module.covers(item.nodeid, name, subset):
             item.add_marker(pytest.mark.skip(reason=_module.skip_reason(item.nodeid)))
         for pattern, reason in manifest.get(name or "", {}).items():
             if pattern in item.nodeid:

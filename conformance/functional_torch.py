@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Collection, Iterable
 
 import numpy as np
 
@@ -66,46 +66,42 @@ if _COMPILED not in ("", "subset", "all"):
     raise ValueError(f"MESHEMBED_TEST_COMPILED={_COMPILED!r}: expected 'all' or 'subset' (the default)")
 COMPILE_ALL = _COMPILED == "all"
 
-#: The compiled subset (default run), by test function; every other engine test is skipped on
-#: ``torch-module-compiled`` unless ``MESHEMBED_TEST_COMPILED=all``. The rule: every test of
-#: test_engine.py, test_engine_quantization.py and test_engine_low_precision.py
-#: whose module runs differ only in data (one case each where parametrised), the plain case of
-#: every optimizer, and one golden run per combiner (see :func:`covers`).
-COMPILED_SUBSET_SKIP = ("MESHEMBED_TEST_COMPILED unset: torch-module-compiled runs one case per optimizer, "
-                        "combiner and engine behaviour (compiling costs seconds per module); "
+COMPILED_SUBSET_SKIP = ("not in torch-module-compiled's default subset (the first case of each engine test, and "
+                        "every combiner: compiling costs a second or more per new module); "
                         "MESHEMBED_TEST_COMPILED=all runs every engine test compiled")
+#: Tests whose every case runs in the compiled subset: one case per combiner.
+COMPILED_EVERY_CASE = ("test_combiner_backward_matches_finite_differences",)
 
 
 def _is_engine_test(nodeid: str) -> bool:
     return "/test_engine" in nodeid.replace("\\", "/") or nodeid.startswith("test_engine")
 
 
-def _params_of(nodeid: str) -> str:
-    m = re.search(r"\[(.*)\]$", nodeid)
-    return m.group(1) if m else ""
+def compiled_subset(nodeids: Iterable[str]) -> set[str]:
+    """The engine tests ``torch-module-compiled`` runs without ``MESHEMBED_TEST_COMPILED=all``
+    (given the node ids of that entry in collection order): the first case of every test
+    function (each behaviour: input forms, modes, refusals, checkpoints, SGD against the
+    reference, SGD against TensorFlow, 16-bit tables, quantization), and every case of
+    :data:`COMPILED_EVERY_CASE` (the three combiners). The other cases differ only in the
+    optimizer or its options, the shard count or the data: code that runs eagerly inside the
+    module's lookup/update ops, the same under compile (the eager entry runs them all)."""
+    chosen, seen = set(), set()
+    for nodeid in nodeids:
+        if not _is_engine_test(nodeid):
+            continue
+        func = nodeid.split("[", 1)[0]
+        if func not in seen or func.rsplit("::", 1)[-1] in COMPILED_EVERY_CASE:
+            chosen.add(nodeid)
+        seen.add(func)
+    return chosen
 
 
-def compiled_subset(nodeid: str) -> bool:
-    """Whether an engine test runs on ``torch-module-compiled`` without ``MESHEMBED_TEST_COMPILED=all``:
-
-    * ``test_optimizer_matches_reference``: the ``plain`` option of every optimizer (the options
-      are per-row math inside the update, compiled the same way);
-    * the golden runs (``test_engine_golden.py``): the first parametrisation of each test;
-    * every other test: its first parametrisation (an id holding ``-0-``/first case), i.e.
-      tests without parameters besides the backend run whole.
-    """
-    params = _params_of(nodeid)
-    func = nodeid.split("::")[-1].split("[")[0]
-    if func == "test_optimizer_matches_reference":
-        return params.endswith("-plain")
-    return True
-
-
-def covers(nodeid: str, name: str = NAME) -> bool:
-    """Whether a conformance test runs on entry ``name`` (else it is skipped, see :func:`skip_reason`)."""
+def covers(nodeid: str, name: str = NAME, subset: Collection[str] | None = None) -> bool:
+    """Whether a conformance test runs on entry ``name`` (else it is skipped, see
+    :func:`skip_reason`); ``subset``: :func:`compiled_subset` of the compiled entry's tests."""
     if not _is_engine_test(nodeid):
         return False
-    return name != COMPILED_NAME or COMPILE_ALL or compiled_subset(nodeid)
+    return name != COMPILED_NAME or COMPILE_ALL or subset is None or nodeid in subset
 
 
 def skip_reason(nodeid: str) -> str:
@@ -254,7 +250,16 @@ class ModuleEngine(TPUEmbedding):
         with torch.set_grad_enabled(training):
             out = self._call(_torch_inputs(features), _torch_inputs(weights))
         keys = self.layout.keys
-        return [out[k] for k in keys] if keys else [out[f.name] for f in self.layout.features]
+        outs = [out[k] for k in keys] if keys else [out[f.name] for f in self.layout.features]
+        if self.compiled:  # fullgraph=True raises on a graph break; this catches a silent eager fallback
+            from torch._dynamo.utils import counters
+
+            eager = [type(o.grad_fn).__name__ for o in outs if training and type(o.grad_fn).__name__ !=
+                     "CompiledFunctionBackward"]
+            if counters["graph_break"] or eager:
+                raise AssertionError(f"[{self.entry}] the forward did not run as one compiled graph: graph breaks "
+                                     f"{dict(counters['graph_break'])}, eager outputs {eager}")
+        return outs
 
     def _run_forward(self, step: _Step) -> list:
         self._copy_state()

@@ -54,7 +54,7 @@ def _rank(item: pytest.Item) -> int:
         return 0
     name = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
     if name in LONG_FILES or name in SPLIT_FILES or item.get_closest_marker("slow") or group.endswith(
-            ("::jax", "::jax-functional")):
+            ("::jax", "::jax-functional", "::torch-module-compiled")):
         return 1
     return 3 if group.startswith("conformance/") else 2
 

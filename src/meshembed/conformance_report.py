@@ -145,17 +145,20 @@ def suite_backends() -> dict[str, str | None]:
     """Every backend name the suite takes: ``{name: None if usable here, else the reason}``.
 
     Registered backends, plus the suite's own front ends (``jax-functional``: me.jax inside
-    jit; ``torch-ranks``: torch.distributed ranks, only under ``python -m conformance.distributed``)."""
+    jit; ``torch-module``/``torch-module-compiled``: me.torch.EmbeddingCollection, eager and
+    under torch.compile; ``torch-ranks``: torch.distributed ranks, only under
+    ``python -m conformance.distributed``)."""
     import meshembed as me
     from meshembed.backend import registry
     from meshembed.errors import BackendUnavailableError
 
     names = list(registry._targets())
     try:
-        from conformance import distributed, functional_jax
+        from conformance import distributed, functional_jax, functional_torch
 
-        names += [functional_jax.NAME, distributed.BACKEND_NAME]
-        inner = {functional_jax.NAME: functional_jax.INNER}
+        names += [functional_jax.NAME, *functional_torch.NAMES, distributed.BACKEND_NAME]
+        inner = {functional_jax.NAME: functional_jax.INNER,
+                 **{n: functional_torch.INNER for n in functional_torch.NAMES}}
         distributed.register()
     except ImportError:  # pragma: no cover - the suite is installed with meshembed
         inner = {}
