@@ -18,12 +18,16 @@ int threads_for(int64_t elements, int threads) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, most)));
 }
 
-// body(c) for c in [0, n) on `threads` OpenMP threads, each a contiguous block of c.
+// body(c) for c in [0, n) on `threads` OpenMP threads, each taking the next c when it is free
+// (dynamic): on cores shared with other processes a thread that loses its core for a time
+// slice leaves its chunks to the other instead of holding the whole step up (with static
+// blocks the step waited for the preempted thread's half: docs/benchmarks.md, W2 profile).
+// A task is a chunk of 256 KiB or more, so claiming one (an atomic add) costs nothing.
 struct OmpRun {
   int threads;
   template <class Body>
   void operator()(int64_t n, const Body& body) const {
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
     for (int64_t c = 0; c < n; ++c) body(c);
   }
 };
