@@ -293,3 +293,45 @@ def test_jax_stateless_apply_under_jit():
     assert all(x.dtype == np.complex64 for x in got)
     for x, y in zip(got, want):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # Inf/Inf in the norm clip, as for floats
+@pytest.mark.parametrize("bk", _backends())
+@pytest.mark.parametrize("part", ["real", "imag"])
+def test_nonfinite_complex_gradient_is_refused_and_changes_nothing(bk, part):
+    """The NaN policy sees both parts (with a norm clip too: the norm of the real view)."""
+    w0, (g,) = _data("complex64", steps=1)
+    g = g.copy()
+    if part == "real":
+        g[1, 2] = complex(np.inf, 1.0)
+    else:
+        g[1, 2] = complex(1.0, np.nan)
+    for kwargs in ({}, dict(clipnorm=1.0)):
+        v = me.Variable(w0.copy(), name="z", backend=bk)
+        opt = me.optimizers.Adadelta(**{**HP, **kwargs})
+        with pytest.raises(me.InputError, match="'z'"):
+            opt.apply_gradients([(g, v)])
+        np.testing.assert_array_equal(_host(v), w0)
+        assert all(not np.any(_host(x)) for x in opt.variables)
+
+
+def test_sharded_complex_variable_on_a_jax_mesh():
+    """A complex variable laid out on a 2-device JAX mesh (the pure step on its real view, which
+    keeps the sharding): the unsharded NumPy numbers, within XLA's rounding."""
+    if not _available("jax"):
+        pytest.skip("no jax backend")
+    import jax
+
+    if len(jax.devices()) < 2:
+        pytest.skip("one JAX device here (XLA_FLAGS=--xla_force_host_platform_device_count=2 for a mesh)")
+    w0, grads = _data("complex64", shape=(4, 3), steps=6)
+    mesh = me.Mesh(["model"], shape=(2,), backend="jax")
+    v = me.Variable(w0.copy(), name="z", layout=me.Layout(["model", me.UNSHARDED], mesh))
+    opt = me.optimizers.Adadelta(**HP, mesh=mesh, clipnorm=2.0)
+    for g in grads:
+        opt.apply_gradients([(g, v)])
+    assert len(v.value.sharding.device_set) == 2 and v.dtype == "complex64"
+    assert all(len(s.value.sharding.device_set) == 2 for s in opt.variables[1:])
+    want, _ = _run("numpy", w0, grads, clipnorm=2.0)
+    for x, y in zip([_host(v), *(_host(s) for s in opt.variables[1:])], want):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=0)
