@@ -126,31 +126,36 @@ def test_threads_split_the_rows_bit_for_bit(name, form, dim):
             assert np.array_equal(d.numpy(), t, equal_nan=True)
 
 
-def test_pooled_lookup_inputs_in_one_pass():
-    """``gather_combine`` of sorted segments takes ``fused_cpu.bag_inputs`` (one pass: range
-    check, int32 ids, offsets): the same bits as the general path, empty segments zero; a bad
-    id is the general path's InputError, unsorted segments its sort."""
+
+@pytest.mark.parametrize("dtype,dim", [("float32", 16), ("float32", 13), ("float64", 64)])
+def test_pooled_lookup_in_one_pass(dtype, dim):
+    """``gather_combine`` of sorted segments is one C++ pass (``fused_cpu.pooled_sum``): the bits
+    of the general path (``embedding_bag``), on 1, 2 and 3 threads (50,000 ids: 16 Ki a
+    thread), empty segments zero; a bad id is the general path's InputError, unsorted segments
+    its sort."""
     from meshembed.sharding import Placement
     from meshembed_torch import TorchBackend
 
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(dim)
     on, off = TorchBackend(device="cpu"), TorchBackend(device="cpu", fused=False)
-    values = rng.standard_normal((500, 16)).astype(np.float32)
-    tables = [be.create_table(values, Placement(500)) for be in (on, off)]
-    ids = torch.from_numpy(rng.integers(0, 500, 3000))
-    slots = torch.from_numpy(np.sort(rng.integers(0, 900, 3000)))  # some of the 1000 segments empty
-    got = on.gather_combine(tables[0], ids, slots, 1000)
-    want = off.gather_combine(tables[1], ids, slots, 1000)
-    assert got.shape == (1000, 16) and torch.equal(got, want)
-    assert fused_cpu.bag_inputs(ids, slots, 500, 1000) is not None
-    assert fused_cpu.bag_inputs(ids, slots.flip(0), 500, 1000) is None  # not sorted
-    shuffled = torch.from_numpy(rng.permutation(3000))
-    assert torch.equal(on.gather_combine(tables[0], ids[shuffled], slots[shuffled], 1000),
-                       off.gather_combine(tables[1], ids[shuffled], slots[shuffled], 1000))
-    for bad in (-1, 500):
+    values = rng.standard_normal((5000, dim)).astype(dtype)
+    tables = [be.create_table(values, Placement(5000)) for be in (on, off)]
+    n, segments = 50_000, 9000
+    ids = torch.from_numpy((rng.zipf(1.2, n) - 1) % 5000)
+    slots = torch.from_numpy(np.sort(rng.integers(0, 8000, n)))  # segments 8000.. and some others empty
+    want = off.gather_combine(tables[1], ids, slots, segments)
+    assert torch.equal(on.gather_combine(tables[0], ids, slots, segments), want)
+    for threads in (1, 2, 3):
+        got = fused_cpu.pooled_sum(tables[0].data, ids, slots, segments, threads)
+        assert got is not None and got.shape == (segments, dim) and torch.equal(got, want), threads
+    assert fused_cpu.pooled_sum(tables[0].data, ids, slots.flip(0), segments, 2) is None  # not sorted
+    shuffled = torch.from_numpy(rng.permutation(n))
+    assert torch.equal(on.gather_combine(tables[0], ids[shuffled], slots[shuffled], segments),
+                       off.gather_combine(tables[1], ids[shuffled], slots[shuffled], segments))
+    for bad in (-1, 5000):
         wrong = ids.clone()
-        wrong[1234] = bad
-        assert fused_cpu.bag_inputs(wrong, slots, 500, 1000) is None
+        wrong[12345] = bad
+        assert fused_cpu.pooled_sum(tables[0].data, wrong, slots, segments, 2) is None
         with pytest.raises(me.errors.InputError, match="Expected ids in"):
-            on.gather_combine(tables[0], wrong, slots, 1000)
-    assert fused_cpu.bag_inputs(ids, slots, 500, int(slots.max())) is None  # a segment id past the count
+            on.gather_combine(tables[0], wrong, slots, segments)
+    assert fused_cpu.pooled_sum(tables[0].data, ids, slots, int(slots.max()), 2) is None  # a segment past the count

@@ -309,11 +309,12 @@ class TorchBackend(TorchDenseMixin, Backend):
         data = table.data
         if (weights is None and self.fused and table.group is None and table.rowmap.identity
                 and data.device.type == "cpu" and data.dtype in (torch.float32, torch.float64)):
-            # the range check, the int32 ids and the offsets of sorted segments in one pass
-            # (fused_cpu.bag_inputs); None: the general path below (it also reports bad ids)
-            fast = fused_cpu.bag_inputs(ids, segment_ids, data.shape[0], int(num_segments))
-            if fast is not None:
-                return torch.nn.functional.embedding_bag(fast[0], data, fast[1], mode="sum")
+            # gather + sum of sorted segments in one C++ pass, the ids' range check folded in
+            # (fused_cpu.pooled_sum: embedding_bag's bits); None: the general path below (it
+            # also reports bad ids)
+            out = fused_cpu.pooled_sum(data, ids, segment_ids, int(num_segments), torch.get_num_threads())
+            if out is not None:
+                return out
         try:
             ids = self._ids(ids, table)
             seg_ids = self.asarray(segment_ids).to(torch.int64).reshape(-1)

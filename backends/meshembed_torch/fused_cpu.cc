@@ -252,27 +252,65 @@ extern "C" int64_t meshembed_gather_rows(const char* table, int64_t num_rows, co
   return bad ? -1 : n;
 }
 
-// The inputs of a sum-mode embedding_bag over sorted segments, made in one pass (the pooled
-// lookup's forward: one pass instead of a range check of the ids, a cast to int32 and a
-// unique_consecutive + cumsum of the segment ids): ids32[i] = ids[i] (every id checked against
-// [0, num_rows)), offsets[s] = the first i with slots[i] >= s. Returns 0, or -1 if an id is
-// outside [0, num_rows), -2 if the slots are not non-decreasing or one lies outside
-// [0, num_segments) (the caller then takes its general path, which reports or sorts).
-extern "C" int64_t meshembed_bag_inputs(const int64_t* ids, const int64_t* slots, int64_t n, int64_t num_rows,
-                                        int64_t num_segments, int32_t* ids32, int32_t* offsets) {
+namespace {
+
+// out[s] = sum of table[ids[i]] over the positions i of segment s, for the segments [lo, hi) of
+// sorted `slots` (positions found by binary search), each summed in registers (LocalRow) in
+// position order from 0 and stored once, the rows ahead prefetched. Returns whether every id
+// read is in [0, num_rows) (an id outside adds nothing).
+template <int D, class T>
+bool PooledRange(const T* table, int64_t num_rows, int64_t d, const int64_t* ids, const int64_t* slots, int64_t n,
+                 int64_t lo, int64_t hi, T* out) {
+  meshembed::LocalRow<D, T> acc(d);
+  const int64_t w = D > 0 ? D : d, row_bytes = w * int64_t(sizeof(T));
+  int64_t p = std::lower_bound(slots, slots + n, lo) - slots;
+  const int64_t e = std::lower_bound(slots + p, slots + n, hi) - slots;
   const uint64_t rows = uint64_t(num_rows);
   uint64_t bad = 0;
-  int64_t s = -1;  // offsets[0, s] are written
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t id = ids[i], slot = slots[i];
-    bad |= uint64_t(uint64_t(id) >= rows);  // a negative id is larger than any row count
-    ids32[i] = int32_t(id);
-    if (slot != s) {
-      if (slot < s || slot >= num_segments) return -2;
-      for (int64_t k = s + 1; k <= slot; ++k) offsets[k] = int32_t(i);
-      s = slot;
+  auto row = [&](int64_t q) -> const void* {
+    return uint64_t(ids[q]) < rows ? table + ids[q] * w : nullptr;
+  };
+  for (int64_t s = lo; s < hi; ++s) {
+    acc.Zero();
+    for (; p < e && slots[p] == s; ++p) {
+      meshembed::PrefetchAhead(p, e, row_bytes, false, row);
+      const int64_t id = ids[p];
+      if (uint64_t(id) < rows) acc.template Add<false>(table + id * w, T(1));
+      else bad = 1;
     }
+    acc.Store(out + s * w);
   }
-  for (int64_t k = s + 1; k < num_segments; ++k) offsets[k] = int32_t(n);
+  return !bad;
+}
+
+template <class T>
+int64_t pooled_sum(const T* table, int64_t num_rows, int64_t d, const int64_t* ids, const int64_t* slots, int64_t n,
+                   int64_t num_segments, T* out, int threads) {
+  for (int64_t i = 1; i < n; ++i)
+    if (slots[i] < slots[i - 1]) return -2;
+  if (n && (slots[0] < 0 || slots[n - 1] >= num_segments)) return -2;
+  // threads for at least 16 Ki ids each: a parallel region of less work costs more than it saves
+  const int parts = int(std::max<int64_t>(1, std::min<int64_t>(threads, n >> 14)));
+  int64_t bad = 0;
+#pragma omp parallel for schedule(static, 1) num_threads(parts) reduction(+ : bad)
+  for (int t = 0; t < parts; ++t) {
+    const int64_t lo = num_segments * t / parts, hi = num_segments * (t + 1) / parts;
+    meshembed::WithWidth(d, [&](auto width) {
+      bad += !PooledRange<decltype(width)::value>(table, num_rows, d, ids, slots, n, lo, hi, out);
+    });
+  }
   return bad ? -1 : 0;
 }
+
+}  // namespace
+
+// out[s] = sum over i with slots[i] == s of table[ids[i]] (sum-mode pooling of sorted segments,
+// the pooled lookup's forward), in position order from 0. Returns 0, or -1 if an id is outside
+// [0, num_rows), -2 if the slots are not non-decreasing in [0, num_segments) (nothing written).
+#define MESHEMBED_POOLED(T, NAME)                                                                               \
+  extern "C" int64_t NAME(const T* table, int64_t num_rows, int64_t d, const int64_t* ids, const int64_t* slots, \
+                          int64_t n, int64_t num_segments, T* out, int threads) {                               \
+    return pooled_sum<T>(table, num_rows, d, ids, slots, n, num_segments, out, threads);                        \
+  }
+MESHEMBED_POOLED(float, meshembed_pooled_sum_float32)
+MESHEMBED_POOLED(double, meshembed_pooled_sum_float64)

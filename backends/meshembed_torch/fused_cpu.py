@@ -36,8 +36,8 @@ _state: dict[str, Any] = {}
 _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
          ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_int, ctypes.c_int, ctypes.c_int]
-_BAG_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-             ctypes.c_void_p]
+_POOLED_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
 _GATHER_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                 ctypes.c_int]
 
@@ -52,7 +52,8 @@ def _library() -> Any:
     """The loaded driver library, or None (with one warning) where it cannot be built."""
     signatures = {f"meshembed_fused_update_{dtype}": (ctypes.c_int64, _ARGS) for dtype in ("float32", "float64")}
     signatures["meshembed_gather_rows"] = (ctypes.c_int64, _GATHER_ARGS)
-    signatures["meshembed_bag_inputs"] = (ctypes.c_int64, _BAG_ARGS)
+    for dtype in ("float32", "float64"):
+        signatures[f"meshembed_pooled_sum_{dtype}"] = (ctypes.c_int64, _POOLED_ARGS)
     return native.load_once(_state, _SOURCE, "torch_fused_cpu", signatures,
                             "the torch backend's fused CPU updates are", flags=(*native.FLAGS, "-fopenmp"),
                             hint=" Set MESHEMBED_TORCH_FUSED=0 to silence this.")
@@ -140,24 +141,28 @@ def gather_rows(data: Any, index: Any, out: Any) -> bool:
     return True
 
 
-def bag_inputs(ids: Any, slots: Any, num_rows: int, num_segments: int) -> tuple[Any, Any] | None:
-    """``(int32 ids, int32 offsets)`` of a sum-mode ``embedding_bag`` that sums the ``num_rows``-row
-    table's rows ``ids[i]`` into segment ``slots[i]``, made in one pass (``meshembed_bag_inputs``:
-    the range check of the ids, their int32 copy and the offsets of the sorted slots); None, having
-    done nothing the caller sees, where it does not apply — not 1-D int64 CPU tensors of one
-    length, sizes beyond int32, an id outside ``[0, num_rows)`` or slots that are not
+
+def pooled_sum(data: Any, ids: Any, slots: Any, num_segments: int, threads: int) -> Any:
+    """``out[s] = Σ data[ids[i]]`` over the positions ``i`` with ``slots[i] == s`` (the sum
+    combiner's forward over sorted segments; an empty segment is zeros) in one C++ pass
+    (``meshembed_pooled_sum_*``): each segment summed in registers in position order from 0 —
+    the bits of ``embedding_bag(mode="sum")`` and of the NumPy reference — with the ids' range
+    check and the slots' order check folded in, no int32 copy, no offsets. None, having done
+    nothing the caller sees, where it does not apply: not a 2-D float32/float64 CPU table, not
+    1-D int64 CPU ids and slots of one length, an id outside the table or slots that are not
     non-decreasing in ``[0, num_segments)`` (the caller's general path then reports or sorts)."""
     import torch
 
-    n = ids.numel()
-    if (not isinstance(ids, torch.Tensor) or not isinstance(slots, torch.Tensor) or ids.dtype != torch.int64
+    n = ids.numel() if isinstance(ids, torch.Tensor) else 0
+    dtype = {torch.float32: "float32", torch.float64: "float64"}.get(getattr(data, "dtype", None))
+    if (dtype is None or n == 0 or not isinstance(slots, torch.Tensor) or data.dim() != 2
+            or data.device.type != "cpu" or not data.is_contiguous() or ids.dtype != torch.int64
             or slots.dtype != torch.int64 or ids.device.type != "cpu" or slots.device.type != "cpu"
-            or ids.dim() != 1 or slots.dim() != 1 or slots.numel() != n or n == 0 or num_segments < 1
-            or n >= 2**31 or num_rows >= 2**31 or num_segments >= 2**31
+            or ids.dim() != 1 or slots.dim() != 1 or slots.numel() != n or num_segments < 1
             or not (ids.is_contiguous() and slots.is_contiguous()) or _library() is None):
         return None
-    ids32 = torch.empty(n, dtype=torch.int32)
-    offsets = torch.empty(num_segments, dtype=torch.int32)
-    done = _library().meshembed_bag_inputs(ids.data_ptr(), slots.data_ptr(), n, num_rows, num_segments,
-                                           ids32.data_ptr(), offsets.data_ptr())
-    return (ids32, offsets) if done == 0 else None
+    out = torch.empty((num_segments, data.shape[1]), dtype=data.dtype)
+    done = getattr(_library(), f"meshembed_pooled_sum_{dtype}")(
+        data.data_ptr(), data.shape[0], data.shape[1], ids.data_ptr(), slots.data_ptr(), n, num_segments,
+        out.data_ptr(), int(threads))
+    return out if done == 0 else None
