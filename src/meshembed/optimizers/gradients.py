@@ -155,7 +155,11 @@ def _divide(backend: Any, x: Any, d: float) -> Any:
 
 def _all_finite(xp: Any, x: Any) -> bool:
     """Every element finite; one sum first (NaN/Inf propagate), the element test only when
-    that sum is not finite. Works on a torch DTensor (the reductions are all-reduced)."""
+    that sum is not finite. Works on a torch DTensor (the reductions are all-reduced). A
+    complex array: each part (a torch DTensor cannot test a complex 0-d sum)."""
+    if xp.isdtype(x.dtype, "complex floating"):
+        return _all_finite(xp, xp.real(x)) and _all_finite(xp, xp.imag(x))
+
     def host(v: Any) -> bool:
         full = getattr(v, "full_tensor", None)
         return bool(full() if callable(full) else v)
