@@ -24,6 +24,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable
 
+import array_api_compat
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,7 +114,7 @@ class Sealed:
     dtype = property(lambda self: self.a.dtype)
     ndim = property(lambda self: self.a.ndim)
     size = property(lambda self: self.a.size)
-    device = property(lambda self: self.a.device)
+    device = property(lambda self: array_api_compat.device(self.a))  # a tracer's too
     T = property(lambda self: self.ns.seal(self.a.T))
 
     def __array_namespace__(self, api_version: Any = None) -> Any:
