@@ -18,7 +18,7 @@ import tomllib
 
 import pytest
 
-from conformance import jax_compile_cache
+from conformance import device_repeats, jax_compile_cache
 
 jax_compile_cache.share()  # before jax is imported: identical XLA programs compile once per run
 
@@ -131,13 +131,6 @@ if _DEVICE_REPEATS not in ("0", "1"):
     raise pytest.UsageError(f"MESHEMBED_TEST_DEVICE_REPEATS={_DEVICE_REPEATS!r}: expected 0 or 1")
 
 
-def _device_repeat(item) -> bool:
-    """An option variant (clip, decay, dynamic lr) of a rule other than adagrad: the same math on 1 device."""
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    return (getattr(item, "originalname", None) == "test_optimizer_matches_reference" and params.get("option", "plain") != "plain"
-            and params.get("name") != "adagrad")
-
-
 def _backend_of(item) -> str | None:
     callspec = getattr(item, "callspec", None)
     return callspec.params.get("backend_name") if callspec else None
@@ -145,8 +138,8 @@ def _backend_of(item) -> str | None:
 
 def pytest_collection_modifyitems(config, items):
     if _DEVICE_REPEATS == "0":
-        repeats = [item for item in items if _device_repeat(item)]
-        items[:] = [item for item in items if not _device_repeat(item)]
+        repeats = [item for item in items if device_repeats.is_repeat(item)]
+        items[:] = [item for item in items if not device_repeats.is_repeat(item)]
         config.hook.pytest_deselected(items=repeats)
     manifest = _xfails()
     subset = _module.compiled_subset(item.nodeid for item in items if _backend_of(item) == _module.COMPILED_NAME)
