@@ -87,7 +87,7 @@ def test_threads_split_the_rows_bit_for_bit(name, form, dim):
 
     rule = RULES[IDS.index(name)]
     rng = np.random.default_rng(dim)
-    vocab, n, dtype = 4000, 6000, rule.dtype
+    vocab, n, dtype = 4000, 20_000, rule.dtype  # 3 threads: >= 4 Ki contributions, 256 rows each
     ids = (rng.zipf(1.2, size=n) - 1) % vocab
     tables = [mixture(rng, (vocab, dim), dtype)] + [mixture(rng, (vocab, dim), dtype, signed=False)
                                                      for _ in rule.slot_names]

@@ -12,6 +12,8 @@
 // for the sums balanced by contribution count, for the updates by row count — so no two
 // threads write the same row.
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -121,6 +123,98 @@ void sum_update_range(const Problem<T>& p, const int32_t* order, const int64_t* 
   });
 }
 
+// The rows of a batch grouped: `uniq` (the unique rows, ascending: the updates then walk the table
+// in address order), `rank` (each contribution's row among them), `start` (row u's contributions
+// are positions [start[u], start[u + 1]) of `order`) and, if asked, `order` (the contributions
+// grouped by row, batch order kept within a row: a stable counting sort). Scratch of the calling
+// thread, kept between calls (fresh megabytes every call would cost a page fault per 4 KiB).
+struct Grouping {
+  std::vector<uint64_t> bits;
+  std::vector<int32_t> base, rank, order, count;
+  std::vector<int64_t> uniq, start;
+};
+
+// Fills g for `rows` (n contributions, rows of [0, m)) on up to `threads` threads (one per 4 Ki
+// contributions): the bitmap of the rows and its popcount prefix on one thread, then on all of
+// them each thread's contributions' ranks (checking its gradient indices) and row counts, the
+// unique rows of its words, the row starts (a two-level prefix over the rows) and each thread's
+// contributions placed after the earlier threads' in every row (what keeps the sort stable).
+// Returns the number of unique rows, or -1 if a row is outside [0, m), -2 if a gradient index is
+// outside [0, grad_rows) (before anything else is computed).
+inline int64_t GroupRows(Grouping& g, const int64_t* rows, int64_t n, int64_t m, const int64_t* grad_index,
+                         int64_t grad_rows, int threads, bool want_order) {
+  const int64_t words = (m + 63) / 64;
+  g.bits.assign(words, 0);
+  g.base.resize(words);
+  uint64_t* bits = g.bits.data();
+  int32_t* base = g.base.data();
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t r = rows[k];
+    if (uint64_t(r) >= uint64_t(m)) return -1;  // a negative row is larger than any row count
+    bits[r >> 6] |= uint64_t(1) << (r & 63);
+  }
+  int64_t unique = 0;
+  for (int64_t w = 0; w < words; ++w) {
+    base[w] = int32_t(unique);
+    unique += __builtin_popcountll(bits[w]);
+  }
+  const int parts = int(std::max<int64_t>(1, std::min<int64_t>(threads, n >> 12)));
+  g.uniq.resize(unique);
+  g.rank.resize(n);
+  g.start.resize(unique + 1);
+  g.count.assign(int64_t(parts) * unique, 0);
+  if (want_order) g.order.resize(n);
+  int64_t* uniq = g.uniq.data();
+  int32_t* rank = g.rank.data();
+  int64_t* start = g.start.data();
+  int32_t* count = g.count.data();  // count[t * unique + u]: thread t's contributions to row u
+  int32_t* order = g.order.data();
+  std::vector<int64_t> part(parts + 1, 0);
+  std::vector<char> bad(parts, 0);
+#pragma omp parallel num_threads(parts)
+  {
+    const int t = omp_get_thread_num();
+    const int64_t ilo = n * t / parts, ihi = n * (t + 1) / parts;
+    int32_t* own = count + int64_t(t) * unique;
+    for (int64_t k = ilo; k < ihi; ++k) {
+      const int64_t r = rows[k];
+      const int32_t u = base[r >> 6] + __builtin_popcountll(bits[r >> 6] & ((uint64_t(1) << (r & 63)) - 1));
+      rank[k] = u;
+      ++own[u];
+      if (grad_index && uint64_t(grad_index[k]) >= uint64_t(grad_rows)) bad[t] = 1;
+    }
+    for (int64_t w = words * t / parts, s = -1; w < words * (t + 1) / parts; ++w) {
+      if (s < 0) s = base[w];
+      for (uint64_t b = bits[w]; b; b &= b - 1) uniq[s++] = w * 64 + __builtin_ctzll(b);
+    }
+#pragma omp barrier
+    const int64_t ulo = unique * t / parts, uhi = unique * (t + 1) / parts;
+    int64_t sum = 0;
+    for (int64_t u = ulo; u < uhi; ++u)
+      for (int q = 0; q < parts; ++q) sum += count[int64_t(q) * unique + u];
+    part[t + 1] = sum;
+#pragma omp barrier
+#pragma omp single
+    for (int q = 0; q < parts; ++q) part[q + 1] += part[q];
+    // (the single's closing barrier publishes part)
+    int64_t run = part[t];
+    for (int64_t u = ulo; u < uhi; ++u) {
+      start[u] = run;
+      for (int q = 0; q < parts; ++q) {  // thread q's first position in row u
+        const int32_t c = count[int64_t(q) * unique + u];
+        count[int64_t(q) * unique + u] = int32_t(run);
+        run += c;
+      }
+    }
+    if (want_order) {
+#pragma omp barrier
+      for (int64_t k = ilo; k < ihi; ++k) order[own[rank[k]]++] = int32_t(k);
+    }
+  }
+  start[unique] = n;
+  return std::any_of(bad.begin(), bad.end(), [](char b) { return b != 0; }) ? -2 : unique;
+}
+
 // Returns the number of unique rows updated, or (before writing anything) -1 if a row is
 // outside [0, num_rows), -2 if a gradient index is outside [0, grad_rows), -3 if n_arrays is
 // outside [1, kMaxArrays], -4 if `check` and an element of grads is NaN or Inf — any of its
@@ -136,37 +230,20 @@ int64_t fused_update(void* kernel, const double* hp, int n_arrays, T* const* arr
   if (n_arrays < 1 || n_arrays > kMaxArrays || (!grad_index && grad_rows != n) || (row_mask & 1) ||
       row_mask < 0 || row_mask >= (1 << n_arrays))
     return -3;
-  // Unique rows ascending (so the updates walk the table in address order) and the rank of
-  // each contribution's row among them: the bitmap dedup the JAX kernels use too.
-  thread_local std::vector<int64_t> uniq;
-  thread_local std::vector<int32_t> rank;
+  // The contributions grouped by row (GroupRows); the order only for the one-pass path below.
+  thread_local Grouping g;
   thread_local std::vector<T> sums;
-  uniq.resize(n);
-  rank.resize(n);
-  const int64_t unique = meshembed::DedupBitmap(rows, n, num_rows, n, uniq.data(), rank.data());
-  // start[u + 1] - start[u]: contributions of row u, counted in the pass that checks the input
-  thread_local std::vector<int64_t> start;
-  start.assign(unique + 1, 0);
-  for (int64_t i = 0; i < n; ++i) {
-    if (rank[i] < 0) return -1;
-    if (grad_index && (grad_index[i] < 0 || grad_index[i] >= grad_rows)) return -2;
-    ++start[rank[i] + 1];
-  }
-  for (int64_t u = 0; u < unique; ++u) start[u + 1] += start[u];
-
-  Problem<T> p{reinterpret_cast<RowKernel<T>>(kernel), hp, n_arrays, arrays, dim, row_mask, grads, n, rank.data(),
-               grad_index, weights, uniq.data(), nullptr, check != 0};
+  const bool one_pass = !check || grad_index;
+  const int64_t unique = GroupRows(g, rows, n, num_rows, grad_index, grad_rows, threads, one_pass);
+  if (unique < 0) return unique;
+  const int32_t* rank = g.rank.data();
+  const int64_t* start = g.start.data();
+  Problem<T> p{reinterpret_cast<RowKernel<T>>(kernel), hp, n_arrays, arrays, dim, row_mask, grads, n, rank,
+               grad_index, weights, g.uniq.data(), nullptr, check != 0};
   const int t_count = int(std::max<int64_t>(1, std::min<int64_t>(threads, unique / 256)));
-  if (!check || grad_index) {
-    // One pass: the contributions grouped by row (a stable counting sort: batch order kept
-    // within a row), then each thread sums and updates a range of rows, the ranges of about
-    // equal cost (a contribution, or a row's update: the update costs about two
-    // contributions' sums).
-    thread_local std::vector<int32_t> order;
-    thread_local std::vector<int64_t> next;
-    order.resize(n);
-    next.assign(start.begin(), start.end() - 1);
-    for (int64_t i = 0; i < n; ++i) order[next[rank[i]]++] = int32_t(i);
+  if (one_pass) {
+    // Each thread sums and updates a range of rows, the ranges of about equal cost (a
+    // contribution, or a row's update: the update costs about two contributions' sums).
     std::vector<int64_t> cut(t_count + 1, unique);
     cut[0] = 0;
     for (int t = 1; t < t_count; ++t) {
@@ -181,8 +258,7 @@ int64_t fused_update(void* kernel, const double* hp, int n_arrays, T* const* arr
     }
     std::vector<char> finite(t_count, 1);
     // the scratch is thread_local: its addresses taken here, on the calling thread
-    const int32_t* order_of = order.data();
-    const int64_t* start_of = start.data();
+    const int32_t* order_of = g.order.data();
 #pragma omp parallel num_threads(t_count)
     {
       if (check) {
@@ -193,7 +269,7 @@ int64_t fused_update(void* kernel, const double* hp, int n_arrays, T* const* arr
       const bool ok = std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; });
 #pragma omp for schedule(static, 1)
       for (int t = 0; t < t_count; ++t)
-        if (ok) sum_update_range(p, order_of, start_of, cut[t], cut[t + 1]);
+        if (ok) sum_update_range(p, order_of, start, cut[t], cut[t + 1]);
     }
     return std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; }) ? unique : -4;
   }
@@ -207,7 +283,7 @@ int64_t fused_update(void* kernel, const double* hp, int n_arrays, T* const* arr
   std::vector<int64_t> cut(t_count + 1, unique);
   cut[0] = 0;
   for (int t = 1; t < t_count; ++t)
-    cut[t] = std::lower_bound(start.begin(), start.end() - 1, n * t / t_count) - start.begin();
+    cut[t] = std::lower_bound(start, start + unique, n * t / t_count) - start;
   std::vector<char> finite(t_count, 1);
 #pragma omp parallel num_threads(t_count)
   {
