@@ -128,10 +128,10 @@ class StepMixin:
                 for k in range(len(first.targets)):
                     for u, value in zip(group, new[k]):
                         u.variables[k].adopt(u.backend.from_real_view(value) if u.real_view else value)
-            else:  # written in place; a complex variable's real view written that is a copy: back
-                for u in group:
-                    if u.real_view and not u.backend.real_view_aliases(u.variables[0].value):
-                        for v, view in zip(u.variables, u.targets):
+            else:  # written in place; where a complex variable's real view was a copy: back
+                for u in (u for u in group if u.real_view):
+                    for v, view in zip(u.variables, u.targets):
+                        if not u.backend.real_view_aliases(v.value):
                             v.adopt(u.backend.from_real_view(view))
             i = j
 
