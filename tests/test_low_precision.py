@@ -563,11 +563,22 @@ def test_tpu_front_end_takes_a_precision():
     assert values.dtype == np.float32 and np.all(values.view(np.uint32) & 0xFFFF == 0)
 
 
-def test_jax_front_end_refuses_low_precision():
+def test_jax_front_end_gives_the_engines_bits(reference):
+    """jitted me.jax (tests/test_jax_low_precision.py has more: eager, 8 devices, checkpoints)."""
     if not _usable("jax"):
         pytest.skip("jax not installed")
-    with pytest.raises(me.ConfigError, match="me.jax"):
-        me.jax.init(_config())
+    import jax
+
+    state = me.jax.init(_config(), num_shards=2, seed=1)
+    lookup, apply = jax.jit(me.jax.lookup), jax.jit(me.jax.apply_gradients)
+    names = ("bag", "seq", "fp_ids", "plain")
+    for (feats, grads), want in zip(_batches(4), reference[1]):
+        batch = me.jax.prepare(state, feats)
+        acts = lookup(state, batch)
+        for n, w in zip(names, want):
+            assert np.array_equal(np.asarray(acts[n]).view(np.uint32), w.view(np.uint32)), n
+        state = apply(state, batch, dict(zip(names, grads)))
+    _assert_same_bits(reference[0], {t: state.parameters(t) for t in reference[0]}, "me.jax")
 
 
 # -- 8 JAX devices --------------------------------------------------------------------------------
