@@ -365,3 +365,21 @@ def test_sharded_complex_variable_over_gloo_ranks(tmp_path):
     for out in results.values():
         for key in (k for k in out if not k.endswith("_want")):
             np.testing.assert_allclose(out[key], out[key + "_want"], rtol=1e-6, atol=1e-12, err_msg=key)
+
+
+@pytest.mark.parametrize("bk", _backends(("numpy", "torch")))
+def test_non_contiguous_complex_variable(bk):
+    """A transposed complex variable: NumPy's real view of it is a copy, written back after the
+    in-place step (the reference's bits); torch's is a strided view, which its generated kernel
+    does not take: the compiled core step, within float32 rounding."""
+    w0, grads = _data("complex64", shape=(4, 6), steps=6)
+    held = np.ascontiguousarray(w0.T).T if bk == "numpy" else torch.tensor(np.ascontiguousarray(w0.T)).T
+    v = me.Variable(held, name="z", backend=bk)
+    assert not (v.value.flags.c_contiguous if bk == "numpy" else v.value.is_contiguous())
+    opt = me.optimizers.Adadelta(**HP)
+    for g in grads:
+        opt.apply_gradients([(g, v)])
+    want, _ = _run("numpy", w0, grads)
+    tol = dict(rtol=0, atol=0) if bk == "numpy" else dict(rtol=1e-6, atol=1e-12)
+    for x, y in zip([_host(v), *(_host(s) for s in opt.variables[1:])], want):
+        np.testing.assert_allclose(x, y, **tol)
