@@ -76,3 +76,21 @@ def test_compiled_subset_is_the_first_case_of_each_test_and_every_combiner():
     assert subset == {ids[0], ids[2], ids[3], ids[4], ids[6]}
     assert not ft.covers(ids[7], ft.COMPILED_NAME, subset) and not ft.covers(ids[7], ft.NAME)
     assert ft.covers(ids[1], ft.NAME) and ft.covers(ids[1], ft.COMPILED_NAME, subset) == ft.COMPILE_ALL
+
+
+def test_the_conformance_report_tells_torch_from_torch_module():
+    """``meshembed conformance --backends torch,torch-module,...``: each test id goes to its own column
+    (the backend names are matched longest first)."""
+    from types import SimpleNamespace
+
+    from meshembed.conformance_report import Report, _Collector
+
+    report = Report(backends=["torch", "torch-module", "torch-module-compiled", "jax", "jax-functional", "all"])
+    collector = _Collector(report)
+    for backend in ("torch", "torch-module", "torch-module-compiled", "jax", "jax-functional"):
+        collector.pytest_runtest_logreport(SimpleNamespace(
+            when="call", skipped=False, failed=False, outcome="passed", user_properties=[], longrepr=None,
+            nodeid=f"conformance/test_engine.py::test_sharding_changes_no_number[{backend}-2-mod]"))
+    assert list(report.rows) == ["test_sharding_changes_no_number[2-mod]"]
+    assert sorted(report.rows["test_sharding_changes_no_number[2-mod]"]) == sorted(
+        ["torch", "torch-module", "torch-module-compiled", "jax", "jax-functional"])

@@ -103,9 +103,9 @@ class _Collector:
 
     def __init__(self, report: Report):
         self.report = report
-        self.pattern = re.compile(
-            r"(^|-)(" + "|".join(re.escape(b) for b in report.backends) + r")(-|$)"
-        )
+        # longest name first: "torch" must not match the start of "torch-module" (nor "jax" of "jax-functional")
+        names = sorted(report.backends, key=len, reverse=True)
+        self.pattern = re.compile(r"(^|-)(" + "|".join(re.escape(b) for b in names) + r")(-|$)")
 
     def pytest_runtest_logreport(self, report) -> None:
         if report.when != "call" and not (report.skipped or report.failed):
