@@ -383,3 +383,24 @@ def test_non_contiguous_complex_variable(bk):
     tol = dict(rtol=0, atol=0) if bk == "numpy" else dict(rtol=1e-6, atol=1e-12)
     for x, y in zip([_host(v), *(_host(s) for s in opt.variables[1:])], want):
         np.testing.assert_allclose(x, y, **tol)
+
+
+@pytest.mark.parametrize("bk", _backends(("torch", "jax")))
+def test_minimize_descends_on_both_parts(bk):
+    """``minimize`` takes the backend's autodiff gradient in torch's convention on both backends
+    (``∂L/∂re + i·∂L/∂im``; JAX's own is its conjugate): the same steps as torch.optim.Adadelta."""
+    w0, _ = _data("complex64", shape=(3,), steps=0)
+    target = np.array([1 - 2j, 0.5 + 0.5j, -1j], np.complex64)
+    p = torch.tensor(w0, requires_grad=True)
+    ref = torch.optim.Adadelta([p], **TORCH_HP)
+    v = me.Variable(w0.copy(), name="z", backend=bk)
+    opt = me.optimizers.Adadelta(**HP)
+    xp = me.get_backend(bk).xp
+    t = me.get_backend(bk).asarray(target)
+    for _ in range(10):
+        ref.zero_grad()
+        (torch.abs(p - torch.tensor(target)) ** 2).sum().backward()
+        ref.step()
+        opt.minimize(lambda: xp.sum(xp.abs(v.value - t) ** 2), [v])
+    np.testing.assert_allclose(_host(v), p.detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert np.abs(_host(v) - target).sum() < np.abs(w0 - target).sum()

@@ -227,7 +227,9 @@ class JaxDenseMixin:
 
     def value_and_grad(self, fn: Callable[..., Any], values: Sequence[Any]) -> tuple[Any, list[Any]]:
         """Loss and gradients of ``fn(*values)`` by ``jax.value_and_grad`` over all values;
-        gradients keep the values' shardings under SPMD propagation."""
+        gradients keep the values' shardings under SPMD propagation. The gradient of a complex
+        value is conjugated: JAX returns ``∂L/∂re − i·∂L/∂im``, torch (whose complex semantics
+        the optimizer follows) ``∂L/∂re + i·∂L/∂im``, the steepest ascent of the real view."""
         import jax
         import jax.numpy as jnp
 
@@ -243,7 +245,7 @@ class JaxDenseMixin:
             return jnp.sum(loss)
 
         loss, grads = jax.value_and_grad(summed)(list(values))
-        return loss, list(grads)
+        return loss, [jnp.conj(g) if jnp.iscomplexobj(g) else g for g in grads]
 
 
 def _reads_of_outputs(closed: Any) -> list[set[int]]:
