@@ -18,8 +18,8 @@ user builds it, on the same device and shard count) and, on the torch backend,
   module too, with the same error class, leaving its tables as they were. The engine's step
   runs beside it on the engine's own tables;
 
-and each step asserts that both give the same bits (activations, every table and slot, the step
-counter); the wrapper then keeps the module's tables. Inputs reach the module as a torch user
+and each step asserts that both give the same raw bits (activations, every table and slot, NaN
+payloads and signs of zero included; the step counter); the wrapper then keeps the module's tables. Inputs reach the module as a torch user
 passes them: NumPy arrays become tensors (``me.RaggedIds``/``me.SparseIds`` of tensors).
 
 The engine's state machine (call order, pending batches) and the shape checks of the
@@ -28,9 +28,12 @@ gradients of its outputs' shapes only. ``backward_pass_only`` batches run the mo
 and backward at ``apply_gradients`` (the module has no backward without a forward).
 
 ``torch-module-compiled`` calls ``torch.compile(module, fullgraph=True, dynamic=False)``
-(a graph break raises) for every forward; the backward runs the compiled graph's backward.
-Compiling costs seconds per new module, so by default it runs a subset of the engine tests
-(:func:`covers`); ``MESHEMBED_TEST_COMPILED=all`` runs every one.
+(a graph break raises) for every forward and asserts each training forward ran as one compiled
+graph; the backward runs the compiled graph's backward. Dynamo is reset for each new module (its
+op handle is a constant of the graph: modules of many tests would fill one code object's
+recompile budget). Compiling costs a second or more per new module, so by default it runs a
+subset of the engine tests (:func:`compiled_subset`); ``MESHEMBED_TEST_COMPILED=all`` runs every
+one.
 
 Only ``conformance/test_engine*.py`` run here; the backend-protocol and dense-optimizer tests
 would repeat the ``torch`` entry exactly.
@@ -111,7 +114,7 @@ def skip_reason(nodeid: str) -> str:
 # -- bits -------------------------------------------------------------------------------------
 
 def _bits(x: Any) -> np.ndarray:
-    """The raw bits of a tensor (bfloat16 too: NumPy has none) as unsigned integers."""
+    """The raw bits of a tensor (bfloat16 too: NumPy has none) as integers of its width."""
     import torch
 
     x = x.detach().cpu().contiguous()
