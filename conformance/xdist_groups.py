@@ -24,6 +24,7 @@ PROCESS_TESTS = (
     "tests/test_jax_api.py::test_jax_backend_agree_over_two_processes",
     "tests/test_jax_multidevice.py::test_two_processes_match_numpy",
     "tests/test_mesh_multidevice.py::test_torch_two_rank_gloo_mesh_matches_single_process",
+    "tests/test_adadelta_complex.py::test_sharded_complex_variable_over_gloo_ranks",
 )
 #: Files that start ranks with torch's default (minutes) timeouts: they may run beside anything.
 PARALLEL_PROCESS_FILES = ("test_torch_api_dist.py", "test_torch_module_groups.py")
