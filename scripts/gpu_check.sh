@@ -51,7 +51,7 @@ EOF
 } 2>&1 | tee -a "$LOG"
 
 # Each run: name, the MESHEMBED_TEST_BACKENDS list, workers, extra environment.
-declare -A NAMES=([cupy]="cupy" [torch]="torch" [jax]="jax,jax-functional")
+declare -A NAMES=([cupy]="cupy" [torch]="torch,torch-module,torch-module-compiled" [jax]="jax,jax-functional")
 declare -A WORKERS=([cupy]=4 [torch]=4 [jax]=8)
 if [ -n "${GPU_CHECK_WORKERS:-}" ]; then for r in cupy torch jax; do WORKERS[$r]=$GPU_CHECK_WORKERS; done; fi
 declare -A ENVS=([cupy]="" [torch]="MESHEMBED_TORCH_DEVICE=cuda" [jax]="")
