@@ -12,7 +12,9 @@ Works under ``optax.inject_hyperparams``: the learning rate, ``rho`` and ``epsil
 callables, of the step count like an optax schedule or with no argument (tf_keras' legacy
 ``rho=lambda: 0.95``). Complex parameters are optimised as ``torch.optim.Adadelta`` does: as
 their real view, real and imaginary parts two independent reals (the slots, complex like the
-parameter, hold ``E[re(g)²] + i·E[im(g)²]``).
+parameter, hold ``E[re(g)²] + i·E[im(g)²]``). The complex gradient it takes is torch's,
+``∂L/∂re + i·∂L/∂im``; ``jax.grad`` returns its conjugate, so pass ``jnp.conj(grads)`` for complex
+leaves (raw ``jax.grad`` output makes the imaginary parts climb, as it does with ``optax.sgd``).
 """
 
 from __future__ import annotations
