@@ -471,6 +471,7 @@ def from_engine(emb: TPUEmbedding) -> EmbeddingState:
     must not step afterwards if the state is donated)."""
     if not isinstance(emb.backend, JaxBackend):
         raise ConfigError(f"Invalid engine: me.jax needs backend='jax'. Received: backend={emb.backend.name!r}")
+    _refuse_inexact_low_precision(emb.layout)
     from meshembed_jax import dynamic as jdyn
 
     vocab_static = jdyn.statics(emb)  # refuses the policies me.jax cannot run exactly
@@ -489,6 +490,28 @@ def from_engine(emb: TPUEmbedding) -> EmbeddingState:
     vocab = jax.device_put({tv.name: jdyn.to_arrays(emb.vocabulary(tv.name)) for tv in vocab_static.values()},
                            static.replicated)
     return EmbeddingState(tables, step, static, vocab)
+
+
+#: Low-precision rules whose traced step is measured to differ from the engine's: (optimizer
+#: class, what, why). FTRL with a dynamic learning rate: 11 of 174 float32 `linears` values a
+#: last bit apart after 4 steps (float16 SR parameters; with constant rates, and every other
+#: optimizer with a dynamic rate, 0 differences).
+_INEXACT_LOW = (("FTRL", "a dynamic learning rate",
+                 "its float32 linears drift a last bit from the engine's (measured: 11 of 174 values in 4 steps)"),)
+
+
+def _refuse_inexact_low_precision(layout: Layout) -> None:
+    """ConfigError for a low-precision table whose me.jax step does not give the engine's bits."""
+    for t in layout.tables:
+        if not precision.is_low(t):
+            continue
+        for name, what, why in _INEXACT_LOW:
+            if type(t.optimizer).__name__ == name and type(getattr(t.optimizer, "learning_rate", None)).__name__ \
+                    == "DynamicLearningRate":
+                raise ConfigError(
+                    f"Table {t.name!r}: me.jax does not run a low-precision {name} table with {what}: {why}. "
+                    "Nothing was changed. Fix: a constant learning rate for this table, float32 storage, or train "
+                    "it with me.TPUEmbedding(config, backend='jax') (docs/low_precision.md).")
 
 
 def init(config: Any, *, mesh: Any = None, axis: str | None = None, num_shards: int | None = None, seed: int = 0,
@@ -980,9 +1003,18 @@ def _low_update(st: _Static, t: Any, rule: UpdateRule, datas: tuple, values: tup
     # across operations); the values as the engine passes them (a config's constants stay
     # Python floats, so derived constants round once, in double)
     zero = jnp.minimum(jnp.asarray(step), 0)  # a runtime zero (the step is an input of the program)
-    with traced_rule_errors(rule, "me.jax", "train this table with me.TPUEmbedding"):
-        new = exact.call(lambda xp_, vals, g, *r: apply_rule(xp_, rule, vals, g, *r), xp, zero, tuple(values),
-                         sums, *rows)
+    try:
+        with traced_rule_errors(rule, "me.jax", "train this table with me.TPUEmbedding"):
+            new = exact.call(lambda xp_, vals, g, *r: apply_rule(xp_, rule, vals, g, *r), xp, zero, tuple(values),
+                             sums, *rows)
+    except exact.ScalarArithmetic as exc:
+        raise ConfigError(
+            f"Table {t.name!r} ({type(t.optimizer).__name__}, low-precision storage): me.jax cannot give the "
+            "engine's bits with a dynamic value in this rule: the rule combines it with another scalar before "
+            "any row ({exc}), which the engine computes in double from the Python float it holds, and a traced "
+            "value can only be float32 here (a last-bit difference, measured: FTRL with a dynamic learning "
+            "rate). Nothing was changed. Fix: a constant learning rate in the config for this table, or train "
+            "it with me.TPUEmbedding (backend='jax').".replace("{exc}", str(exc))) from None
     ctr = None
     out = []
     for k, (data, row, dtype, w) in enumerate(zip(datas, new, dtypes, widths)):

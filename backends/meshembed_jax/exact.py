@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Sealed", "call"]
+__all__ = ["ScalarArithmetic", "Sealed", "call"]
 
 
 class _Namespace:
@@ -86,8 +86,16 @@ def _unwrap(x: Any) -> Any:
     return x
 
 
+class ScalarArithmetic(Exception):
+    """A traced 0-d value (a dynamic learning rate) met another scalar before any array: the
+    engine, which holds that value as a Python float, computes such a product in double on
+    the host and rounds it once; here it would be float32 arithmetic (a last-bit difference)."""
+
+
 def _binary(op: Callable, reflected: bool = False) -> Callable:
     def method(self: "Sealed", other: Any) -> Any:
+        if self.a.ndim == 0 and (not isinstance(other, Sealed) or other.a.ndim == 0):
+            raise ScalarArithmetic(f"{op.__name__} of a traced scalar and {type(other).__name__}")
         b = other.a if isinstance(other, Sealed) else self.ns.constant(other, self.a)
         return self.ns.seal(op(b, self.a) if reflected else op(self.a, b))
 
@@ -159,6 +167,8 @@ class Sealed:
 def call(fn: Callable, xp: Any, zero: Any, *args: Any) -> Any:
     """``fn(sealed_xp, *args)`` with every array of ``args`` (nested in tuples and lists)
     sealed, its results unwrapped to jax arrays. ``zero``: a runtime int32 zero XLA cannot
-    prove to be zero (e.g. ``min(step, 0)`` of a step counter that is a program input)."""
+    prove to be zero (e.g. ``min(step, 0)`` of a step counter that is a program input).
+    Raises :class:`ScalarArithmetic` where a 0-d array of ``args`` meets another scalar (the
+    op-by-op reference would hold it as a Python float and compute in double)."""
     ns = _Namespace(xp, jnp.asarray(zero, jnp.int32))
     return _unwrap(fn(ns, *ns.seal(list(args))))
