@@ -330,17 +330,15 @@ extern "C" int64_t meshembed_gather_rows(const char* table, int64_t num_rows, co
 
 namespace {
 
-// out[s] = sum of table[ids[i]] over the positions i of segment s, for the segments [lo, hi) of
-// sorted `slots` (positions found by binary search), each summed in registers (LocalRow) in
-// position order from 0 and stored once, the rows ahead prefetched. Returns whether every id
-// read is in [0, num_rows) (an id outside adds nothing).
+// out[s] = sum of table[ids[i]] over the positions i in [offsets[s], offsets[s + 1]), for the
+// segments [lo, hi), each summed in registers (LocalRow) in position order from 0 and stored
+// once, the rows ahead prefetched. Returns whether every id read is in [0, num_rows) (an id
+// outside adds nothing).
 template <int D, class T>
-bool PooledRange(const T* table, int64_t num_rows, int64_t d, const int64_t* ids, const int64_t* slots, int64_t n,
+bool PooledRange(const T* table, int64_t num_rows, int64_t d, const int64_t* ids, const int64_t* offsets,
                  int64_t lo, int64_t hi, T* out) {
   meshembed::LocalRow<D, T> acc(d);
-  const int64_t w = D > 0 ? D : d, row_bytes = w * int64_t(sizeof(T));
-  int64_t p = std::lower_bound(slots, slots + n, lo) - slots;
-  const int64_t e = std::lower_bound(slots + p, slots + n, hi) - slots;
+  const int64_t w = D > 0 ? D : d, row_bytes = w * int64_t(sizeof(T)), end = offsets[hi];
   const uint64_t rows = uint64_t(num_rows);
   uint64_t bad = 0;
   auto row = [&](int64_t q) -> const void* {
@@ -348,8 +346,8 @@ bool PooledRange(const T* table, int64_t num_rows, int64_t d, const int64_t* ids
   };
   for (int64_t s = lo; s < hi; ++s) {
     acc.Zero();
-    for (; p < e && slots[p] == s; ++p) {
-      meshembed::PrefetchAhead(p, e, row_bytes, false, row);
+    for (int64_t p = offsets[s]; p < offsets[s + 1]; ++p) {
+      meshembed::PrefetchAhead(p, end, row_bytes, false, row);
       const int64_t id = ids[p];
       if (uint64_t(id) < rows) acc.template Add<false>(table + id * w, T(1));
       else bad = 1;
@@ -362,17 +360,31 @@ bool PooledRange(const T* table, int64_t num_rows, int64_t d, const int64_t* ids
 template <class T>
 int64_t pooled_sum(const T* table, int64_t num_rows, int64_t d, const int64_t* ids, const int64_t* slots, int64_t n,
                    int64_t num_segments, T* out, int threads) {
-  for (int64_t i = 1; i < n; ++i)
-    if (slots[i] < slots[i - 1]) return -2;
-  if (n && (slots[0] < 0 || slots[n - 1] >= num_segments)) return -2;
+  // the segments' offsets, found in the pass that checks the slots' order and range
+  thread_local std::vector<int64_t> offsets_of;
+  offsets_of.resize(num_segments + 1);
+  int64_t* offsets = offsets_of.data();  // (thread_local: its address taken on this thread)
+  int64_t s = -1;                        // offsets[0, s] are written
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t slot = slots[i];
+    if (slot != s) {
+      if (slot < s || slot >= num_segments) return -2;
+      for (int64_t k = s + 1; k <= slot; ++k) offsets[k] = i;
+      s = slot;
+    }
+  }
+  for (int64_t k = s + 1; k <= num_segments; ++k) offsets[k] = n;
   // threads for at least 16 Ki ids each: a parallel region of less work costs more than it saves
   const int parts = int(std::max<int64_t>(1, std::min<int64_t>(threads, n >> 14)));
   int64_t bad = 0;
 #pragma omp parallel for schedule(static, 1) num_threads(parts) reduction(+ : bad)
   for (int t = 0; t < parts; ++t) {
-    const int64_t lo = num_segments * t / parts, hi = num_segments * (t + 1) / parts;
+    // segments of about equal id counts
+    const int64_t lo = t == 0 ? 0 : std::lower_bound(offsets, offsets + num_segments, n * t / parts) - offsets;
+    const int64_t hi = t + 1 == parts ? num_segments
+                                      : std::lower_bound(offsets, offsets + num_segments, n * (t + 1) / parts) - offsets;
     meshembed::WithWidth(d, [&](auto width) {
-      bad += !PooledRange<decltype(width)::value>(table, num_rows, d, ids, slots, n, lo, hi, out);
+      bad += !PooledRange<decltype(width)::value>(table, num_rows, d, ids, offsets, lo, hi, out);
     });
   }
   return bad ? -1 : 0;
