@@ -159,3 +159,31 @@ def test_pooled_lookup_in_one_pass(dtype, dim):
         with pytest.raises(me.errors.InputError, match="Expected ids in"):
             on.gather_combine(tables[0], wrong, slots, segments)
     assert fused_cpu.pooled_sum(tables[0].data, ids, slots, int(slots.max()), 2) is None  # a segment past the count
+
+
+def test_bad_ids_are_checked_by_the_fused_update_and_change_nothing():
+    """The fused update checks the ids' range in its own first pass (no separate pass in the
+    backend): an id outside the vocabulary is the same InputError as on every path, raised
+    before anything is written — also beside a gradient of the wrong shape."""
+    from meshembed.embedding.updates import make_rule
+
+    cfg = me.EmbeddingConfig(tables=[me.TableConfig("t", 50, 8, optimizer=me.embedding.Adagrad(learning_rate=0.1))],
+                             features=[me.FeatureConfig("t", (4,), name="f")])
+    emb = me.TPUEmbedding(cfg, backend="torch")
+    be, state = emb.backend, emb.state.tables[0]
+    fn = make_rule(emb.layout.tables[0])
+    before = [t.data.clone() for t in state]
+    calls = be.stats().get("fused_updates", 0)
+    for bad in (-1, 50):
+        ids = torch.tensor([1, 2, bad, 7])
+        with pytest.raises(me.errors.InputError, match=r"Expected ids in \[0, 50\)"):
+            be.update_rows(state, ids, torch.ones(4, 8), fn, values=(0.1,))
+        with pytest.raises(me.errors.InputError, match=r"Expected ids in \[0, 50\)"):
+            be.update_rows(state, ids, torch.ones(3, 8), fn, values=(0.1,), grad_index=torch.tensor([0, 1, 2, 2]))
+        with pytest.raises(me.errors.InputError, match=r"Expected ids in \[0, 50\)"):
+            be.update_rows(state, ids, torch.ones(5, 8), fn, values=(0.1,))  # and a wrong gradient shape
+    for t, b in zip(state, before):
+        assert torch.equal(t.data, b)
+    assert be.stats().get("fused_updates", 0) == calls
+    be.update_rows(state, torch.tensor([1, 2, 49, 7]), torch.ones(4, 8), fn, values=(0.1,))
+    assert be.stats().get("fused_updates", 0) == calls + 1 and not torch.equal(state[0].data, before[0])

@@ -374,17 +374,29 @@ class TorchBackend(TorchDenseMixin, Backend):
         first = tables[0]
         try:
             values = check_rule(fn, u.values, self.name)
-            ids, id_range = first.checked_ids(self.asarray(ids))
+            ids = self.asarray(ids)
+            # The fused kernel checks the ids' range in its first pass (a bad id: nothing written,
+            # then checked_ids' InputError): no pass of their own here. Every other path checks now.
+            deferred = (u.guard is None and self.fused and first.group is None and first.rowmap.identity
+                        and isinstance(ids, torch.Tensor) and ids.dtype == torch.int64 and ids.dim() == 1
+                        and ids.device == first.data.device and 0 < ids.numel() < 2**31)
+            id_range = None
+            if not deferred:
+                ids, id_range = first.checked_ids(ids)
             g_src = self.asarray(grads).to(first.data.device)
             rows_of = None if grad_index is None else self.asarray(grad_index).to(torch.int64).reshape(-1)
             w = None if grad_weights is None else self.asarray(grad_weights).reshape(-1)
             if rows_of is None and g_src.shape[0] != ids.shape[0]:
+                if deferred:
+                    first.checked_ids(ids)  # a bad id is reported first, as on every path
                 raise InputError(
                     f"Invalid `grads`: expected one row per id ({ids.shape[0]}). Received: shape={tuple(g_src.shape)}"
                 )
             kernel = None
             if self.fused and first.group is None and ids.numel() and ids.numel() < 2**31:
                 kernel = fused_cpu.kernel_for(fn, values, [t.data for t in tables], g_src, ids.numel(), rows_of, w)
+            if deferred and kernel is None:
+                ids, id_range = first.checked_ids(ids)
             if check_finite and kernel is None and not self.all_finite(g_src):
                 raise NonFiniteError()
         except Exception as exc:
@@ -394,8 +406,12 @@ class TorchBackend(TorchDenseMixin, Backend):
             return tables
         if kernel is not None:  # a fused row update generated from the rule (see fused_cpu.py)
             rows = ids if first.rowmap.identity else first.rowmap.local_index(ids)
-            fused_cpu.update(kernel, rows, g_src, rows_of, w, [t.data for t in tables], torch.get_num_threads(),
-                             check_finite=check_finite)
+            try:
+                fused_cpu.update(kernel, rows, g_src, rows_of, w, [t.data for t in tables], torch.get_num_threads(),
+                                 check_finite=check_finite)
+            except fused_cpu.RowOutside:
+                first.checked_ids(ids)  # its InputError names the vocabulary and the ids' range
+                raise
             self._stats["fused_updates"] += 1
             return list(tables)
         seg = self._k.segments(ids, id_range)

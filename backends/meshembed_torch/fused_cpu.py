@@ -59,6 +59,10 @@ def _library() -> Any:
                             hint=" Set MESHEMBED_TORCH_FUSED=0 to silence this.")
 
 
+class RowOutside(InputError):
+    """:func:`update` found a row outside the table (nothing was written)."""
+
+
 def kernel_for(rule: Any, values: Sequence[float], datas: Sequence[Any], grads: Any, n: int, grad_index: Any,
                weights: Any) -> tuple[codegen.RowKernel, tuple[float, ...]] | None:
     """``(row kernel, parameter block)`` when a generated kernel computes ``rule`` with
@@ -113,11 +117,13 @@ def update(kernel: tuple[codegen.RowKernel, tuple[float, ...]], rows: Any, grads
         sum(1 << k for k, w in enumerate(row_kernel.widths) if w))
     if done == -4:
         raise NonFiniteError()
+    if done == -1:
+        raise RowOutside(f"Invalid `ids`: expected rows in [0, {datas[0].shape[0]}). Nothing was updated.")
     if done == -2:
         raise InputError(f"Invalid `grad_index`: expected every index in [0, {grads.shape[0]}) (a row of "
                          "`grads`). Nothing was updated.")
-    if done < 0:  # the backend checked the ids and the kernel: an internal error, not a user's
-        raise RuntimeError(f"meshembed fused update: internal error {done} (a row outside the table or a bad kernel)")
+    if done < 0:  # the backend checked the kernel and the array count: an internal error, not a user's
+        raise RuntimeError(f"meshembed fused update: internal error {done} (a bad kernel or array count)")
 
 
 def gather_rows(data: Any, index: Any, out: Any) -> bool:
