@@ -8,6 +8,9 @@ Rows:
   fuses the element-wise ops into one loop per tensor and writes in place.
 * ``optax.adadelta, jit+donate`` — ``tx.update`` + ``optax.apply_updates`` in one ``jax.jit``
   with params and optimizer state donated (63.5 ms on this machine per design §5).
+* ``W2's in-place stream, no math (the bound)`` — ``benchmarks/w2_stream.cc``: the step's bytes
+  and nothing else, on host arrays of the same sizes; the #36 item 3 line divides the
+  optimizer's median by it (≤ 1.2×).
 
 The bound is ``w2_bytes`` (read g, read+write p and both slots) ÷ measured copy bandwidth.
 Run: ``python -m benchmarks.jax_w2 [--tiny] [--repeats N]``.
@@ -21,12 +24,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import WARMUP, Row, timeit, w2_bytes, w2_main
+from benchmarks.common import W2_STREAM_NAME, WARMUP, Row, timeit, w2_bytes, w2_main, w2_stream_fn
 
 LR, RHO, EPS = 1.0, 0.95, 1e-6
-IMPLS = ("optimizer", "core", "optax")
+IMPLS = ("optimizer", "core", "optax", "bound")
 _NAME = {"optimizer": "me.optimizers.Adadelta.apply_gradients", "core": "meshembed core adadelta, jit+donate",
-         "optax": "optax.adadelta, jit+donate"}
+         "optax": "optax.adadelta, jit+donate", "bound": W2_STREAM_NAME}
 
 
 def _tensors(params: int, n: int, seed: int) -> list[Any]:
@@ -102,7 +105,27 @@ def _optimizer_step(params: int, n: int) -> Callable[[], Any]:
     return step
 
 
-_MAKERS = {"optimizer": _optimizer_step, "core": _core_step, "optax": _optax_step}
+def _bound_step(params: int, n: int) -> Callable[[], Any]:
+    """The bytes of the step with no math (``benchmarks/w2_stream.cc``) over ``n`` host arrays of
+    the same sizes, on as many threads as XLA's CPU pool (the cores): the #36 item 3 bound."""
+    import os
+
+    fn = w2_stream_fn()
+    if fn is None:
+        raise NotImplementedError("benchmarks/w2_stream.cc could not be built (no compiler)")
+    arrays = [[np.full(params // n, 0.5, np.float32) for _ in range(n)] for _ in range(4)]
+    ptrs = [[x.ctypes.data for x in xs] for xs in arrays]
+    sizes = [params // n] * n
+    threads = os.cpu_count() or 1
+
+    def step() -> Any:
+        fn(*ptrs, sizes, threads)
+        return arrays  # keeps the arrays alive as long as the step
+
+    return step
+
+
+_MAKERS = {"optimizer": _optimizer_step, "core": _core_step, "optax": _optax_step, "bound": _bound_step}
 
 
 def _sync(x: Any) -> None:

@@ -16,6 +16,10 @@ Rows:
   on the same path (the generated row kernel of the rule, all tensors in one C call).
 * ``torch.optim.Adadelta(foreach=True)``, ``(foreach=False)`` and ``(fused=True)`` where this
   torch has it (torch 2.13's Adadelta has no ``fused``: the row says so).
+* ``W2's in-place stream, no math (the bound)`` — ``benchmarks/w2_stream.cc`` over the same
+  tensors on torch's threads: the bytes of the step and nothing else, timed interleaved with
+  the rows, so the #36 item 3 line (median ÷ this bound ≤ 1.2×) compares them under the same
+  load.
 
 ``main`` prints the side-by-side table and each row's speed-up over ``foreach=True``.
 
@@ -31,11 +35,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import WARMUP, Row, w2_bytes, w2_main
+from benchmarks.common import W2_STREAM_NAME, WARMUP, Row, w2_bytes, w2_main, w2_stream_fn
 
 LR, RHO, EPS = 1.0, 0.95, 1e-6
 IMPLS = ("optimizer", "optimizer-nonfinite", "me-torch", "eager", "compile", "torch-foreach", "torch-fused",
-         "torch-loop")
+         "torch-loop", "bound")
 BASELINE = "torch-foreach"
 _NAME = {
     "optimizer": "me.optimizers.Adadelta.apply_gradients",
@@ -46,6 +50,7 @@ _NAME = {
     "compile": "meshembed core adadelta, torch.compile",
     "torch-foreach": "torch.optim.Adadelta(foreach=True)",
     "torch-loop": "torch.optim.Adadelta(foreach=False)",
+    "bound": W2_STREAM_NAME,
 }
 
 
@@ -66,6 +71,20 @@ def _make_step(impl: str, params: int, count: int) -> Callable[[], Any]:
     from meshembed.math import AdadeltaSlots, adadelta
 
     ps, gs = _tensors(params, count)
+    if impl == "bound":  # the same bytes with no math: read g, read and write p and two slots in place
+        fn = w2_stream_fn()
+        if fn is None:
+            raise NotImplementedError("benchmarks/w2_stream.cc could not be built (no compiler)")
+        arrays = [ps, [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps], gs]
+        ptrs = [[x.data_ptr() for x in xs] for xs in arrays]
+        sizes = [p.numel() for p in ps]
+        threads = torch.get_num_threads()
+
+        def stream() -> list:
+            fn(*ptrs, sizes, threads)
+            return arrays  # keeps the tensors (and so the addresses) alive as long as the step
+
+        return stream
     if impl.startswith("torch") or impl == "me-torch":
         leaves = [torch.nn.Parameter(p) for p in ps]
         if impl == "me-torch":
