@@ -961,9 +961,9 @@ def _low_lookup(be: JaxBackend, sl: ShardLayout, t: Any, fs: _FeatureStatic, tab
 def _low_counters(uniq: Any, step: Any, dim: int) -> tuple:
     """``rounding.counters`` from traced ids and step: ``(column group, row mod 2**32,
     row // 2**32, step mod 2**32)`` as ``[n, ceil(dim / 4)]`` int32 limb pairs (the layout of
-    ``rounding.random_words``). Behind an optimization barrier, as the engine's host-made
-    arrays are inputs of its compiled words program (XLA:CPU ran 10 rounds fed by broadcasts
-    over 1000× slower)."""
+    ``rounding.random_words``). They enter the words' loop (:func:`_materialized`) from outside,
+    as the engine's host-made arrays enter its compiled words program (XLA:CPU ran 10 rounds
+    fed by broadcasts over 1000× slower)."""
     groups = -(-int(dim) // 4)
     shape = (int(uniq.shape[0]), groups)
     u = uniq.reshape(-1, 1)
@@ -974,8 +974,7 @@ def _low_counters(uniq: Any, step: Any, dim: int) -> tuple:
 
     high = (u >> 32) if u.dtype.itemsize == 8 else jnp.zeros_like(u)  # int32 ids (no x64): below 2**31
     col = jnp.broadcast_to(jnp.arange(groups, dtype=jnp.int32), shape)
-    ctr = ((col, jnp.zeros(shape, jnp.int32)), limbs(u), limbs(high), limbs(jnp.asarray(step).reshape(1, 1)))
-    return jax.lax.optimization_barrier(ctr)
+    return ((col, jnp.zeros(shape, jnp.int32)), limbs(u), limbs(high), limbs(jnp.asarray(step).reshape(1, 1)))
 
 
 def _materialized(fn: Callable, zero: Any, *args: Any) -> Any:
@@ -1023,11 +1022,11 @@ def _low_update(st: _Static, t: Any, rule: UpdateRule, datas: tuple, values: tup
     except exact.ScalarArithmetic as exc:
         raise ConfigError(
             f"Table {t.name!r} ({type(t.optimizer).__name__}, low-precision storage): me.jax cannot give the "
-            "engine's bits with a dynamic value in this rule: the rule combines it with another scalar before "
-            "any row ({exc}), which the engine computes in double from the Python float it holds, and a traced "
-            "value can only be float32 here (a last-bit difference, measured: FTRL with a dynamic learning "
-            "rate). Nothing was changed. Fix: a constant learning rate in the config for this table, or train "
-            "it with me.TPUEmbedding (backend='jax').".replace("{exc}", str(exc))) from None
+            f"engine's bits with a dynamic value in this rule: the rule combines it with another scalar before "
+            f"any row ({exc}; e.g. a dynamic learning rate times the weight decay), which the engine computes in "
+            "double from the Python float it holds, and a traced value is float32 here. Nothing was changed. "
+            "Fix: a constant learning rate in the config for this table, or train it with "
+            "me.TPUEmbedding(config, backend='jax').") from None
     ctr = None
     out = []
     for k, (data, row, dtype, w) in enumerate(zip(datas, new, dtypes, widths)):
@@ -1043,6 +1042,28 @@ def _low_update(st: _Static, t: Any, rule: UpdateRule, datas: tuple, values: tup
         write = be._kernel(("scatter", sl, w), lambda w=w: kernels.make_scatter(sl, w))
         out.append(write(data, uniq, row))
     return tuple(out)
+
+
+def _low_update_compiled(st: _Static, t: Any, rule: UpdateRule, datas: tuple, values: tuple, guard: Any, ids: Any,
+                         grads: Any, step: Any, cap: int) -> tuple:
+    """:func:`_low_update` called eagerly: the same program, jitted once per table and shapes
+    (op by op, every integer operation of the rounding would compile on its own, and the
+    words' loop each call). The config's constant values stay Python constants of the
+    program (static), as inside a user's jit; array values (dynamic rates) are its inputs."""
+    arrays = tuple(i for i, v in enumerate(values) if isinstance(v, jax.Array))
+    constants = tuple(None if i in arrays else v for i, v in enumerate(values))
+    key = (t.index, int(cap), constants, arrays)
+    programs = st.__dict__.setdefault("_low_programs", {})
+    fn = programs.get(key)
+    if fn is None:
+        def program(datas: tuple, dyn: tuple, guard: Any, ids: Any, grads: Any, step: Any) -> tuple:
+            vals = list(constants)
+            for i, v in zip(arrays, dyn):
+                vals[i] = v
+            return _low_update(st, t, rule, datas, tuple(vals), guard, ids, grads, step, cap)
+
+        fn = programs[key] = jax.jit(program)
+    return fn(datas, tuple(values[i] for i in arrays), guard, ids, grads, step)
 
 
 # -- apply_gradients -----------------------------------------------------------------------
@@ -1315,7 +1336,8 @@ def _apply(st: _Static, features: tuple, unique: tuple, with_finite: bool, table
                 ids = jnp.concatenate([ids, jnp.arange(t.vocabulary_size, dtype=ids.dtype)])
                 g = jnp.concatenate([g, jnp.zeros((t.vocabulary_size, dim), g.dtype)])
                 cap = t.vocabulary_size
-            new = _low_update(st, t, rule, datas, values, guard, ids, g, step, cap)
+            run = _low_update if _traced(ids) else _low_update_compiled
+            new = run(st, t, rule, datas, values, guard, ids, g, step, cap)
         elif kind == "every_row":  # non-lazy Adam/Lion: every row, g = 0 where not looked up (as apply_table)
             every = jnp.arange(t.vocabulary_size, dtype=ids.dtype)
             ids = jnp.concatenate([ids, every])
