@@ -176,6 +176,34 @@ def test_ftrl_with_a_dynamic_learning_rate_is_refused():
         api.init(cfg)
 
 
+def test_dynamic_vocabulary_on_a_low_precision_table_is_refused():
+    """map_keys' re-initialisation writes float32 rows: not run on 16-bit storage (the engine runs it)."""
+    from meshembed_jax import api
+
+    cfg = me.EmbeddingConfig(tables=[me.TableConfig("t", V, D, optimizer=me.embedding.SGD(0.1),
+                                                    precision=P(parameters="bfloat16"),
+                                                    dynamic=me.embedding.DynamicVocabulary(capacity=V))],
+                             features=[me.FeatureConfig("t", (4,), name="f")])
+    with pytest.raises(me.ConfigError, match="dynamic vocabulary on a low-precision table"):
+        api.init(cfg)
+
+
+def test_return_finite_skips_the_step_on_nan():
+    """A NaN gradient under ``return_finite=True``: no 16-bit array written, the counter stays."""
+    import jax
+
+    from meshembed_jax import api
+
+    state = api.init(_config(), num_shards=2, seed=4)
+    (feats, grads), = _batches(1)
+    grads[0][0, 0] = np.nan
+    batch = api.prepare(state, feats)
+    new, finite = jax.jit(lambda s, b, g: api.apply_gradients(s, b, g, return_finite=True))(
+        state, batch, dict(zip(NAMES, grads)))
+    assert not bool(finite) and int(new.step) == 0
+    _assert_bits(_params(new), _params(state), "after a skipped step")
+
+
 def _eight(out: str, ckpt: str) -> None:
     """On 8 devices: jitted me.jax over 8 and 2 shards (stored bits to ``out``); the 8-shard
     state saved to ``ckpt``."""

@@ -471,7 +471,7 @@ def from_engine(emb: TPUEmbedding) -> EmbeddingState:
     must not step afterwards if the state is donated)."""
     if not isinstance(emb.backend, JaxBackend):
         raise ConfigError(f"Invalid engine: me.jax needs backend='jax'. Received: backend={emb.backend.name!r}")
-    _refuse_inexact_low_precision(emb.layout)
+    _refuse_inexact_low_precision(emb.layout, dynamic.dynamic_tables(emb.config))
     from meshembed_jax import dynamic as jdyn
 
     vocab_static = jdyn.statics(emb)  # refuses the policies me.jax cannot run exactly
@@ -500,11 +500,18 @@ _INEXACT_LOW = (("FTRL", "a dynamic learning rate",
                  "its float32 linears drift a last bit from the engine's (measured: 11 of 174 values in 4 steps)"),)
 
 
-def _refuse_inexact_low_precision(layout: Layout) -> None:
-    """ConfigError for a low-precision table whose me.jax step does not give the engine's bits."""
+def _refuse_inexact_low_precision(layout: Layout, dynamic_tables: Any = ()) -> None:
+    """ConfigError for a low-precision table whose me.jax step does not give the engine's bits
+    (or is not built: a dynamic vocabulary, whose traced re-initialisation writes float32 rows)."""
     for t in layout.tables:
         if not precision.is_low(t):
             continue
+        if t.index in dynamic_tables:
+            raise ConfigError(
+                f"Table {t.name!r}: me.jax does not run a dynamic vocabulary on a low-precision table yet: "
+                "map_keys re-initialises the rows it gives to keys as float32 values, not rounded into the "
+                "16-bit storage. Nothing was changed. Fix: train it with me.TPUEmbedding(config, backend='jax'), "
+                "or store it in float32 for me.jax (docs/low_precision.md).")
         for name, what, why in _INEXACT_LOW:
             if type(t.optimizer).__name__ == name and type(getattr(t.optimizer, "learning_rate", None)).__name__ \
                     == "DynamicLearningRate":
@@ -524,7 +531,9 @@ def init(config: Any, *, mesh: Any = None, axis: str | None = None, num_shards: 
     backend = _backend_for(mesh, axis)
     from meshembed_jax import dynamic as jdyn
 
-    jdyn.refuse_unsupported(load_config(config))  # before any table
+    cfg = load_config(config)
+    jdyn.refuse_unsupported(cfg)  # before any table
+    _refuse_inexact_low_precision(build_layout(cfg), dynamic.dynamic_tables(cfg))
     return from_engine(TPUEmbedding(config, backend=backend, num_shards=num_shards, seed=seed,
                                     initializers=initializers))
 
