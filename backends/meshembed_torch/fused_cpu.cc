@@ -231,10 +231,14 @@ int64_t fused_update(void* kernel, const double* hp, int n_arrays, T* const* arr
       row_mask < 0 || row_mask >= (1 << n_arrays))
     return -3;
   // The contributions grouped by row (GroupRows); the order only for the one-pass path below.
+  // On one thread: split between two threads its three barriers cost whole scheduler slices
+  // whenever other processes share the cores (W1 on the shared 2-core machine: median 43 ms
+  // against 21 ms for the update on one thread's grouping, docs/benchmarks.md), for ~0.3 ms
+  // saved on idle cores.
   thread_local Grouping g;
   thread_local std::vector<T> sums;
   const bool one_pass = !check || grad_index;
-  const int64_t unique = GroupRows(g, rows, n, num_rows, grad_index, grad_rows, threads, one_pass);
+  const int64_t unique = GroupRows(g, rows, n, num_rows, grad_index, grad_rows, 1, one_pass);
   if (unique < 0) return unique;
   const int32_t* rank = g.rank.data();
   const int64_t* start = g.start.data();
