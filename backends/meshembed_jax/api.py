@@ -14,6 +14,11 @@ structure and the batch's config are. ``jax.grad``/``jax.jvp`` with respect to t
 derivative nor a batching rule; the activations are what is differentiable). Both pytree
 types are registered for ``jax.export`` serialization; :func:`export` says why a CPU export
 cannot carry the CPU kernels.
+
+Low-precision tables (``TableConfig(precision=...)``, docs/low_precision.md) run the engine's
+16-bit branch traced (``_low_update`` / ``_low_lookup``): the state holds their 16-bit arrays
+as int16 patterns, and every step gives the engine's bits (the optimizer's float math through
+``exact.py``, so XLA cannot fuse it differently from the op-by-op reference).
 """
 
 from __future__ import annotations
@@ -1023,7 +1028,9 @@ def _low_update(st: _Static, t: Any, rule: UpdateRule, datas: tuple, values: tup
     # the optimizer op by op, as the engine runs it (exact.py: no fused multiply-add, no rewrite
     # across operations); the values as the engine passes them (a config's constants stay
     # Python floats, so derived constants round once, in double)
-    zero = jnp.minimum(jnp.asarray(step), 0)  # a runtime zero (the step is an input of the program)
+    # a runtime zero: the step counter is an input of the program (the state is an argument of
+    # the user's jit); a state closed over as a constant would let XLA fold it, and contract again
+    zero = jnp.minimum(jnp.asarray(step), 0)
     try:
         with traced_rule_errors(rule, "me.jax", "train this table with me.TPUEmbedding"):
             new = exact.call(lambda xp_, vals, g, *r: apply_rule(xp_, rule, vals, g, *r), xp, zero, tuple(values),
