@@ -392,13 +392,17 @@ def apply_gradients(
     per_table: dict[int, list[int]] = {t.index: [] for t in layout.tables}
     for f in layout.features:
         per_table[f.table].append(f.index)
-    for t in layout.tables:  # e.g. a fixed capacity: refuse before any table is written
+    # e.g. a fixed capacity: refuse before any table is written (a backend without the check,
+    # the protocol's no-op, is not handed the joined ids: a copy of every id each step, and of
+    # every row id for a non-lazy optimizer)
+    checks = getattr(type(backend), "check_update", None) is not Backend.check_update
+    for t in layout.tables if checks else ():
         ids = [batch.features[k].ids for k in per_table[t.index]]
         n = sum(len(i) for i in ids) + (t.vocabulary_size if is_non_lazy(t) else 0)
         with memory.allocating(f"the row ids of the update of table {t.name!r}", (n,), "int64", nothing=_UNCHANGED):
             if is_non_lazy(t):
                 ids.append(np.arange(t.vocabulary_size, dtype=np.int64))
-            joined = np.concatenate(ids) if ids else None
+            joined = (ids[0] if len(ids) == 1 else np.concatenate(ids)) if ids else None
         if joined is not None:
             try:
                 backend.check_update(state.tables[t.index], joined)
