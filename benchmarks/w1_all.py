@@ -392,7 +392,7 @@ def table(results: list[Result]) -> str:
                 ratio = _ratio(r.med(peer), const[0])
                 target = peer_target(peer, r.algorithm)
                 peer_cells.append(f"{PEER_NAME[peer]} {r.med(peer):.2f} ms: "
-                                  f"{_verdict(ratio, target, at_most=False)} (≥ {target:.3g})")
+                                  f"{_verdict(ratio, target, at_most=False)} (≥ {round(target, 3)})")
         per_id = ""
         if "per_id" in r.times:
             per_id = f"{r.med('per_id'):.2f}, {_verdict(_ratio(r.med('per_id'), const[0]), TARGET_PER_ID, True)}"

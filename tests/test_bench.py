@@ -101,15 +101,38 @@ def test_w1_all_table_and_misses_judge_each_target():
     adam = Result("adam", 2, {"constant": (7.0, 6.0, 8.0), "changing": (7.7, 7.0, 8.0), "sgd": (3.5, 3.4, 3.6),
                               "tf": (30.0, 29.0, 31.0), "sparseadam": (14.0, 13.0, 15.0)})
     text = table([sgd, adam])
-    assert "| sgd | 0 | 4.00 (3.90–4.20) | 4.10 | 1.02× ✓ | 1.00× ✓, 4.00 | fbgemm TBE CPU 8.00 ms: 2.00× ✓" in text
+    # SGD's fbgemm target is #36's 2.75x (Adagrad's stays 1.25x)
+    assert "| sgd | 0 | 4.00 (3.90–4.20) | 4.10 | 1.02× ✓ | 1.00× ✓, 4.00 | fbgemm TBE CPU 8.00 ms: 2.00× ✗ (≥ 2.75)" in text
     assert "| 7.00, 1.75× ✗ |" in text  # per-id 7 / pooled 4
     assert "| adam | 2 | 7.00 (6.00–8.00) | 7.70 | 1.10× ✗ | 2.00× ✗, 3.50 |" in text
     assert misses([sgd, adam]) == [
         "sgd: per-id ÷ pooled = 1.75 (target ≤ 1.5)",
+        "sgd: fbgemm TBE CPU ÷ engine = 2.00 (target ≥ 2.75)",
         "adam: ÷ SGD = 2.00 (target ≤ 1.5)",
         "adam: changing ÷ constant lr = 1.10 (target ≤ 1.05)",
         "adam: nn.EmbeddingBag + SparseAdam ÷ engine = 2.00 (target ≥ 3.0)",
     ]
+
+
+def test_w1_all_issue36_lines():
+    """#36 items 1-2 as ✓/✗ lines: torch SGD ≤ 3 ms and fbgemm ÷ SGD ≥ 2.75×, JAX ≤ 1.2× the torch
+    engine beside it, the worst optimizer ÷ SGD, the lookup ÷ the best peer; unmeasured ones say so."""
+    from benchmarks.w1_all import Result, issue36
+
+    sgd = Result("stochastic_gradient_descent", 0, {"constant": (2.9, 2.8, 3.1), "sgd": (2.9, 2.8, 3.1),
+                                                    "fbgemm": (8.7, 8.0, 9.0)})
+    adam = Result("adam", 2, {"constant": (4.0, 3.9, 4.1), "sgd": (2.5, 2.4, 2.6)})
+    lookup = {"engine": (0.40, 0.3, 0.5), "embedding_bag": (0.35, 0.3, 0.4), "fbgemm": (1.2, 1.1, 1.3)}
+    lines = issue36("torch", [sgd, adam], lookup)
+    assert lines[0] == "#36.1 torch SGD step 2.90 ms ≤ 3.0 ms: ✓"
+    assert lines[1].startswith("#36.1 fbgemm TBE 8.70 ms ÷ torch SGD 2.90 ms = 3.00× ≥ 2.75×: ✓")
+    assert lines[2] == "#36.1 every optimizer ÷ SGD ≤ 1.5× (worst adam 1.60×): ✗"
+    assert lines[3].startswith("#36.2 torch pooled lookup 0.40 ms ÷ best peer (embedding_bag) 0.35 ms = 1.14×")
+    assert lines[3].endswith("✗")
+    jax_sgd = Result("stochastic_gradient_descent", 0, {"constant": (5.0, 4.9, 5.1), "torch": (4.5, 4.4, 4.6)})
+    lines = issue36("jax", [jax_sgd], None)
+    assert lines[0] == "#36.1 jax SGD step 5.00 ms ÷ torch engine 4.50 ms = 1.11× ≤ 1.2×: ✓"
+    assert "not measured" in lines[1] and len(lines) == 2
 
 
 def test_w1_all_quick_runs_on_torch():
