@@ -45,8 +45,8 @@ def test_embedding_conformance_through_me_jax_on_eight_devices():
     each step bit-identical to TPUEmbedding(jax) (conformance/functional_jax.py). Kept a
     separate subprocess from the ``jax`` run: under ``make test`` the two run side by side
     on the two xdist workers (conformance/xdist_groups.py SPLIT_FILES)."""
-    # low-precision tables are refused by me.jax (its traced kernels read and write float32 rows).
-    # The golden files (TensorFlow's numbers) are left out here: the ``jax`` run above checks them on
+    # The low-precision file is left out (me.jax's 16-bit tables on 8 devices, 8 and 2 shards:
+    # tests/test_jax_low_precision.py, a quarter of the time). The golden files (TensorFlow's numbers) are left out here: the ``jax`` run above checks them on
     # 8 devices and ``jax-functional`` on 1; every test kept compares me.jax with the engine bit for bit.
     skip = ("low_precision", "golden")
     engine = sorted(str(p) for p in (ROOT / "conformance").glob("test_engine*.py") if not any(s in p.name for s in skip))
