@@ -43,10 +43,9 @@ from meshembed.embedding.layout import Layout, build_layout, load_config
 from meshembed.embedding.step import EngineState as _EngineState
 from meshembed.embedding.updates import rule_values, update_kind
 from meshembed.errors import CapacityError, ConfigError, InputError, StateError
-from meshembed.math import rounding
-from meshembed.math.rule import UpdateRule, apply_rule
+from meshembed.math.rule import UpdateRule
 from meshembed.sharding.placement import Placement
-from meshembed_jax import cpu_kernels, exact, kernels
+from meshembed_jax import cpu_kernels, kernels, low_precision
 from meshembed_jax.adadelta import AdadeltaState, adadelta  # noqa: F401 (me.jax.adadelta)
 from meshembed_jax.backend import JaxBackend, bucket, traced_rule_errors
 from meshembed_jax.layout import AXIS, ShardLayout
@@ -973,113 +972,41 @@ def _low_lookup(be: JaxBackend, sl: ShardLayout, t: Any, fs: _FeatureStatic, tab
 
 
 def _low_counters(uniq: Any, step: Any, dim: int) -> tuple:
-    """``rounding.counters`` from traced ids and step: ``(column group, row mod 2**32,
-    row // 2**32, step mod 2**32)`` as ``[n, ceil(dim / 4)]`` int32 limb pairs (the layout of
-    ``rounding.random_words``). They enter the words' loop (:func:`_materialized`) from outside,
-    as the engine's host-made arrays enter its compiled words program (XLA:CPU ran 10 rounds
-    fed by broadcasts over 1000× slower)."""
-    groups = -(-int(dim) // 4)
-    shape = (int(uniq.shape[0]), groups)
-    u = uniq.reshape(-1, 1)
-
-    def limbs(x: Any) -> tuple:
-        return (jnp.broadcast_to((x & 0xFFFF).astype(jnp.int32), shape),
-                jnp.broadcast_to(((x >> 16) & 0xFFFF).astype(jnp.int32), shape))
-
-    high = (u >> 32) if u.dtype.itemsize == 8 else jnp.zeros_like(u)  # int32 ids (no x64): below 2**31
-    col = jnp.broadcast_to(jnp.arange(groups, dtype=jnp.int32), shape)
-    return ((col, jnp.zeros(shape, jnp.int32)), limbs(u), limbs(high), limbs(jnp.asarray(step).reshape(1, 1)))
+    """``low_precision.counters`` (kept under this name for callers of me.jax's internals)."""
+    return low_precision.counters(uniq, step, dim)
 
 
 def _materialized(fn: Callable, zero: Any, *args: Any) -> Any:
-    """``fn(*args)`` as the body of a ``while`` loop that runs once (a runtime trip count: XLA
-    cannot unroll it), so its results are buffers no consumer fuses into. The Philox words
-    need it: fused into their consumer (the interleave and the rounding), XLA:CPU recomputed
-    the 10 rounds per element (measured: a bf16 SR step of 4096 ids x 32 columns took 4.3 s;
-    ``optimization_barrier`` does not stop it on CPU, XLA drops the barrier before fusion)."""
-    shapes = jax.eval_shape(fn, *args)
-    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    trips = 1 - jnp.asarray(zero, jnp.int32)  # 1 (zero is 0), unknown to the compiler
-    _, out = jax.lax.while_loop(lambda c: c[0] < trips, lambda c: (c[0] + 1, fn(*args)), (jnp.int32(0), init))
-    return out
+    """``low_precision.materialized``."""
+    return low_precision.materialized(fn, zero, *args)
+
+
+def _low_widths(st: _Static, t: Any) -> list[int]:
+    return [slot_width(t.optimizer, name, t.dimension) for name in st.names[t.index]]
 
 
 def _low_update(st: _Static, t: Any, rule: UpdateRule, datas: tuple, values: tuple, guard: Any, ids: Any,
                 grads: Any, step: Any, cap: int) -> tuple:
-    """``precision.update_table`` traced: the per-id gradient rows ``grads`` summed per unique
-    id (the engine's ``segment_sum`` program), the rows of every array gathered and widened,
-    ``apply_rule`` in float32 with the step's runtime values, each 16-bit array rounded
-    (stochastically: Philox words keyed by seed, table, array and counted by column, row id and
-    ``step``) and scattered back. At most ``cap`` distinct ids (the padding id -1 is written
-    nowhere; with ``guard`` false no id is)."""
-    be, sl, dim = st.backend, st.shard_layouts[t.index], t.dimension
-    xp, p, dtypes = be.xp, t.precision, precision.array_dtypes(t)
-    n = int(ids.shape[0])
-    seg = be._kernel(("segment_sum", n), lambda: kernels.make_segment_sum(n))
-    uniq, sums, _ = seg(ids, grads)
-    cap = max(1, min(int(cap), n, t.vocabulary_size))
-    idt = kernels.index_dtype(sl)
-    uniq = jnp.where(guard, uniq[:cap], -1).astype(idt)
-    sums = sums[:cap]
-    widths = [slot_width(t.optimizer, name, dim) for name in st.names[t.index]]
-    stored = [be._kernel(("lookup", sl, w), lambda w=w: kernels.make_lookup(sl, w))(d, uniq)
-              for d, w in zip(datas, widths)]
-    rows = [r if d == "float32" else precision.widen(be, r, d) for r, d in zip(stored, dtypes)]
-    # the optimizer op by op, as the engine runs it (exact.py: no fused multiply-add, no rewrite
-    # across operations); the values as the engine passes them (a config's constants stay
-    # Python floats, so derived constants round once, in double)
-    # a runtime zero: the step counter is an input of the program (the state is an argument of
-    # the user's jit); a state closed over as a constant would let XLA fold it, and contract again
-    zero = jnp.minimum(jnp.asarray(step), 0)
+    """``precision.update_table`` traced: the program of the JAX engine's low-precision update
+    (``meshembed_jax.low_precision.update``, the same code), on this state's layout."""
     try:
-        with traced_rule_errors(rule, "me.jax", "train this table with me.TPUEmbedding"):
-            new = exact.call(lambda xp_, vals, g, *r: apply_rule(xp_, rule, vals, g, *r), xp, zero, tuple(values),
-                             sums, *rows)
-    except exact.ScalarArithmetic as exc:
-        raise ConfigError(
-            f"Table {t.name!r} ({type(t.optimizer).__name__}, low-precision storage): me.jax cannot give the "
-            f"engine's bits with a dynamic value in this rule: the rule combines it with another scalar before "
-            f"any row ({exc}; e.g. a dynamic learning rate times the weight decay), which the engine computes in "
-            "double from the Python float it holds, and a traced value is float32 here. Nothing was changed. "
-            "Fix: a constant learning rate in the config for this table, or train it with "
-            "me.TPUEmbedding(config, backend='jax').") from None
-    ctr = None
-    out = []
-    for k, (data, row, dtype, w) in enumerate(zip(datas, new, dtypes, widths)):
-        if dtype != "float32":
-            random = None
-            if p.rounding == "stochastic":
-                ctr = _low_counters(uniq, step, dim) if ctr is None else ctr
-                stream = precision.stream_of(t.index, k)
-                words = _materialized(lambda c, stream=stream: tuple(rounding.philox_words(xp, p.seed, stream, c)),
-                                      zero, ctr)
-                random = rounding.interleave(xp, words, dim)
-            row = precision.narrow(be, row, dtype, p.rounding, random)
-        write = be._kernel(("scatter", sl, w), lambda w=w: kernels.make_scatter(sl, w))
-        out.append(write(data, uniq, row))
-    return tuple(out)
+        return low_precision.update(st.backend, st.shard_layouts[t.index], t, rule, datas, values, guard, ids, grads,
+                                    step, cap, _low_widths(st, t))
+    except low_precision.Inexact as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _low_update_compiled(st: _Static, t: Any, rule: UpdateRule, datas: tuple, values: tuple, guard: Any, ids: Any,
                          grads: Any, step: Any, cap: int) -> tuple:
     """:func:`_low_update` called eagerly: the same program, jitted once per table and shapes
-    (op by op, every integer operation of the rounding would compile on its own, and the
-    words' loop each call). The config's constant values stay Python constants of the
-    program (static), as inside a user's jit; array values (dynamic rates) are its inputs."""
-    arrays = tuple(i for i, v in enumerate(values) if isinstance(v, jax.Array))
-    constants = tuple(None if i in arrays else v for i, v in enumerate(values))
-    key = (t.index, int(cap), constants, arrays)
-    programs = st.__dict__.setdefault("_low_programs", {})
-    fn = programs.get(key)
-    if fn is None:
-        def program(datas: tuple, dyn: tuple, guard: Any, ids: Any, grads: Any, step: Any) -> tuple:
-            vals = list(constants)
-            for i, v in zip(arrays, dyn):
-                vals[i] = v
-            return _low_update(st, t, rule, datas, tuple(vals), guard, ids, grads, step, cap)
-
-        fn = programs[key] = jax.jit(program)
-    return fn(datas, tuple(values[i] for i in arrays), guard, ids, grads, step)
+    (``low_precision.update_compiled``; the config's constant values stay Python constants of
+    the program, as inside a user's jit; array values, dynamic rates, are its inputs)."""
+    cache = st.__dict__.setdefault("_low_programs", {})
+    try:
+        return low_precision.update_compiled(st.backend, cache, st.shard_layouts[t.index], t, rule, datas, values,
+                                             guard, ids, grads, step, cap, _low_widths(st, t))
+    except low_precision.Inexact as exc:
+        raise ConfigError(str(exc)) from None
 
 
 # -- apply_gradients -----------------------------------------------------------------------

@@ -349,6 +349,15 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         return self._update(tables, layout, dim, fn, nb, (gids, g, segs, w, guard), weighted, values=values,
                             check_finite=check_finite)
 
+    def update_low_precision(self, tables: Sequence[JaxShardedTable], t: Any, rule: UpdateRule, values: Sequence[Any],
+                             host_ids: np.ndarray, row_grads: Any, step: int, guard: Any) -> list | None:
+        """A low-precision table's update (``meshembed.embedding.precision.UPDATE_PROTOCOL``) as
+        one compiled program per table and shape, on one device or several, with NumPy's bits
+        (:mod:`.low_precision`, the program me.jax traces); ``None``: the generic path."""
+        from meshembed_jax import low_precision
+
+        return low_precision.engine_update(self, tables, t, rule, values, host_ids, row_grads, step, guard)
+
     @staticmethod
     def _refuse_nonfinite(finite: Any) -> None:
         """NonFiniteError where ``finite`` (a device boolean, None: not checked) is false."""

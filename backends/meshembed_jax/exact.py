@@ -62,6 +62,45 @@ class _Namespace:
             return value
         return self.seal(jnp.asarray(value, like.dtype)).a
 
+    def divide(self, x: Any, y: Any) -> Any:
+        """``x / y`` correctly rounded, as NumPy divides: XLA's simplifier turns a division by a
+        broadcast (a scalar, a row) into a multiplication by its float32 reciprocal (measured:
+        ``x / 0.15`` over 100,000 values, 23,484 one bit off), so such a divisor is widened to
+        the result's shape behind a seal XLA cannot see through (its bits XORed with the
+        numerator's bits ANDed with the runtime zero), and the division is element by element."""
+        a, b = _unwrap(x), _unwrap(y)
+        a = a if isinstance(a, jax.Array) else self.constant(a, b)
+        b = b if isinstance(b, jax.Array) else self.constant(b, a)
+        if not isinstance(a, jax.Array) or not isinstance(b, jax.Array):
+            return self.seal(a / b)
+        shape = jnp.broadcast_shapes(a.shape, b.shape)
+        if b.shape != shape and jnp.issubdtype(b.dtype, jnp.floating) and b.dtype in (jnp.float32, jnp.float64):
+            it = jnp.int32 if b.dtype == jnp.float32 else jnp.int64
+            wide = jnp.broadcast_to(b, shape)
+            if a.shape == shape and a.dtype == b.dtype:
+                mask = jax.lax.bitcast_convert_type(a, it) & self._zero.astype(it)
+                b = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(wide, it) ^ mask, b.dtype)
+            else:
+                b = jax.lax.optimization_barrier(wide)  # measured: keeps the division element-wise
+        return self.seal(a / b)
+
+    def pow(self, x: Any, y: Any) -> Any:
+        """``x ** y`` as NumPy computes it (its float32 ``power``, libm's ``powf``): XLA's
+        float32 pow differs from it in ~20% of values (measured over 100,000, three exponents),
+        so it runs on the host through ``jax.pure_callback``."""
+        a, b = _unwrap(x), _unwrap(y)
+        a = a if isinstance(a, jax.Array) else self.constant(a, b)
+        b = b if isinstance(b, jax.Array) else self.constant(b, a)
+        if not isinstance(a, jax.Array) or not isinstance(b, jax.Array) \
+                or not jnp.issubdtype(jnp.result_type(a, b), jnp.floating):
+            return self.seal(self._xp.pow(a, b))
+        shape = jnp.broadcast_shapes(a.shape, b.shape)
+        dtype = jnp.result_type(a, b)
+        out = jax.ShapeDtypeStruct(shape, dtype)
+        r = jax.pure_callback(lambda u, v: np.asarray(np.power(u, v), dtype), out, a.astype(dtype), b.astype(dtype),
+                              vmap_method="broadcast_all")
+        return self.seal(r)
+
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._xp, name)
         if not callable(attr) or isinstance(attr, type) or name.startswith("__"):
@@ -97,6 +136,10 @@ def _binary(op: Callable, reflected: bool = False) -> Callable:
         if self.a.ndim == 0 and (not isinstance(other, Sealed) or other.a.ndim == 0):
             raise ScalarArithmetic(f"{op.__name__} of a traced scalar and {type(other).__name__}")
         b = other.a if isinstance(other, Sealed) else self.ns.constant(other, self.a)
+        if op is operator.truediv:
+            return self.ns.divide(b, self.a) if reflected else self.ns.divide(self.a, b)
+        if op is operator.pow:
+            return self.ns.pow(b, self.a) if reflected else self.ns.pow(self.a, b)
         return self.ns.seal(op(b, self.a) if reflected else op(self.a, b))
 
     return method

@@ -38,6 +38,19 @@ STORAGE = {"bfloat16": np.dtype(np.int16), "float16": np.dtype(np.int16)}
 #: Rows per host block when converting whole tables (bounds the temporaries of the rounding).
 _BLOCK_ROWS = 1 << 16
 _xp_host = None
+#: The optional backend method :func:`update_table` asks first (data in, arrays out):
+#: ``backend.update_low_precision(tables, table_spec, rule, values, host_ids, row_grads, step,
+#: guard) -> list | None`` with ``tables`` the table's ``[params, *slots]`` backend tables
+#: (16-bit arrays as ``int16`` patterns), ``table_spec`` the layout's :class:`TableSpec` (its
+#: ``precision``, ``index``, ``dimension``, ``vocabulary_size``), ``rule``/``values`` the
+#: checked :class:`UpdateRule` and its per-call values (Python floats), ``host_ids`` the int64
+#: host ids (every row appended for a non-lazy optimizer), ``row_grads`` their ``[n, D]``
+#: gradient rows, ``step`` the steps applied before this one, ``guard`` true or None (nothing
+#: is asked when it is false). It returns the new tables, computed with exactly the bits of
+#: the generic path below (NumPy's), or ``None`` to let the generic path run. The JAX backend
+#: implements it as one compiled program per table and shape (``meshembed_jax.low_precision``);
+#: other backends do not define it.
+UPDATE_PROTOCOL = "update_low_precision"
 #: Compiled integer programs of tracing backends, per backend (see :func:`_update_padded`).
 _COMPILED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
@@ -197,6 +210,11 @@ def update_table(backend: Any, state: Sequence[Any], t: TableSpec, rule: UpdateR
         row_grads = xp.concat([row_grads, zeros], axis=0)
     if host_ids.size == 0 or (guard is not None and not bool(guard)):
         return list(state)
+    own = getattr(backend, UPDATE_PROTOCOL, None)  # the backend's own program (see UPDATE_PROTOCOL)
+    if own is not None:
+        out = own(list(state), t, rule, values, host_ids, row_grads, int(step), guard)
+        if out is not None:
+            return list(out)
     uids, grads = backend.segment_sum(backend.asarray(host_ids, dtype="int64"), row_grads)
     unique = np.unique(host_ids)  # = uids (sorted unique), on the host: the random bits' counters
     if type(backend).is_traced is not Backend.is_traced and backend.capabilities.devices == 1:
