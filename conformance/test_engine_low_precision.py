@@ -135,3 +135,48 @@ def test_adagrad_with_16_bit_slots_gives_the_numpy_backends_bits(backend, backen
     want, got = (e.retrieve_parameters("t") for e in runs)
     for k in want:
         np.testing.assert_array_equal(got[k].view(np.uint32), want[k].view(np.uint32), err_msg=k)
+
+
+def _optimizers() -> dict:
+    return {
+        "SGD": E.SGD(0.1), "Adagrad": E.Adagrad(0.2),
+        "AdagradMomentum": E.AdagradMomentum(0.1, momentum=0.9),
+        "AdagradMomentumNesterov": E.AdagradMomentum(0.1, momentum=0.9, use_nesterov=True),
+        "BoundedAdagrad": E.BoundedAdagrad(0.1), "FrequencyAwareAdagrad": E.FrequencyAwareAdagrad(0.1, step_counter=lambda: 7),
+        "FTRL": E.FTRL(0.15), "FTRLMultiplyLinearByLr": E.FTRL(0.15, multiply_linear_by_learning_rate=True),
+        "Adam": E.Adam(0.05), "AdamNonLazy": E.Adam(0.05, lazy_adam=False),
+        "Momentum": E.Momentum(0.1, momentum=0.9), "MomentumNesterov": E.Momentum(0.1, momentum=0.9, use_nesterov=True),
+        "Lion": E.Lion(0.01), "LionNonLazy": E.Lion(0.01, use_non_lazy_lion=True),
+        "RMSProp": E.RMSProp(0.05), "CenteredRMSProp": E.CenteredRMSProp(0.05), "Adadelta": E.Adadelta(0.5),
+        "ProximalAdagrad": E.ProximalAdagrad(0.1), "OnlineYogi": E.OnlineYogi(0.15),
+        "ProximalYogi": E.ProximalYogi(0.05), "Assign": E.Assign(),
+    }
+
+
+@pytest.mark.parametrize("optimizer", sorted(_optimizers()))
+def test_every_optimizer_gives_the_numpy_backends_bits(backend, backend_name, optimizer):
+    """Every optimizer the engine stores in 16 bits, bfloat16 parameters with SR and float32
+    slots (table ``a``) or bfloat16 slots (table ``b``), 3 steps on 1 shard: the NumPy
+    backend's bits, slots included (on JAX: the compiled update, exact.py's sealed math)."""
+    def config() -> me.EmbeddingConfig:
+        tables = [me.TableConfig(name, V, D, optimizer=_optimizers()[optimizer], combiner="sum",
+                                 precision=P(parameters="bfloat16", slots=slots, rounding="stochastic", seed=SEED))
+                  for name, slots in (("a", "float32"), ("b", "bfloat16"))]
+        return me.EmbeddingConfig(tables=tables, features=[me.FeatureConfig("a", (B,), name="fa"),
+                                                           me.FeatureConfig("b", (B,), name="fb")])
+
+    if _refused(backend_name, backend):
+        return _check_refused(config(), backend, 1)
+    runs = [me.TPUEmbedding(config(), backend="numpy", num_shards=1, seed=3),
+            me.TPUEmbedding(config(), backend=backend, num_shards=1, seed=3)]
+    for ids, g in _batches(3):
+        for emb in runs:
+            emb.enqueue([ids, ids[::-1].copy()])
+            emb.dequeue()
+            emb.apply_gradients([g, g[::-1].copy()])
+    for t in ("a", "b"):
+        want, got = (e.retrieve_parameters(t) for e in runs)
+        for k in want:
+            differ = int(np.sum(got[k].view(np.uint32) != want[k].view(np.uint32)))
+            assert differ == 0, f"{optimizer}: table {t} ({'float32 slots' if t == 'a' else 'bfloat16 slots'}) {k}: " \
+                f"{differ} values differ"

@@ -497,11 +497,9 @@ def from_engine(emb: TPUEmbedding) -> EmbeddingState:
 
 
 #: Low-precision rules whose traced step is measured to differ from the engine's: (optimizer
-#: class, what, why). FTRL with a dynamic learning rate: 11 of 174 float32 `linears` values a
-#: last bit apart after 4 steps (float16 SR parameters; with constant rates, and every other
-#: optimizer with a dynamic rate, 0 differences).
-_INEXACT_LOW = (("FTRL", "a dynamic learning rate",
-                 "its float32 linears drift a last bit from the engine's (measured: 11 of 174 values in 4 steps)"),)
+#: class, what, why). Empty: FTRL with a dynamic learning rate (11 of 174 float32 `linears` a
+#: last bit apart) came from XLA's division by a broadcast scalar, now element-wise (exact.py).
+_INEXACT_LOW: tuple = ()
 
 
 def _refuse_inexact_low_precision(layout: Layout, dynamic_tables: Any = ()) -> None:
