@@ -581,6 +581,42 @@ def test_jax_front_end_gives_the_engines_bits(reference):
     _assert_same_bits(reference[0], {t: state.parameters(t) for t in reference[0]}, "me.jax")
 
 
+def test_jax_engine_compiles_one_program_and_falls_back_where_inexact():
+    """The JAX engine's update of a 16-bit table is one compiled program per table and shape
+    (meshembed_jax.low_precision, via ``update_low_precision``); a dynamic rate meeting another
+    scalar in the rule (lr x weight decay: the engine holds it as a Python float, double
+    arithmetic) takes the generic path instead: NumPy's bits either way."""
+    if not _usable("jax"):
+        pytest.skip("jax not installed")
+    from meshembed_jax import low_precision
+
+    E = me.embedding
+
+    def cfg(opt):
+        return me.EmbeddingConfig(tables=[me.TableConfig("t", 29, 5, optimizer=opt, combiner="sum",
+                                                         precision=P(parameters="bfloat16", seed=1))],
+                                  features=[me.FeatureConfig("t", (8,), name="f")])
+
+    for opt, inexact in ((E.FTRL(E.DynamicLearningRate(0)), None),
+                         (E.Adagrad(E.DynamicLearningRate(0), weight_decay_factor=0.01,
+                                    multiply_weight_decay_factor_by_learning_rate=True), True)):
+        rng = np.random.default_rng(0)
+        runs = [me.TPUEmbedding(cfg(opt), backend=b, num_shards=1, seed=2) for b in ("numpy", "jax")]
+        for s in range(3):
+            ids, g = rng.integers(0, 29, 8), (rng.standard_normal((8, 5)) * 0.3).astype(np.float32)
+            for e in runs:
+                e.enqueue([ids])
+                e.dequeue()
+                e.apply_gradients([g], learning_rates=[0.1 / (1 + s)])
+        want, got = (e.retrieve_parameters("t") for e in runs)
+        for k in want:
+            assert np.array_equal(got[k].view(np.uint32), want[k].view(np.uint32)), (type(opt).__name__, k)
+        programs = low_precision._PROGRAMS[runs[1].state.tables[0][0]]
+        assert programs.get("inexact") is inexact
+        if not inexact:  # one program for the table (a dynamic rate is an input, not a constant)
+            assert len(programs) == 1, list(programs)
+
+
 # -- 8 JAX devices --------------------------------------------------------------------------------
 def _jax8(out: str) -> None:
     results = {}

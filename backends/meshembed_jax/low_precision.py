@@ -185,9 +185,12 @@ def engine_update(be: Any, tables: Sequence[Any], t: Any, rule: UpdateRule, valu
     widths = [int(tb.shape[1]) for tb in tables]
     datas = tuple(tb.data for tb in tables)
     ctr = np.asarray(np.uint32(int(step) % (1 << 32))).view(np.int32)
+    if cache.get("inexact"):
+        return None
     try:
         out = update_compiled(be, cache, sl, t, rule, datas, values, g, gids, grows, ctr, cap, widths, donate=True)
-    except Inexact:
+    except Inexact:  # found while tracing (nothing ran, nothing donated): the generic path, from now on
+        cache["inexact"] = True
         return None
     for tb, data in zip(tables, out):
         tb.data = data
