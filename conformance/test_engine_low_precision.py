@@ -162,6 +162,12 @@ _TORCH_INEXACT = {"Adadelta", "AdagradMomentum", "AdagradMomentumNesterov", "Cen
                   "FTRLMultiplyLinearByLr", "OnlineYogi", "RMSProp"}
 
 
+#: On jax-functional (jitted me.jax: a full step compiled per optimizer, ~20 s of CPU each) only
+#: the rules with a division by a scalar, a pow or every row updated run; the update itself is
+#: the program the ``jax`` entry checks for every optimizer (meshembed_jax.low_precision).
+_FUNCTIONAL_SUBSET = {"AdagradMomentum", "FTRL", "OnlineYogi", "AdamNonLazy"}
+
+
 @pytest.mark.parametrize("optimizer", sorted(_optimizers()))
 def test_every_optimizer_gives_the_numpy_backends_bits(request, backend, backend_name, optimizer):
     """Every optimizer the engine stores in 16 bits, bfloat16 parameters with SR and float32
@@ -176,6 +182,8 @@ def test_every_optimizer_gives_the_numpy_backends_bits(request, backend, backend
 
     if _refused(backend_name, backend):
         return _check_refused(config(), backend, 1)
+    if backend_name == "jax-functional" and optimizer not in _FUNCTIONAL_SUBSET:
+        pytest.skip("jax-functional runs a subset (CI time); the jax entry checks this optimizer's program")
     if backend.name == "torch" and optimizer in _TORCH_INEXACT:
         request.applymarker(pytest.mark.xfail(strict=True, reason="torch: float32 slots a last bit off NumPy (measured)"))
     runs = [me.TPUEmbedding(config(), backend="numpy", num_shards=1, seed=3),
