@@ -187,3 +187,39 @@ def test_bad_ids_are_checked_by_the_fused_update_and_change_nothing():
     assert be.stats().get("fused_updates", 0) == calls
     be.update_rows(state, torch.tensor([1, 2, 49, 7]), torch.ones(4, 8), fn, values=(0.1,))
     assert be.stats().get("fused_updates", 0) == calls + 1 and not torch.equal(state[0].data, before[0])
+
+
+def test_helpers_concurrent_callers_and_fork():
+    """The drivers' helper threads (``Helpers`` in fused_cpu.cc): two Python threads calling at
+    once (ctypes releases the GIL; the second runs its chunks itself) and a forked child (runs
+    everything on its calling thread) get the same bits as one call on one thread."""
+    import os
+    import threading
+
+    rng = np.random.default_rng(5)
+    data = torch.from_numpy(rng.standard_normal((3000, 16)).astype(np.float32))
+    ids = torch.from_numpy(rng.integers(0, 3000, 70_000))
+    slots = torch.from_numpy(np.sort(rng.integers(0, 9000, 70_000)))
+    want = fused_cpu.pooled_sum(data, ids, slots, 9000, 1)
+    assert want is not None and torch.equal(fused_cpu.pooled_sum(data, ids, slots, 9000, 2), want)
+    got: list = []
+
+    def call() -> None:
+        for _ in range(20):
+            got.append(fused_cpu.pooled_sum(data, ids, slots, 9000, 3))
+
+    workers = [threading.Thread(target=call) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert len(got) == 40 and all(torch.equal(g, want) for g in got)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only with the same bits (no helpers, no deadlock); compared
+        try:        # in NumPy: torch's own OpenMP ops may hang in a forked child (GNU OpenMP)
+            out = fused_cpu.pooled_sum(data, ids, slots, 9000, 2)
+            os._exit(0 if np.array_equal(out.numpy(), want.numpy()) else 1)
+        finally:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

@@ -6,24 +6,164 @@
 // (meshembed_torch/fused_cpu.py); tests compare it with the core function and NumPy.
 //
 // Plain C ABI (called through ctypes with tensors' data pointers), float or double rows, no
-// torch headers. Threads: OpenMP, which resolves to the libgomp torch has loaded, so the
-// driver runs on torch's own intra-op threads (a second pool would compete with torch's
-// spinning workers for the same cores). Each thread owns a contiguous range of unique rows —
-// for the sums balanced by contribution count, for the updates by row count — so no two
-// threads write the same row.
+// torch headers. Threads (the count torch's intra-op setting gives): the pooled lookup and the
+// one-pass update share their chunks between the calling thread and helpers of their own
+// (`Helpers` below: the caller never waits for a thread that has not started, where an OpenMP
+// barrier waits a scheduler slice on shared cores; they sleep between calls, so they do not
+// compete with torch's workers while idle); the checked per-id update and the gather of large
+// outputs use OpenMP, which resolves to the libgomp torch has loaded (torch's own threads).
+// Each chunk owns a contiguous range of unique rows (or segments), so no two threads write the
+// same row.
 
 #include <omp.h>
+#include <pthread.h>
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <mutex>
+#include <thread>
 #include <type_traits>
 #include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include "drivers.h"  // includes row_kernels.h
 
 namespace {
 
 using meshembed::kMaxArrays;
+
+// -- work sharing that never waits for a thread that has not started ----------------------------
+//
+// An OpenMP region ends at a barrier every thread of the team must reach; on cores shared with
+// other processes a worker the kernel has not scheduled yet holds the caller there for a whole
+// scheduler slice (W1 on the loaded 2-core machine: pieces of 0.3-3 ms took 8-24 ms). Here the
+// caller and up to threads - 1 helpers take numbered chunks from one counter; the caller works
+// too and waits only for chunks a helper has taken and not finished, so a helper that starts
+// late finds nothing left and the caller never waits for it. Chunks may run on any thread in any
+// order: each writes its own rows, so the results are the same bits. Helpers sleep on a condition
+// variable between jobs (after a short spin), so they take no core while idle; one job at a time
+// (a second caller meanwhile runs its chunks itself), and after fork() the child runs everything
+// on its calling thread.
+class Helpers {
+ public:
+  using Body = void (*)(void*, int64_t);
+
+  static Helpers& Get() {
+    static Helpers* pool = [] {
+      pthread_atfork(nullptr, nullptr, [] { forked().store(true); });
+      return new Helpers();  // never destroyed: detached helpers may still wait on it at exit
+    }();
+    return *pool;
+  }
+
+  // body(ctx, c) for every c in [0, chunks), on the calling thread and up to threads - 1 helpers.
+  void Run(int threads, int64_t chunks, Body body, void* ctx) {
+    if (threads <= 1 || chunks <= 1 || chunks >= (int64_t(1) << 31) || forked().load() || !submit_.try_lock()) {
+      for (int64_t c = 0; c < chunks; ++c) body(ctx, c);
+      return;
+    }
+    const int want = std::min(threads - 1, kMaxHelpers);
+    while (started_ < want) {
+      std::thread([this] { Serve(); }).detach();
+      ++started_;
+    }
+    uint32_t gen;
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      gen = ++generation_;
+      body_ = body;
+      ctx_ = ctx;
+      chunks_ = chunks;
+      seats_ = want;
+      done_.store(0, std::memory_order_relaxed);
+      claim_.store(uint64_t(gen) << 32, std::memory_order_release);
+      posted_.store(gen, std::memory_order_release);
+    }
+    cv_.notify_all();
+    const int64_t mine = Work(gen, body, ctx, chunks);
+    done_.fetch_add(mine, std::memory_order_acq_rel);
+    for (int spin = 0; done_.load(std::memory_order_acquire) < chunks; ++spin) {
+      if (spin < 4096) Pause();
+      else std::this_thread::yield();  // a helper is inside a chunk: let it run
+    }
+    submit_.unlock();
+  }
+
+ private:
+  static constexpr int kMaxHelpers = 63;
+
+  static std::atomic<bool>& forked() {
+    static std::atomic<bool> flag{false};
+    return flag;
+  }
+  static void Pause() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#endif
+  }
+
+  // Chunks of job `gen` taken and run on this thread until none is left; returns how many.
+  int64_t Work(uint32_t gen, Body body, void* ctx, int64_t chunks) {
+    int64_t count = 0;
+    for (;;) {
+      uint64_t v = claim_.load(std::memory_order_acquire);
+      do {
+        if (uint32_t(v >> 32) != gen || int64_t(v & 0xffffffffu) >= chunks) return count;
+      } while (!claim_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel));
+      body(ctx, int64_t(v & 0xffffffffu));
+      ++count;
+    }
+  }
+
+  void Serve() {
+    uint32_t seen = 0;
+    for (;;) {
+      for (int spin = 0; spin < 2048 && posted_.load(std::memory_order_acquire) == seen; ++spin) Pause();
+      Body body;
+      void* ctx;
+      int64_t chunks;
+      uint32_t gen;
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        cv_.wait(lock, [&] { return generation_ != seen; });
+        seen = gen = generation_;
+        if (seats_ <= 0) continue;  // enough helpers on this job
+        --seats_;
+        body = body_;
+        ctx = ctx_;
+        chunks = chunks_;
+      }
+      // body and ctx stay valid while a chunk of job gen is unfinished: the caller waits for it
+      const int64_t mine = Work(gen, body, ctx, chunks);
+      if (mine) done_.fetch_add(mine, std::memory_order_acq_rel);
+    }
+  }
+
+  std::mutex submit_;  // one job at a time
+  int started_ = 0;    // helper threads started (guarded by submit_)
+  std::mutex m_;       // guards the job's description below and wakes the helpers
+  std::condition_variable cv_;
+  uint32_t generation_ = 0;
+  Body body_ = nullptr;
+  void* ctx_ = nullptr;
+  int64_t chunks_ = 0;
+  int seats_ = 0;
+  std::atomic<uint32_t> posted_{0};  // generation_, read while spinning without the lock
+  std::atomic<uint64_t> claim_{0};   // (generation << 32) | the next chunk
+  std::atomic<int64_t> done_{0};     // chunks finished
+};
+
+// f(c) for c in [0, chunks) on up to `threads` threads (Helpers); f is any callable.
+template <class F>
+void RunChunks(int threads, int64_t chunks, F& f) {
+  Helpers::Get().Run(threads, chunks, [](void* ctx, int64_t c) { (*static_cast<F*>(ctx))(c); }, &f);
+}
+
+
 using meshembed::RowKernel;
 
 template <class T>
@@ -248,10 +388,12 @@ int64_t fused_update(void* kernel, const double* hp, int n_arrays, T* const* arr
   if (one_pass) {
     // Each thread sums and updates a range of rows, the ranges of about equal cost (a
     // contribution, or a row's update: the update costs about two contributions' sums).
-    std::vector<int64_t> cut(t_count + 1, unique);
+    // chunks of rows (4 a thread), taken by whichever thread is free (Helpers)
+    const int64_t parts = t_count == 1 ? 1 : 4 * int64_t(t_count);
+    std::vector<int64_t> cut(parts + 1, unique);
     cut[0] = 0;
-    for (int t = 1; t < t_count; ++t) {
-      const int64_t goal = (n + 2 * unique) * t / t_count;
+    for (int64_t t = 1; t < parts; ++t) {
+      const int64_t goal = (n + 2 * unique) * t / parts;
       int64_t a = 0, b = unique;  // the first row u with start[u] + 2u >= goal
       while (a < b) {
         const int64_t m = (a + b) / 2;
@@ -260,22 +402,19 @@ int64_t fused_update(void* kernel, const double* hp, int n_arrays, T* const* arr
       }
       cut[t] = a;
     }
-    std::vector<char> finite(t_count, 1);
+    std::vector<char> finite(parts, 1);
     // the scratch is thread_local: its addresses taken here, on the calling thread
     const int32_t* order_of = g.order.data();
-#pragma omp parallel num_threads(t_count)
-    {
-      if (check) {
-#pragma omp for schedule(static, 1)
-        for (int t = 0; t < t_count; ++t)
-          finite[t] = meshembed::RowsFinite(grads, grad_rows * t / t_count, grad_rows * (t + 1) / t_count, dim);
-      }
-      const bool ok = std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; });
-#pragma omp for schedule(static, 1)
-      for (int t = 0; t < t_count; ++t)
-        if (ok) sum_update_range(p, order_of, start, cut[t], cut[t + 1]);
+    if (check) {  // every gradient row finite before the first write
+      auto rows_finite = [&](int64_t c) {
+        finite[c] = meshembed::RowsFinite(grads, grad_rows * c / parts, grad_rows * (c + 1) / parts, dim);
+      };
+      RunChunks(t_count, parts, rows_finite);
+      if (!std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; })) return -4;
     }
-    return std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; }) ? unique : -4;
+    auto sum_update = [&](int64_t c) { sum_update_range(p, order_of, start, cut[c], cut[c + 1]); };
+    RunChunks(t_count, parts, sum_update);
+    return unique;
   }
 
   // Checked without grad_index (a per-id gradient, every row read once): the sums first, each
@@ -379,19 +518,20 @@ int64_t pooled_sum(const T* table, int64_t num_rows, int64_t d, const int64_t* i
   }
   for (int64_t k = s + 1; k <= num_segments; ++k) offsets[k] = n;
   // threads for at least 16 Ki ids each: a parallel region of less work costs more than it saves
-  const int parts = int(std::max<int64_t>(1, std::min<int64_t>(threads, n >> 14)));
-  int64_t bad = 0;
-#pragma omp parallel for schedule(static, 1) num_threads(parts) reduction(+ : bad)
-  for (int t = 0; t < parts; ++t) {
-    // segments of about equal id counts
+  const int workers = int(std::max<int64_t>(1, std::min<int64_t>(threads, n >> 14)));
+  // chunks of segments of about equal id counts (4 a thread), taken by whichever thread is free
+  const int64_t parts = workers == 1 ? 1 : 4 * int64_t(workers);
+  std::atomic<int64_t> bad{0};
+  auto chunk = [&](int64_t t) {
     const int64_t lo = t == 0 ? 0 : std::lower_bound(offsets, offsets + num_segments, n * t / parts) - offsets;
     const int64_t hi = t + 1 == parts ? num_segments
                                       : std::lower_bound(offsets, offsets + num_segments, n * (t + 1) / parts) - offsets;
     meshembed::WithWidth(d, [&](auto width) {
-      bad += !PooledRange<decltype(width)::value>(table, num_rows, d, ids, offsets, lo, hi, out);
+      if (!PooledRange<decltype(width)::value>(table, num_rows, d, ids, offsets, lo, hi, out)) bad.store(1);
     });
-  }
-  return bad ? -1 : 0;
+  };
+  RunChunks(workers, parts, chunk);
+  return bad.load() ? -1 : 0;
 }
 
 }  // namespace
