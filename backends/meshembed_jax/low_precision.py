@@ -69,11 +69,12 @@ def materialized(fn: Callable, zero: Any, *args: Any) -> Any:
 
 
 def update(be: Any, sl: ShardLayout, t: Any, rule: UpdateRule, datas: tuple, values: tuple, guard: Any, ids: Any,
-           grads: Any, step: Any, cap: int, widths: Sequence[int]) -> tuple:
+           grads: Any, step: Any, cap: int, widths: Sequence[int], zero: Any = None) -> tuple:
     """``precision.update_table`` traced (any caller's trace): ``datas`` the table's
     ``[params, *slots]`` storage arrays (``sl``'s layout, ``widths`` columns each), ``ids``
     and ``grads`` the per-id rows (padding id -1), at most ``cap`` distinct ids, ``step`` a
-    program input (the counter of the random bits, and the runtime zero of the sealed math).
+    program input (the counter of the random bits, and, as ``min(step, 0)``, the runtime zero
+    of the sealed math unless ``zero``, an int32 zero that is a program input, is given).
     Raises :class:`Inexact` where a traced value meets another scalar in the rule."""
     from meshembed_jax.backend import traced_rule_errors
 
@@ -92,7 +93,9 @@ def update(be: Any, sl: ShardLayout, t: Any, rule: UpdateRule, datas: tuple, val
     # the optimizer op by op, as NumPy runs it (exact.py: no fused multiply-add, no rewrite
     # across operations, divisions and powers correctly rounded); a runtime zero: the step
     # counter is an input of the program (a constant step would let XLA fold the seals)
-    zero = jnp.minimum(jnp.asarray(step), 0)
+    # (XLA's range analysis folds min(step & 0x7FFFFFFF, 0) to 0: measured, the seals vanished;
+    # the engine passes a zero of its own, as an input, so its counter may pass 2**31)
+    zero = jnp.minimum(jnp.asarray(step), 0) if zero is None else zero
     try:
         with traced_rule_errors(rule, "me.jax", "train this table with me.TPUEmbedding"):
             new = exact.call(lambda xp_, vals, g, *r: apply_rule(xp_, rule, vals, g, *r), xp, zero, tuple(values),
@@ -124,7 +127,7 @@ def update(be: Any, sl: ShardLayout, t: Any, rule: UpdateRule, datas: tuple, val
 
 def update_compiled(be: Any, cache: dict, sl: ShardLayout, t: Any, rule: UpdateRule, datas: tuple, values: tuple,
                     guard: Any, ids: Any, grads: Any, step: Any, cap: int, widths: Sequence[int],
-                    donate: bool = False) -> tuple:
+                    donate: bool = False, zero: Any = None) -> tuple:
     """:func:`update` jitted once per table, capacity and constants (``cache``: the caller's
     dict of programs; jit itself keys the shapes). Python-number values stay constants of the
     program, as a config's constants inside a user's jit; array values (dynamic rates) are
@@ -134,14 +137,14 @@ def update_compiled(be: Any, cache: dict, sl: ShardLayout, t: Any, rule: UpdateR
     key = (t.index, sl, int(cap), constants, arrays, tuple(widths), donate)
     fn = cache.get(key)
     if fn is None:
-        def program(datas: tuple, dyn: tuple, guard: Any, ids: Any, grads: Any, step: Any) -> tuple:
+        def program(datas: tuple, dyn: tuple, guard: Any, ids: Any, grads: Any, step: Any, zero: Any) -> tuple:
             vals = list(constants)
             for i, v in zip(arrays, dyn):
                 vals[i] = v
-            return update(be, sl, t, rule, datas, tuple(vals), guard, ids, grads, step, cap, widths)
+            return update(be, sl, t, rule, datas, tuple(vals), guard, ids, grads, step, cap, widths, zero)
 
         fn = cache[key] = jax.jit(program, donate_argnums=(0,) if donate else ())
-    return fn(datas, tuple(values[i] for i in arrays), guard, ids, grads, step)
+    return fn(datas, tuple(values[i] for i in arrays), guard, ids, grads, step, zero)
 
 
 def _weak(x: float) -> Any:
@@ -188,7 +191,8 @@ def engine_update(be: Any, tables: Sequence[Any], t: Any, rule: UpdateRule, valu
     if cache.get("inexact"):
         return None
     try:
-        out = update_compiled(be, cache, sl, t, rule, datas, values, g, gids, grows, ctr, cap, widths, donate=True)
+        out = update_compiled(be, cache, sl, t, rule, datas, values, g, gids, grows, ctr, cap, widths, donate=True,
+                              zero=np.int32(0))
     except Inexact:  # found while tracing (nothing ran, nothing donated): the generic path, from now on
         cache["inexact"] = True
         return None
