@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshembed.embedding import precision
+from meshembed.config.precision import array_dtypes
 from meshembed.errors import ConfigError
 from meshembed.math import rounding
 from meshembed.math.rule import UpdateRule, apply_rule
@@ -79,7 +79,7 @@ def update(be: Any, sl: ShardLayout, t: Any, rule: UpdateRule, datas: tuple, val
     from meshembed_jax.backend import traced_rule_errors
 
     dim = t.dimension
-    xp, p, dtypes = be.xp, t.precision, precision.array_dtypes(t)
+    xp, p, dtypes = be.xp, t.precision, array_dtypes(t)
     n = int(ids.shape[0])
     seg = be._kernel(("segment_sum", n), lambda: kernels.make_segment_sum(n))
     uniq, sums, _ = seg(ids, grads)
@@ -89,7 +89,7 @@ def update(be: Any, sl: ShardLayout, t: Any, rule: UpdateRule, datas: tuple, val
     sums = sums[:cap]
     stored = [be._kernel(("lookup", sl, w), lambda w=w: kernels.make_lookup(sl, w))(d, uniq)
               for d, w in zip(datas, widths)]
-    rows = [r if d == "float32" else precision.widen(be, r, d) for r, d in zip(stored, dtypes)]
+    rows = [r if d == "float32" else rounding.widen(be, r, d) for r, d in zip(stored, dtypes)]
     # the optimizer op by op, as NumPy runs it (exact.py: no fused multiply-add, no rewrite
     # across operations, divisions and powers correctly rounded); a runtime zero: the step
     # counter is an input of the program (a constant step would let XLA fold the seals)
@@ -115,11 +115,11 @@ def update(be: Any, sl: ShardLayout, t: Any, rule: UpdateRule, datas: tuple, val
             random = None
             if p.rounding == "stochastic":
                 ctr = counters(uniq, step, dim) if ctr is None else ctr
-                stream = precision.stream_of(t.index, k)
+                stream = rounding.stream_of(t.index, k)
                 words = materialized(lambda c, stream=stream: tuple(rounding.philox_words(xp, p.seed, stream, c)),
                                      zero, ctr)
                 random = rounding.interleave(xp, words, dim)
-            row = precision.narrow(be, row, dtype, p.rounding, random)
+            row = rounding.narrow(be, row, dtype, p.rounding, random)
         write = be._kernel(("scatter", sl, w), lambda w=w: kernels.make_scatter(sl, w))
         out.append(write(data, uniq, row))
     return tuple(out)

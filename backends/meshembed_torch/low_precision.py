@@ -29,7 +29,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from meshembed.embedding import precision
+from meshembed.config.precision import array_dtypes
+from meshembed.math import rounding
 from meshembed.math.rounding import counters, words_for
 from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed_torch import fused_cpu
@@ -60,7 +61,7 @@ def engine_update(be: Any, tables: Sequence[Any], t: Any, rule: UpdateRule, valu
         return None
     if any(type(v) not in (int, float) for v in values):
         return None
-    dtypes = precision.array_dtypes(t)
+    dtypes = array_dtypes(t)
     if len(dtypes) != len(tables):
         return None
     host_ids = np.asarray(host_ids, dtype=np.int64).reshape(-1)
@@ -73,7 +74,7 @@ def engine_update(be: Any, tables: Sequence[Any], t: Any, rule: UpdateRule, valu
     grads = grads.contiguous()
     unique = np.unique(host_ids)
     n = int(unique.shape[0])
-    rows = [precision.widen(be, be.gather(a, uids), d).contiguous() for a, d in zip(tables, dtypes)]
+    rows = [rounding.widen(be, be.gather(a, uids), d).contiguous() for a, d in zip(tables, dtypes)]
     if any(r.dtype != torch.float32 for r in rows):
         return None
     kernel = fused_cpu.kernel_for(rule, values, rows, grads, n, None, None)
@@ -97,8 +98,8 @@ def engine_update(be: Any, tables: Sequence[Any], t: Any, rule: UpdateRule, valu
         if dtype != "float32":
             random = None
             if p.rounding == "stochastic":
-                random = words_for(xp, p.seed, precision.stream_of(t.index, k),
+                random = words_for(xp, p.seed, rounding.stream_of(t.index, k),
                                    counters(xp, unique, step, t.dimension, row.device), t.dimension)
-            row = precision.narrow(be, row, dtype, p.rounding, random)
+            row = rounding.narrow(be, row, dtype, p.rounding, random)
         out.append(be.scatter(array, uids, row))
     return out

@@ -258,6 +258,13 @@ class Backend(abc.ABC):
         for these (host) ids — e.g. a fixed capacity they exceed — so that a step with several
         tables changes all of them or none. Default: nothing to check."""
 
+    def update_low_precision(self, tables: Sequence[ShardedTable], table: Any, rule: Any, values: Sequence[Any],
+                             host_ids: Any, row_grads: Array, step: int, guard: Any) -> list[Any] | None:
+        """A 16-bit table's update as this backend's own program, with exactly the bits of the
+        generic path (``meshembed.embedding.precision``: arguments at ``UPDATE_PROTOCOL``);
+        ``None`` (this default): the generic path runs."""
+        return None
+
     def update_rows(
         self,
         tables: Sequence[ShardedTable],

@@ -131,3 +131,18 @@ class Precision:
         if not isinstance(data, Mapping) or set(data) != {"parameters", "slots", "rounding", "seed"}:
             raise invalid("precision", "", "a mapping with keys parameters, slots, rounding, seed", data)
         return cls(parameters=data["parameters"], slots=data["slots"], rounding=data["rounding"], seed=data["seed"])
+
+
+def array_dtypes(t: Any) -> tuple[str, ...]:
+    """``(parameters, *slots)`` storage dtypes of a table spec ``t`` (its ``optimizer``'s
+    ``slot_names`` and its ``precision``; all float32 without a precision)."""
+    names = tuple(getattr(t.optimizer, "slot_names", ()) or ())
+    p = t.precision
+    if p is None:
+        return ("float32",) * (1 + len(names))
+    unknown = sorted(set(p.named_slots) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"Invalid `precision` for table {t.name!r}: slots {unknown} are not slots of "
+            f"{type(t.optimizer).__name__}. Expected some of {list(names)}. Received: precision={p!r}")
+    return p.dtypes(names)

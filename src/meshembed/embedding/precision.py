@@ -27,7 +27,9 @@ import numpy as np
 from meshembed.backend.protocol import Backend, check_rule
 from meshembed.embedding.layout import Layout, TableSpec
 from meshembed.errors import ConfigError
-from meshembed.math.rounding import counters, interleave, philox_words, round_bits, widen_bits, words_for
+from meshembed.config.precision import array_dtypes
+from meshembed.math.rounding import (counters, interleave, narrow, philox_words, round_bits, stream_of, widen,
+                                     widen_bits, words_for)
 from meshembed.math.rule import UpdateRule, apply_rule
 
 __all__ = ["array_dtypes", "check_layout", "fresh_state", "from_storage", "is_low", "lookup_rows",
@@ -38,7 +40,7 @@ STORAGE = {"bfloat16": np.dtype(np.int16), "float16": np.dtype(np.int16)}
 #: Rows per host block when converting whole tables (bounds the temporaries of the rounding).
 _BLOCK_ROWS = 1 << 16
 _xp_host = None
-#: The optional backend method :func:`update_table` asks first (data in, arrays out):
+#: The backend method :func:`update_table` asks first (``Backend.update_low_precision``; data in, arrays out):
 #: ``backend.update_low_precision(tables, table_spec, rule, values, host_ids, row_grads, step,
 #: guard) -> list | None`` with ``tables`` the table's ``[params, *slots]`` backend tables
 #: (16-bit arrays as ``int16`` patterns), ``table_spec`` the layout's :class:`TableSpec` (its
@@ -49,7 +51,7 @@ _xp_host = None
 #: is asked when it is false). It returns the new tables, computed with exactly the bits of
 #: the generic path below (NumPy's), or ``None`` to let the generic path run. The JAX backend
 #: implements it as one compiled program per table and shape (``meshembed_jax.low_precision``);
-#: other backends do not define it.
+#: the protocol's default returns ``None``.
 UPDATE_PROTOCOL = "update_low_precision"
 #: Compiled integer programs of tracing backends, per backend (see :func:`_update_padded`).
 _COMPILED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
@@ -62,25 +64,6 @@ def _host_xp() -> Any:
 
         _xp_host = xp
     return _xp_host
-
-
-def _slot_names(t: TableSpec) -> tuple[str, ...]:
-    opt = t.optimizer
-    return tuple(getattr(opt, "slot_names", ()) or ())
-
-
-def array_dtypes(t: TableSpec) -> tuple[str, ...]:
-    """``(parameters, *slots)`` storage dtypes of table ``t`` (all float32 without a precision)."""
-    names = _slot_names(t)
-    p = t.precision
-    if p is None:
-        return ("float32",) * (1 + len(names))
-    unknown = sorted(set(p.named_slots) - set(names))
-    if unknown:
-        raise ConfigError(
-            f"Invalid `precision` for table {t.name!r}: slots {unknown} are not slots of "
-            f"{type(t.optimizer).__name__}. Expected some of {list(names)}. Received: precision={p!r}")
-    return p.dtypes(names)
 
 
 def is_low(t: TableSpec) -> bool:
@@ -111,12 +94,6 @@ def check_layout(layout: Layout, backend: Any) -> None:
             raise ConfigError(f"Table {t.name!r}: low-precision storage supports 2**24 tables of up to 255 slots.")
 
 
-def stream_of(table_index: int, array_index: int) -> int:
-    """The second key word of an array's random bits: ``table_index * 256 + array_index``
-    (array 0 = parameters, k = the k-th slot)."""
-    return int(table_index) * 256 + int(array_index)
-
-
 # -- host conversions ------------------------------------------------------------------------
 def to_storage(values: np.ndarray, dtype: str) -> np.ndarray:
     """float32 values -> the stored patterns of ``dtype``, rounded to nearest even (host)."""
@@ -140,19 +117,6 @@ def from_storage(patterns: np.ndarray, dtype: str) -> np.ndarray:
 
 
 # -- device conversions --------------------------------------------------------------------------
-def widen(backend: Any, rows: Any, dtype: str) -> Any:
-    """Stored rows (a backend int16 array) -> float32 rows (exact)."""
-    if dtype == "float32":
-        return rows
-    return backend.bitcast(widen_bits(backend.xp, rows, dtype), "float32")
-
-
-def narrow(backend: Any, values: Any, dtype: str, rounding: str, random: Any = None) -> Any:
-    """float32 rows -> stored rows of ``dtype`` (int16), rounded as ``rounding`` says."""
-    bits = backend.bitcast(backend.xp.astype(values, backend.xp.float32), "int32")
-    return round_bits(backend.xp, bits, dtype, rounding, random)
-
-
 def lookup_rows(backend: Any, table: Any, ids: Any, dtype: str) -> Any:
     """``table[ids]`` as float32 rows (on a backend that traces, the widening is one compiled
     program: eagerly, each of its ~40 operations would compile for every new number of ids)."""
@@ -210,11 +174,9 @@ def update_table(backend: Any, state: Sequence[Any], t: TableSpec, rule: UpdateR
         row_grads = xp.concat([row_grads, zeros], axis=0)
     if host_ids.size == 0 or (guard is not None and not bool(guard)):
         return list(state)
-    own = getattr(backend, UPDATE_PROTOCOL, None)  # the backend's own program (see UPDATE_PROTOCOL)
-    if own is not None:
-        out = own(list(state), t, rule, values, host_ids, row_grads, int(step), guard)
-        if out is not None:
-            return list(out)
+    out = backend.update_low_precision(list(state), t, rule, values, host_ids, row_grads, int(step), guard)
+    if out is not None:  # the backend's own program (see UPDATE_PROTOCOL)
+        return list(out)
     uids, grads = backend.segment_sum(backend.asarray(host_ids, dtype="int64"), row_grads)
     unique = np.unique(host_ids)  # = uids (sorted unique), on the host: the random bits' counters
     if type(backend).is_traced is not Backend.is_traced and backend.capabilities.devices == 1:

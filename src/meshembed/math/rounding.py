@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 __all__ = [
     "LOW_PRECISION", "PHILOX_ROUNDS", "ROUNDINGS", "STORAGE_DTYPES", "counters", "interleave", "philox4x32",
-    "philox_words", "random_words", "round_bits", "widen_bits", "words_for",
+    "narrow", "philox_words", "random_words", "round_bits", "stream_of", "widen", "widen_bits", "words_for",
 ]
 
 #: Storage dtypes of a table or slot: float32 (stored as is) and the two 16-bit formats.
@@ -246,3 +246,23 @@ def widen_bits(xp: Any, half: Array, dtype: str) -> Array:
     sub = xp.where(m > 0, (p + 103) * (1 << 23) + xp.bitwise_and(shifted, 0x7FFFFF), xp.zeros_like(m))
     mag = xp.where(e == 0, sub, xp.where(e == 31, special, normal))
     return xp.where(sign == 1, mag + _INT32_MIN, mag)
+
+
+# -- a table's arrays (backend rows; the backend's ``xp`` and ``bitcast``) -----------------------
+def stream_of(table_index: int, array_index: int) -> int:
+    """The second key word of an array's random bits: ``table_index * 256 + array_index``
+    (array 0 = parameters, k = the k-th slot)."""
+    return int(table_index) * 256 + int(array_index)
+
+
+def widen(backend: Any, rows: Any, dtype: str) -> Any:
+    """Stored rows (a backend int16 array) -> float32 rows (exact)."""
+    if dtype == "float32":
+        return rows
+    return backend.bitcast(widen_bits(backend.xp, rows, dtype), "float32")
+
+
+def narrow(backend: Any, values: Any, dtype: str, rounding: str, random: Any = None) -> Any:
+    """float32 rows -> stored rows of ``dtype`` (int16), rounded as ``rounding`` says."""
+    bits = backend.bitcast(backend.xp.astype(values, backend.xp.float32), "int32")
+    return round_bits(backend.xp, bits, dtype, rounding, random)
