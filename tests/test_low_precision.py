@@ -617,6 +617,34 @@ def test_jax_engine_compiles_one_program_and_falls_back_where_inexact():
             assert len(programs) == 1, list(programs)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "fused_off"])
+@pytest.mark.parametrize("optimizer", ["adagrad_momentum", "ftrl", "rms_prop", "sgd"])
+def test_torch_gives_numpys_bits_with_fused_kernels_on_and_off(optimizer, fused):
+    """bf16 parameters with SR and float32 slots on torch, the generated kernels on or off
+    (off: NumPy's own rule math on the same rows, not torch operations): NumPy's bits."""
+    pytest.importorskip("torch")
+    from meshembed_torch import TorchBackend
+
+    opt = {"adagrad_momentum": me.embedding.AdagradMomentum(learning_rate=0.1, momentum=0.9),
+           "ftrl": me.embedding.FTRL(learning_rate=0.2), "rms_prop": me.embedding.RMSProp(learning_rate=0.05),
+           "sgd": me.embedding.SGD(0.3)}[optimizer]
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig(name="t", vocabulary_size=V, dimension=D, optimizer=opt, combiner="sum",
+                               precision=P(parameters="bfloat16", slots="float32", seed=3))],
+        features=[me.FeatureConfig(table="t", input_shape=(12,), name="f")])
+    runs = [me.TPUEmbedding(cfg, backend="numpy", seed=1), me.TPUEmbedding(cfg, backend=TorchBackend(fused=fused), seed=1)]
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        ids, g = rng.integers(0, V, 12), rng.standard_normal((12, D)).astype(np.float32)
+        for emb in runs:
+            emb.enqueue([ids])
+            emb.dequeue()
+            emb.apply_gradients([g])
+    want, got = (e.retrieve_parameters("t") for e in runs)
+    for k in want:
+        assert np.array_equal(got[k].view(np.uint32), want[k].view(np.uint32)), k
+
+
 # -- 8 JAX devices --------------------------------------------------------------------------------
 def _jax8(out: str) -> None:
     results = {}

@@ -16,11 +16,11 @@ measured: AdagradMomentum's ``pow(x, -1/2)`` left 7-15 ``momenta`` values a bit 
 such a rule NumPy's own ``apply_rule`` runs on zero-copy NumPy views of the temporaries (the
 NumPy backend's computation of the same rows).
 
-``None`` (the generic path) wherever the kernel does not apply: the fused kernels off, a
-device other than the CPU, tables sharded over processes, a rule without a generated kernel
-(a user-defined program, ...), a rule not computed in float32, a value that is not a Python
-number (the kernel takes doubles; NumPy treats a Python float as a weak scalar), gradients
-that are not float32.
+With the fused kernels off (``MESHEMBED_TORCH_FUSED=0``) or for a rule without a generated
+kernel (a user-defined program), NumPy's ``apply_rule`` runs the same way. ``None`` (the generic
+path, torch operations) elsewhere: a device other than the CPU, tables sharded over processes,
+a rule not computed in float32, a value that is not a Python number (the kernel takes doubles;
+NumPy treats a Python float as a weak scalar), gradients that are not float32.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def engine_update(be: Any, tables: Sequence[Any], t: Any, rule: UpdateRule, valu
     torch = be._torch
     if guard is not None and not bool(guard):  # update_table asks only when true; write nothing
         return list(tables)
-    if (not be.fused or be.processes > 1 or be.device.type != "cpu" or not tables
+    if (be.processes > 1 or be.device.type != "cpu" or not tables
             or any(tb.group is not None or tb.data.device.type != "cpu" for tb in tables)):
         return None
     if not isinstance(rule, UpdateRule) or rule.dtype != "float32":
@@ -77,12 +77,11 @@ def engine_update(be: Any, tables: Sequence[Any], t: Any, rule: UpdateRule, valu
     rows = [rounding.widen(be, be.gather(a, uids), d).contiguous() for a, d in zip(tables, dtypes)]
     if any(r.dtype != torch.float32 for r in rows):
         return None
-    kernel = fused_cpu.kernel_for(rule, values, rows, grads, n, None, None)
-    if kernel is None:
-        return None
-    if any(node.op in _LIBM for node in kernel[0].graph.nodes):
-        # the kernel's float32 pow/exp/log are its own (within 1 ulp), not NumPy's: NumPy's
-        # own apply_rule on the same rows (zero-copy views), the NumPy backend's computation
+    kernel = fused_cpu.kernel_for(rule, values, rows, grads, n, None, None) if be.fused else None
+    if kernel is None or any(node.op in _LIBM for node in kernel[0].graph.nodes):
+        # no kernel (fused kernels off, a user-defined program), or one whose float32
+        # pow/exp/log are its own (within 1 ulp), not NumPy's: NumPy's own apply_rule on the
+        # same rows (zero-copy views), the NumPy backend's computation
         new = apply_rule(_numpy_xp(), rule, values, grads.numpy(), *(r.numpy() for r in rows))
         rows = [torch.from_numpy(np.ascontiguousarray(r, dtype=np.float32)) for r in new]
         be._stats["numpy_low_precision_updates"] += 1
