@@ -5,7 +5,8 @@ Why: an optimizer option (gradient clip, weight clip, weight decay, dynamic lear
 formula variant) is per-row math inside the update, after the owners' sum, so it gives the same
 numbers on 1 device as on 8. The 1-device runs keep every variant; a many-device run (8 JAX
 devices, 4 gloo ranks) keeps each rule's plain case and every variant of ``adagrad``, so each
-kind of update and each option is still routed over the sharded tables.
+kind of update and each option is still routed over the sharded tables. Likewise the
+16-bit every-optimizer case keeps its rules with a division, a pow or every row updated.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ BY_OPTION = ("test_optimizer_matches_reference", "test_every_optimizer_through_t
 #: Tests over the generated kernel cases: ``index`` into the module's ``IDS``, each
 #: ``"<algorithm>-<variant>-<option>-<dtype>"`` (``option`` "none" for the plain case).
 BY_CASE = ("test_every_generated_case_through_update_rows",)
+#: Tests parametrised by ``optimizer`` (a class name) over every optimizer, whose module's
+#: ``SUBSET`` names those that keep running on many devices.
+BY_OPTIMIZER = ("test_every_optimizer_gives_the_numpy_backends_bits",)
 #: The rule whose every variant still runs on many devices.
 KEPT = "adagrad"
 
@@ -31,4 +35,6 @@ def is_repeat(item: Any) -> bool:
     if name in BY_CASE and "index" in params:
         algorithm, *_, option, _dtype = item.module.IDS[params["index"]].split("-")
         return option != "none" and algorithm != KEPT
+    if name in BY_OPTIMIZER and "optimizer" in params:
+        return params["optimizer"] not in item.module.SUBSET
     return False

@@ -153,10 +153,11 @@ def _optimizers() -> dict:
     }
 
 
-#: On jax-functional (jitted me.jax: a full step compiled per optimizer, ~20 s of CPU each) only
-#: the rules with a division by a scalar, a pow or every row updated run; the update itself is
-#: the program the ``jax`` entry checks for every optimizer (meshembed_jax.low_precision).
-_FUNCTIONAL_SUBSET = {"AdagradMomentum", "FTRL", "OnlineYogi", "AdamNonLazy"}
+#: On jax-functional (jitted me.jax: a full step compiled per optimizer, ~20 s of CPU each) and
+#: in the many-device runs (conformance/device_repeats.py) only the rules with a division by a
+#: scalar, a pow or every row updated run; the update itself is the program the 1-device ``jax``
+#: entry checks for every optimizer (meshembed_jax.low_precision).
+SUBSET = {"AdagradMomentum", "FTRL", "OnlineYogi", "AdamNonLazy"}
 
 
 @pytest.mark.parametrize("optimizer", sorted(_optimizers()))
@@ -174,7 +175,7 @@ def test_every_optimizer_gives_the_numpy_backends_bits(backend, backend_name, op
 
     if _refused(backend_name, backend):
         return _check_refused(config(), backend, 1)
-    if backend_name == "jax-functional" and optimizer not in _FUNCTIONAL_SUBSET:
+    if backend_name == "jax-functional" and optimizer not in SUBSET:
         pytest.skip("jax-functional runs a subset (CI time); the jax entry checks this optimizer's program")
     runs = [me.TPUEmbedding(config(), backend="numpy", num_shards=1, seed=3),
             me.TPUEmbedding(config(), backend=backend, num_shards=1, seed=3)]
