@@ -27,17 +27,21 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path):
     np.testing.assert_allclose(fused["parameters"], reference["parameters"], rtol=2e-6, atol=1e-7)
 
 
-def test_bad_gradient_index_raises_and_changes_nothing():
-    """Called directly (the engine builds valid indices itself), an index outside the
-    gradient rows is an InputError raised before anything is written."""
+def _adagrad_table():
+    """A torch engine's 50 x 8 Adagrad table: (backend, its arrays, its rule, copies of them)."""
     from meshembed.embedding.updates import make_rule
 
     cfg = me.EmbeddingConfig(tables=[me.TableConfig("t", 50, 8, optimizer=me.embedding.Adagrad(learning_rate=0.1))],
                              features=[me.FeatureConfig("t", (4,), name="f")])
     emb = me.TPUEmbedding(cfg, backend="torch")
-    be, state = emb.backend, emb.state.tables[0]
-    fn = make_rule(emb.layout.tables[0])
-    before = [t.data.clone() for t in state]
+    state = emb.state.tables[0]
+    return emb.backend, state, make_rule(emb.layout.tables[0]), [t.data.clone() for t in state]
+
+
+def test_bad_gradient_index_raises_and_changes_nothing():
+    """Called directly (the engine builds valid indices itself), an index outside the
+    gradient rows is an InputError raised before anything is written."""
+    be, state, fn, before = _adagrad_table()
     ids, grads = torch.tensor([1, 2, 2, 7]), torch.ones(3, 8)
     calls = be.stats().get("fused_updates", 0)
     be.update_rows(state, ids, grads, fn, values=(0.1,), grad_index=torch.tensor([0, 1, 2, 2]))
@@ -165,14 +169,7 @@ def test_bad_ids_are_checked_by_the_fused_update_and_change_nothing():
     """The fused update checks the ids' range in its own first pass (no separate pass in the
     backend): an id outside the vocabulary is the same InputError as on every path, raised
     before anything is written — also beside a gradient of the wrong shape."""
-    from meshembed.embedding.updates import make_rule
-
-    cfg = me.EmbeddingConfig(tables=[me.TableConfig("t", 50, 8, optimizer=me.embedding.Adagrad(learning_rate=0.1))],
-                             features=[me.FeatureConfig("t", (4,), name="f")])
-    emb = me.TPUEmbedding(cfg, backend="torch")
-    be, state = emb.backend, emb.state.tables[0]
-    fn = make_rule(emb.layout.tables[0])
-    before = [t.data.clone() for t in state]
+    be, state, fn, before = _adagrad_table()
     calls = be.stats().get("fused_updates", 0)
     for bad in (-1, 50):
         ids = torch.tensor([1, 2, bad, 7])
