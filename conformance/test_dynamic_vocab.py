@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import meshembed as me
-from conformance.tolerances import assert_close
+from conformance.test_engine import assert_same_state
 from meshembed.errors import ConfigError
 
 E = me.embedding
@@ -92,16 +92,6 @@ def train_and_check(emb, want_steps) -> dict:
     return tables(emb)
 
 
-def same_tables(got: dict, want: dict, exact: bool) -> None:
-    """Every array of every table: bit for bit, or within the suite's tolerance."""
-    for t in want:
-        for k in want[t]:
-            if exact:
-                np.testing.assert_array_equal(got[t][k], want[t][k], err_msg=f"{t}.{k}")
-            else:
-                assert_close(got[t][k], want[t][k], what=f"{t}.{k}")
-
-
 @pytest.mark.parametrize("spec,shards", [("after2-lru-ttl", 1), ("after2-lru-ttl", 2), ("after2-lru-ttl", 4),
                                          ("prob-lfu", 2)])
 def test_same_keys_same_rows_decisions_and_values(backend, spec, shards):
@@ -111,7 +101,7 @@ def test_same_keys_same_rows_decisions_and_values(backend, spec, shards):
     emb = engine(backend, config(spec), shards, seed=3)
     if emb is None:
         return
-    same_tables(train_and_check(emb, want_steps), want_tables, exact=True)
+    assert_same_state(train_and_check(emb, want_steps), want_tables, exact=True)
 
 
 def test_adagrad_mean_same_decisions_values_within_tolerance(backend):
@@ -119,7 +109,7 @@ def test_adagrad_mean_same_decisions_values_within_tolerance(backend):
     emb = engine(backend, config("after2-lru-ttl", E.Adagrad(learning_rate=0.2), "mean"), 2, seed=3)
     if emb is None:
         return
-    same_tables(train_and_check(emb, want_steps), want_tables, exact=False)
+    assert_same_state(train_and_check(emb, want_steps), want_tables, exact=False)
 
 
 @pytest.mark.parametrize("spec", sorted(SPECS))
