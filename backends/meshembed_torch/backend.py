@@ -444,18 +444,14 @@ class TorchBackend(TorchDenseMixin, Backend):
         self._update_held(tables, uids, g, fn, values)
         return list(tables)
 
-    def update_low_precision(self, tables: Sequence[TorchShardedTable], t: Any, rule: UpdateRule,
-                             values: Sequence[Any], host_ids: np.ndarray, row_grads: Any, step: int,
-                             guard: Any) -> list | None:
-        """A low-precision table's update (``meshembed.embedding.precision.UPDATE_PROTOCOL``)
-        with the rule's float32 math in the generated C++ row kernel (NumPy's bits; torch ops
-        are not, e.g. ``torch.pow``), the generic path's sums, random words and rounding
-        around it (:mod:`.low_precision`; a rule whose kernel calls pow/exp/log runs NumPy's
-        own math on the same rows); ``None``: the generic path (no kernel, not CPU, several
-        processes, ...)."""
+    def apply_rule_rows(self, rule: Any, values: Sequence[Any], grads: Any, rows: Sequence[Any]) -> list[Any]:
+        """A 16-bit table's rule math with NumPy's bits (torch ops are not, e.g. ``torch.pow``):
+        the generated C++ row kernel, or NumPy's own math on the same rows (:mod:`.low_precision`);
+        the protocol's torch ops where neither applies."""
         from meshembed_torch import low_precision
 
-        return low_precision.engine_update(self, tables, t, rule, values, host_ids, row_grads, step, guard)
+        new = low_precision.rule_rows(self, rule, values, grads, rows)
+        return super().apply_rule_rows(rule, values, grads, rows) if new is None else new
 
     def update_rows_in_order(self, tables: Sequence[TorchShardedTable], ids: Any, grads: Any,
                              fn: UpdateRule, *, values: Sequence[Any] = (),

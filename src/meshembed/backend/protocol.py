@@ -258,6 +258,15 @@ class Backend(abc.ABC):
         for these (host) ids — e.g. a fixed capacity they exceed — so that a step with several
         tables changes all of them or none. Default: nothing to check."""
 
+    def apply_rule_rows(self, rule: Any, values: Sequence[Any], grads: Array, rows: Sequence[Array]) -> list[Array]:
+        """A rule's float32 math on gathered rows (one summed gradient row per row, each row
+        once), as a 16-bit table's generic update runs it between widening and rounding; it
+        must give NumPy's bits (``meshembed.math.apply_rule`` over NumPy). Default: that
+        function over this backend's ``xp``."""
+        from meshembed.math.rule import apply_rule
+
+        return list(apply_rule(self.xp, rule, values, grads, *rows))
+
     def update_low_precision(self, tables: Sequence[ShardedTable], table: Any, rule: Any, values: Sequence[Any],
                              host_ids: Any, row_grads: Array, step: int, guard: Any) -> list[Any] | None:
         """A 16-bit table's update as this backend's own program, with exactly the bits of the

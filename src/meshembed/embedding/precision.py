@@ -185,7 +185,7 @@ def update_table(backend: Any, state: Sequence[Any], t: TableSpec, rule: UpdateR
         return _update_padded(backend, state, t, rule, values, unique, grads, step)
     p = t.precision
     rows = [widen(backend, backend.gather(a, uids), d) for a, d in zip(state, dtypes)]
-    new = apply_rule(xp, rule, values, grads, *rows)
+    new = backend.apply_rule_rows(rule, values, grads, rows)
     out = []
     for k, (array, row, dtype) in enumerate(zip(state, new, dtypes)):
         if dtype != "float32":
