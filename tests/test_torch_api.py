@@ -475,6 +475,7 @@ def test_custom_ops_schema_and_fake_kernels():
     values, offsets, _, seq = batch(np.random.default_rng(10))
     tensors = [torch.from_numpy(values), torch.from_numpy(offsets), torch.from_numpy(seq)]
     for spec, anchor in (("o;d|T", ec.anchor), ("o;d|I", ec.anchor.detach())):
+        spec = ec._signature + "/" + spec  # the compiled op's spec: the module's outputs first
         torch.library.opcheck(torch.ops.meshembed.ec_lookup.default, (ec._handle, spec, anchor, tensors, None),
                               test_utils=("test_schema", "test_faketensor"))
     assert ec._batches == {}

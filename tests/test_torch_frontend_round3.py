@@ -534,3 +534,27 @@ def test_fused_optimizer_must_be_a_bool(value):
                              features=[me.FeatureConfig("t", (4,), name="a")])
     with pytest.raises(me.ConfigError, match="fused_optimizer"):
         me.torch.EmbeddingCollection(cfg, fused_optimizer=value)
+
+
+def test_a_cached_compiled_graph_is_never_reused_for_a_module_of_other_shapes():
+    """Inductor's on-disk graph cache keys a graph by its ops' constant arguments; the module's
+    handle is the same number for different modules in different processes (CI: a graph of a
+    3-wide table ran for a 1-wide one). Here the second module takes the first one's handle."""
+    from meshembed_torch import module as M
+
+    def one_table(dim):
+        t = me.TableConfig("t", VOCAB, dim, optimizer=me.embedding.SGD(learning_rate=0.1), combiner="sum")
+        return me.EmbeddingConfig(tables=[t], features=[me.FeatureConfig("t", (4,), name="f")])
+
+    ids = {"f": torch.tensor([1, 2, 3, 4])}
+    first = me.torch.EmbeddingCollection(one_table(3))
+    assert torch.compile(first, fullgraph=True, dynamic=False)(ids)["f"].shape == (4, 3)
+    torch._dynamo.reset()
+    second = me.torch.EmbeddingCollection(one_table(1))
+    own = second._handle
+    second._handle, M._MODULES[first._handle] = first._handle, second
+    try:
+        out = torch.compile(second, fullgraph=True, dynamic=False)(ids)["f"]
+    finally:
+        second._handle, M._MODULES[first._handle], M._MODULES[own] = own, first, second
+    np.testing.assert_array_equal(out.detach().numpy(), second.engine.retrieve_parameters("t")["parameters"][[1, 2, 3, 4]])

@@ -63,6 +63,10 @@ def _module(handle: int) -> "EmbeddingCollection":
 # those weights need their gradient; then "|T" (training) or "|I" (inference). The tensors
 # come flat in the same order. A spec "!<ErrorType>:<message>" makes the forward op raise that
 # meshembed error (found while dynamo traced `forward`: raised when the graph runs).
+# The compiled op's spec starts with the module's output signature and "/" (`_signature`):
+# inductor's on-disk graph cache keys a graph by its ops and their constant arguments, and the
+# handle alone names different modules in different processes (a cached graph of a 3-wide
+# table was reused for a 1-wide one).
 # torch's AOT autograd cache keys a compiled graph by its forward ops, not by their Python
 # autograd formulas: an op whose backward changes gets a new name (ec_forward/ec_backward were
 # the names before the weights' gradients), so no cached backward of the old contract is reused.
@@ -91,7 +95,7 @@ def _grad_weights(spec: str) -> list[int]:
 @torch.library.custom_op("meshembed::ec_lookup", mutates_args=())
 def _ec_forward(handle: int, spec: str, anchor: torch.Tensor, tensors: list[torch.Tensor],
                 lrs: torch.Tensor | None) -> list[torch.Tensor]:
-    return _module(handle)._run_forward(spec, tensors, lrs)
+    return _module(handle)._run_forward(spec.partition("/")[2], tensors, lrs)
 
 
 @_ec_forward.register_fake
@@ -117,7 +121,7 @@ def _ec_backward_fake(handle: int, token: torch.Tensor, anchor: torch.Tensor, gr
 def _setup_context(ctx: Any, inputs: tuple, output: list) -> None:
     ctx.handle = inputs[0]
     ctx.num_tensors = len(inputs[3])
-    ctx.weight_positions = _grad_weights(inputs[1])
+    ctx.weight_positions = _grad_weights(inputs[1].partition("/")[2])
     ctx.save_for_backward(output[-1], inputs[2], *(inputs[3][k] for k in ctx.weight_positions))
 
 
@@ -431,6 +435,8 @@ class EmbeddingCollection(torch.nn.Module):
              else engine.state.tables[f.table][0].data.dtype)
             for f in layout.features
         ]
+        self._signature = ",".join("x".join(map(str, shape)) + ":" + str(dtype).removeprefix("torch.")
+                                   for shape, dtype in self._out_specs)
         self._batch_sizes = [int(f.output_shape[0]) for f in layout.features]
         self._names = [f.name for f in layout.features]
         keys = engine.layout.keys
@@ -480,7 +486,7 @@ class EmbeddingCollection(torch.nn.Module):
             spec, flat, samples, lrs = "!" + type(exc).__name__ + ":" + str(exc), [], None, None
         anchor = self.anchor if training else self.anchor.detach()  # inference: no backward
         if torch.compiler.is_compiling():
-            outs = torch.ops.meshembed.ec_lookup(self._handle, spec, anchor, flat, lrs)
+            outs = torch.ops.meshembed.ec_lookup(self._handle, self._signature + "/" + spec, anchor, flat, lrs)
         else:
             outs = _EagerLookup.apply(self._handle, spec, anchor, lrs, *flat)
         outs = list(outs[:-1])
