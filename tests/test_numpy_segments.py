@@ -13,9 +13,9 @@ import meshembed as me
 from meshembed.embedding.layout import build_layout
 from meshembed.embedding.updates import make_rule
 from meshembed.sharding.placement import Placement
-from meshembed_numpy import segments
+from meshembed_numpy import kernels
 from meshembed_numpy.backend import NumpyBackend
-from meshembed_numpy.segments import Segments, add_rows_at
+from meshembed_numpy.kernels import Segments, add_rows_at
 
 # inf − inf and overflow are part of the cases
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:overflow:RuntimeWarning")
@@ -49,8 +49,8 @@ def _rows(rng: np.random.Generator, n: int, d: int, case: int) -> np.ndarray:
 
 @pytest.mark.parametrize("rounds,chunk", [(1, 3), (2, 4096), (16, 5), (16, 4096)])
 def test_segment_sums_are_np_add_at_bit_for_bit(monkeypatch, rounds, chunk):
-    monkeypatch.setattr(segments, "ROUNDS", rounds)
-    monkeypatch.setattr(segments, "CHUNK_ROWS", chunk)
+    monkeypatch.setattr(kernels, "ROUNDS", rounds)
+    monkeypatch.setattr(kernels, "CHUNK_ROWS", chunk)
     rng = np.random.default_rng(rounds * 100 + chunk)
     for case in range(12):
         n, d = int(rng.integers(0, 2000)), int(rng.integers(1, 70))

@@ -3,7 +3,7 @@
 Each table is a list of per-shard arrays placed by MOD/DIV (``meshembed.sharding``).
 Row access goes shard by shard, exactly as a multi-device backend routes ids to owners,
 so a placement bug shows up here first. Segment sums add each key's rows in input order
-(``segments.py``: the bits every other backend reproduces), fetching rows as they go, so a
+(``kernels.py``: the bits every other backend reproduces), fetching rows as they go, so a
 step builds no ``[ids, D]`` array of gathered rows or per-id gradients.
 """
 
@@ -20,7 +20,7 @@ from meshembed.errors import NonFiniteError
 from meshembed.math.rule import apply_rule
 from meshembed.sharding.placement import Placement, shard, unshard
 from meshembed_numpy.dense import NumpyDenseMixin
-from meshembed_numpy.segments import Segments
+from meshembed_numpy.kernels import Segments
 from meshembed_numpy.table import NumpyShardedTable
 
 
