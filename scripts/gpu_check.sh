@@ -72,7 +72,7 @@ x = b.asarray([1.0, 2.0], dtype="float32")
 where = {"cupy": lambda: f"cuda:{x.device.id}", "torch": lambda: str(x.device),
          "jax": lambda: ",".join(sorted(d.platform for d in x.devices()))}[run]()
 print(f"[{run}] arrays on {where}; capabilities {b.capabilities}")
-if run == "cupy":  # segment sums in np.add.at's order, bit for bit (cupy_kernels.rows_in_order)
+if run == "cupy":  # segment sums in np.add.at's order, bit for bit (meshembed_array_api.native.rows_in_order)
     import numpy as np
     rng = np.random.default_rng(0)
     for dtype in ("float32", "float64", "float16"):

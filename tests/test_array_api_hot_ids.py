@@ -1,7 +1,7 @@
 """The generic segment sums' hot ids (``kernels.segment_sum``'s ``finish``) on a library whose
 scan is a tree, as CuPy's is: the default finish then leaves NumPy's order (the hazard the GPU
 conformance run found), a ``finish`` that declines (None) keeps the in-order rounds, and an
-in-order ``finish`` gives ``np.add.at``'s bits. CuPy's own finish (``cupy_kernels``) runs in the
+in-order ``finish`` gives ``np.add.at``'s bits. CuPy's own finish (``meshembed_array_api.native``) runs in the
 GPU conformance run (scripts/gpu_check.sh)."""
 
 from __future__ import annotations

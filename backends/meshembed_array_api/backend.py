@@ -18,7 +18,7 @@ import numpy as np
 from meshembed.backend.protocol import Backend, Capabilities
 from meshembed.errors import ConfigError
 from meshembed.sharding.placement import Placement, shard, unshard
-from meshembed_array_api import cupy_kernels, kernels
+from meshembed_array_api import kernels, native
 from meshembed_array_api.table import ArrayAPIShardedTable
 
 
@@ -161,10 +161,10 @@ class CupyBackend(ArrayAPIBackend):
     """The generic backend over ``array_api_compat.cupy`` on one GPU (``device``: an int or a
     ``cupy.cuda.Device``; default the current device). Certified by the GPU conformance run
     (conformance/README.md); its segment sums finish in row order with a small CUDA kernel
-    (``cupy_kernels``), since CuPy's scan is a tree."""
+    (``native.py``), since CuPy's scan is a tree."""
 
     name = "cupy"
-    hot_ids_finish = staticmethod(cupy_kernels.rows_in_order)
+    hot_ids_finish = staticmethod(native.rows_in_order)
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

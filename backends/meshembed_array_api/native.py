@@ -1,5 +1,6 @@
-"""CuPy's ``finish`` for the generic segment sums (``kernels.segment_sum``): the hot ids'
-remaining rows added in row order, one thread per output element.
+"""The generic backend's native code (a CUDA kernel compiled by CuPy). CuPy's ``finish`` for
+the generic segment sums (``kernels.segment_sum``): the hot ids' remaining rows added in row
+order, one thread per output element.
 
 Why: CuPy's ``cumsum`` is a parallel (tree) scan, so its last element is not
 ``((a + b) + c) + ...``; the GPU conformance run found float32 sums one ulp off NumPy's
