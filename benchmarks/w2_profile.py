@@ -5,7 +5,7 @@ rounds (a machine whose load changes weighs on every piece alike), median and mi
 
 * ``apply_gradients`` — the public dense optimizer (NaN check, then the fused update);
 * ``apply_gradients(allow_nonfinite=True)`` — the same without the check;
-* ``the update call`` — the backend's generated-kernel call alone (torch: ``dense_cpu.update``,
+* ``the update call`` — the backend's generated-kernel call alone (torch: ``native.dense_update``,
   one C call; JAX: ``compile_update``'s FFI call) on its own tensors;
 * ``the NaN check`` — the backend's all-finite pass alone (``finite_guard``);
 * ``the bound`` — ``benchmarks/w2_stream.cc``: the step's bytes with no math (on NumPy arrays:

@@ -207,7 +207,7 @@ class ModuleEngine(TPUEmbedding):
             import pytest
             import torch
 
-            from meshembed_torch.module import EmbeddingCollection
+            from meshembed_torch.frontend.module import EmbeddingCollection
 
             if self.pipelined:
                 pytest.skip(f"[{self.entry}] pipelined engines: the wrapper copies the engine's tables into the "

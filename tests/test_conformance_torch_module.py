@@ -27,7 +27,7 @@ def test_steps_through_the_module_equal_the_engines_bits():
 
 
 def test_one_ulp_in_the_modules_activations_fails(monkeypatch):
-    from meshembed_torch.module import EmbeddingCollection
+    from meshembed_torch.frontend.module import EmbeddingCollection
 
     forward = EmbeddingCollection._run_forward
 
@@ -42,7 +42,7 @@ def test_one_ulp_in_the_modules_activations_fails(monkeypatch):
 
 
 def test_a_different_update_in_the_module_fails(monkeypatch):
-    from meshembed_torch.module import EmbeddingCollection
+    from meshembed_torch.frontend.module import EmbeddingCollection
 
     send = EmbeddingCollection._send
 

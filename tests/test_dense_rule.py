@@ -4,7 +4,7 @@
   ``apply_gradients`` also Keras' element-wise terms (``clipvalue``, decoupled weight decay);
   the learning rate is a call-time float, never part of the rule;
 * backends receive only rules and floats (no step functions with attributes);
-* the generated fused kernels (torch: ``dense_cpu``, one C call for all tensors; JAX: one FFI
+* the generated fused kernels (torch: ``native.dense_update``, one C call for all tensors; JAX: one FFI
   call) equal the NumPy backend bit for bit, float32 and float64, plain / clipvalue / weight
   decay;
 * a learning rate changing every step compiles nothing after warm-up on torch and JAX, on
@@ -155,12 +155,12 @@ def test_no_backend_reads_function_attributes_of_the_dense_step():
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 def test_torch_generated_dense_kernel_equals_numpy(dtype, option):
-    from meshembed_torch import dense_cpu
+    from meshembed_torch import native
 
     shapes = [(70, 9), (600_003,), (5,)]  # > 512K elements: two threads where torch has two, chunk tails
     before = me.get_backend("torch").stats().get("fused_dense_updates", 0)
     got = _train("torch", shapes, dtype=dtype, **OPTIONS[option])
-    if dense_cpu.kernel_for(me.optimizers.Adadelta()._rule(
+    if native.dense_kernel_for(me.optimizers.Adadelta()._rule(
             me.Variable(np.ones(1, dtype), backend="torch"), folded=False)) is None:
         pytest.skip("no generated kernel here (no compiler)")
     assert me.get_backend("torch").stats().get("fused_dense_updates", 0) == before + 3, "one C call per step for the three tensors"
@@ -277,13 +277,13 @@ def test_torch_nan_policy_in_one_pass_finds_any_bad_element(bad, dtype):
     takes the framework's reductions (same answer); the step then changes nothing."""
     import torch
 
-    from meshembed_torch import dense_cpu
+    from meshembed_torch import native
 
     be = me.get_backend("torch")
     dt = getattr(torch, dtype)
     grads = [torch.randn(1000 + 7 * i, dtype=dt) for i in range(64)]
     assert bool(be.finite_guard(grads))
-    assert dense_cpu.all_finite([torch.full((9,), torch.finfo(dt).max, dtype=dt)], 2) in (True, None)
+    assert native.all_finite([torch.full((9,), torch.finfo(dt).max, dtype=dt)], 2) in (True, None)
     for n, j in ((0, 0), (63, -1), (31, 500)):
         hit = [g.clone() for g in grads]
         hit[n][j] = bad

@@ -3,7 +3,9 @@
 * A backend package imports, from meshembed, only the protocol, the math, sharding, config
   and errors (plus its own package and ``meshembed_native``), never ``meshembed.embedding``
   or the top-level ``meshembed`` — anywhere in the file, lazy imports included. Front ends
-  that live in a backend package (``me.jax``, ``me.torch``) may use the public engine API.
+  that live in a backend package (``me.jax``, ``me.torch``: its ``frontend/`` subpackage) may
+  use the public engine API; no backend module imports a front end (the engine side never
+  depends on the front end).
 * The core (``src/meshembed``) imports no framework (torch, jax, cupy, tensorflow) when it is
   imported (inside a function is fine: a lazy alias), and never the repository's
   ``benchmarks`` package; ``meshembed/bench.py`` imports nothing outside the standard library
@@ -32,9 +34,10 @@ BACKENDS = ROOT / "backends"
 #: meshembed modules a backend file may import (with their submodules).
 BACKEND_MAY_USE = ("meshembed.backend", "meshembed.math", "meshembed.sharding", "meshembed.config",
                    "meshembed.errors", "meshembed_native")
-#: Front ends living in backend packages: they may use the public engine API as well.
+#: Front ends living in backend packages (a module, or a subpackage with everything under it):
+#: they may use the public engine API as well, and no other backend file may import them.
 FRONT_ENDS = {"meshembed_jax/api.py", "meshembed_jax/adadelta.py", "meshembed_jax/dynamic.py",
-              "meshembed_torch/api.py", "meshembed_torch/module.py", "meshembed_torch/optim.py"}
+              "meshembed_torch/frontend"}
 FRAMEWORKS = ("torch", "jax", "jaxlib", "cupy", "tensorflow")
 
 
@@ -84,22 +87,36 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
+def _front_end(rel: str) -> bool:
+    """Whether the file ``rel`` (relative to backends/) is a front end (``FRONT_ENDS``)."""
+    return any(rel == f or rel.startswith(f + "/") for f in FRONT_ENDS)
+
+
+#: The front ends as module names (``meshembed_torch.frontend``, ``meshembed_jax.api``).
+FRONT_END_MODULES = tuple(f.removesuffix(".py").replace("/", ".") for f in sorted(FRONT_ENDS))
+
+
 def _backend_files(backends: Path) -> list[tuple[str, Path, ast.Module]]:
     """``(path relative to backends/, path, parsed tree)`` of every backend file but the front ends."""
     out = []
     for path in _files(backends):
         rel = path.relative_to(backends).as_posix()
-        if rel not in FRONT_ENDS:
+        if not _front_end(rel):
             out.append((rel, path, ast.parse(path.read_text(), str(path))))
     return out
 
 
 def backend_violations(backends: Path = BACKENDS) -> list[str]:
-    """Every forbidden meshembed import in backend files, as ``file:line name``."""
+    """Every forbidden meshembed import in backend files, as ``file:line name``: outside the
+    allowed core modules, or a front end (the backend never depends on its front end)."""
     bad = []
     for rel, path, tree in _backend_files(backends):
         allowed = (*BACKEND_MAY_USE, rel.split("/")[0])
         for line, base, names in _imports(tree, _module_name(path, backends), path.name == "__init__.py"):
+            if _under(base, FRONT_END_MODULES):
+                bad.append(f"{rel}:{line} {base} (a front end)")
+                continue
+            bad += [f"{rel}:{line} {base}.{n} (a front end)" for n in names if _under(f"{base}.{n}", FRONT_END_MODULES)]
             if not _under(base, ("meshembed",)) or _under(base, allowed):
                 continue  # the standard library, frameworks, own package, allowed core modules
             if base == "meshembed" and names:  # from meshembed import errors, math: each must be allowed
@@ -277,10 +294,14 @@ def test_the_checks_catch_what_they_forbid(tmp_path):
         "meshembed_x/api.py": "import meshembed as me\nfrom meshembed import errors, TPUEmbedding\n",
         "meshembed_x/ok.py": "from meshembed.backend.status import status_of\nfrom meshembed_x import backend\n"
                              "import numpy\nfrom meshembed_native import build\n",
+        "meshembed_x/table.py": "from meshembed_torch import frontend\ndef f():\n"
+                                "    from meshembed_torch.frontend.module import EmbeddingCollection\n",
     })
     assert backend_violations(tmp_path / "b") == [
         "meshembed_x/api.py:1 meshembed", "meshembed_x/api.py:2 meshembed.TPUEmbedding",
         "meshembed_x/backend.py:3 meshembed.embedding.updates",
+        "meshembed_x/table.py:1 meshembed_torch.frontend (a front end)",
+        "meshembed_x/table.py:3 meshembed_torch.frontend.module (a front end)",
     ]
     _write(tmp_path / "i", {
         "meshembed_x/backend.py": "import inspect\ndef f(fn):\n    fn.__wrapped__ = fn\n"
@@ -314,14 +335,17 @@ def test_the_checks_catch_what_they_forbid(tmp_path):
 
 @pytest.mark.parametrize("rel", sorted(FRONT_ENDS))
 def test_front_ends_named_here_exist(rel):
-    assert (BACKENDS / rel).is_file(), f"{rel} is listed as a front end but does not exist"
+    assert (BACKENDS / rel).is_file() or (BACKENDS / rel / "__init__.py").is_file(), (
+        f"{rel} is listed as a front end but does not exist")
 
 
 # -- one step under every front end: no private names across packages, no backend names ---------
 def _package_of(path: Path) -> str:
-    """The package a file belongs to: its directory relative to src/ or backends/."""
-    root = CORE.parent if CORE.parent in path.parents else BACKENDS
-    return path.parent.relative_to(root).as_posix()
+    """The package a file belongs to: its directory relative to src/; under backends/, the
+    backend package, subpackages (``frontend/``, ``kernels/``) included."""
+    if CORE.parent in path.parents:
+        return path.parent.relative_to(CORE.parent).as_posix()
+    return path.relative_to(BACKENDS).parts[0]
 
 
 def _private(name: str) -> bool:
@@ -362,7 +386,8 @@ def private_violations(files: list[Path] | None = None) -> list[str]:
             if not _under(base, ("meshembed",)) and not base.startswith("meshembed_"):
                 continue
             target_pkg = base.replace(".", "/")
-            own = target_pkg == pkg or target_pkg.rsplit("/", 1)[0] == pkg
+            own = target_pkg == pkg or target_pkg.rsplit("/", 1)[0] == pkg \
+                or (root == BACKENDS and target_pkg.split("/")[0] == pkg)
             if own:
                 continue
             parts = base.split(".")

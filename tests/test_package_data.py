@@ -2,7 +2,7 @@
 (``meshembed_native.build``: a backend's ``.cc`` and the shared headers): each ``.cc``/``.h``
 under ``backends/`` matches a ``[tool.setuptools.package-data]`` pattern of its package in
 pyproject.toml, and the sources the bindings name exist. Reads files only (fast); the wheel
-itself was checked once with ``pip wheel --no-deps .`` (``dense_cpu.cc`` was missing)."""
+itself was checked once with ``pip wheel --no-deps .`` (the dense driver, now ``native_dense.cc``, was missing)."""
 
 from __future__ import annotations
 

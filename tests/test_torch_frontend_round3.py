@@ -540,7 +540,7 @@ def test_a_cached_compiled_graph_is_never_reused_for_a_module_of_other_shapes():
     """Inductor's on-disk graph cache keys a graph by its ops' constant arguments; the module's
     handle is the same number for different modules in different processes (CI: a graph of a
     3-wide table ran for a 1-wide one). Here the second module takes the first one's handle."""
-    from meshembed_torch import module as M
+    from meshembed_torch.frontend import module as M
 
     def one_table(dim):
         t = me.TableConfig("t", VOCAB, dim, optimizer=me.embedding.SGD(learning_rate=0.1), combiner="sum")

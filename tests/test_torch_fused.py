@@ -1,4 +1,4 @@
-"""What only the torch backend's fused CPU updates (``meshembed_torch/fused_cpu.py``, driving
+"""What only the torch backend's fused CPU updates (``meshembed_torch/native.py``, driving
 generated row kernels) have: the fallback when the driver cannot be built, the driver's own
 refusal of a bad gradient index, and the selection of a kernel (a plain callable, mixed dtypes
 and a wrong value count take the core function). Everything both backends' fused kernels do —
@@ -14,13 +14,13 @@ torch = pytest.importorskip("torch", reason="the torch backend needs torch: pip 
 
 import meshembed as me  # noqa: E402
 from conformance.kernel_cases import IDS, RULES, train  # noqa: E402
-from meshembed_torch import fused_cpu  # noqa: E402
+from meshembed_torch import native  # noqa: E402
 
 
 def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("MESHEMBED_CACHE", str(tmp_path))
-    monkeypatch.setattr(fused_cpu, "_state", {})
+    monkeypatch.setattr(native, "_fused_state", {})
     with pytest.warns(RuntimeWarning, match="fused CPU updates are unavailable"):
         fused = train("torch", "adagrad", "sum", 1, 8, steps=2)
     reference = train("numpy", "adagrad", "sum", 1, 8, steps=2)
@@ -59,11 +59,11 @@ def test_not_taken_for_a_plain_callable_or_mixed_dtypes():
     table = torch.zeros(vocab, dim)
     acc = torch.ones(vocab, dim)
     grads = torch.ones(4, dim)
-    assert fused_cpu.kernel_for(lambda g, *rows: rows, (0.1,), [table, acc], grads, 4, None, None) is None
-    assert fused_cpu.kernel_for(rule, (0.1,), [table, acc.double()], grads, 4, None, None) is None
-    assert fused_cpu.kernel_for(rule, (0.1,), [table, acc], grads.double(), 4, None, None) is None
-    assert fused_cpu.kernel_for(rule, (0.1, 0.2), [table, acc], grads, 4, None, None) is None  # core reports it
-    kernel = fused_cpu.kernel_for(rule, (0.1,), [table.double(), acc.double()], grads.double(), 4, None, None)
+    assert native.kernel_for(lambda g, *rows: rows, (0.1,), [table, acc], grads, 4, None, None) is None
+    assert native.kernel_for(rule, (0.1,), [table, acc.double()], grads, 4, None, None) is None
+    assert native.kernel_for(rule, (0.1,), [table, acc], grads.double(), 4, None, None) is None
+    assert native.kernel_for(rule, (0.1, 0.2), [table, acc], grads, 4, None, None) is None  # core reports it
+    kernel = native.kernel_for(rule, (0.1,), [table.double(), acc.double()], grads.double(), 4, None, None)
     assert kernel is not None and kernel[0].dtype == "float64" and kernel[1] == (0.1,)
 
 
@@ -112,19 +112,19 @@ def test_threads_split_the_rows_bit_for_bit(name, form, dim):
     t_grads = torch.from_numpy(grads)
     t_index = None if index is None else torch.from_numpy(index)
     t_weights = None if weights is None else torch.from_numpy(weights)
-    kernel = fused_cpu.kernel_for(rule, values, [torch.from_numpy(t) for t in tables], t_grads, n, t_index, t_weights)
+    kernel = native.kernel_for(rule, values, [torch.from_numpy(t) for t in tables], t_grads, n, t_index, t_weights)
     assert kernel is not None
     for threads in (1, 2, 3):
         for check in (False, True):
             datas = [torch.from_numpy(t.copy()) for t in tables]
-            fused_cpu.update(kernel, torch.from_numpy(ids), t_grads, t_index, t_weights, datas, threads, check)
+            native.update(kernel, torch.from_numpy(ids), t_grads, t_index, t_weights, datas, threads, check)
             for k, (d, w) in enumerate(zip(datas, want)):
                 assert np.array_equal(d.numpy(), w, equal_nan=True), (threads, check, k)
         bad = grads.copy()
         bad[grads.shape[0] // 2, dim // 2] = np.nan
         datas = [torch.from_numpy(t.copy()) for t in tables]
         with pytest.raises(me.errors.NonFiniteError):
-            fused_cpu.update(kernel, torch.from_numpy(ids), torch.from_numpy(bad), t_index, t_weights, datas, threads,
+            native.update(kernel, torch.from_numpy(ids), torch.from_numpy(bad), t_index, t_weights, datas, threads,
                              True)
         for d, t in zip(datas, tables):
             assert np.array_equal(d.numpy(), t, equal_nan=True)
@@ -133,7 +133,7 @@ def test_threads_split_the_rows_bit_for_bit(name, form, dim):
 
 @pytest.mark.parametrize("dtype,dim", [("float32", 16), ("float32", 13), ("float64", 64)])
 def test_pooled_lookup_in_one_pass(dtype, dim):
-    """``gather_combine`` of sorted segments is one C++ pass (``fused_cpu.pooled_sum``): the bits
+    """``gather_combine`` of sorted segments is one C++ pass (``native.pooled_sum``): the bits
     of the general path (``embedding_bag``), on 1, 2 and 3 threads (50,000 ids: 16 Ki a
     thread), empty segments zero; a bad id is the general path's InputError, unsorted segments
     its sort."""
@@ -150,19 +150,19 @@ def test_pooled_lookup_in_one_pass(dtype, dim):
     want = off.gather_combine(tables[1], ids, slots, segments)
     assert torch.equal(on.gather_combine(tables[0], ids, slots, segments), want)
     for threads in (1, 2, 3):
-        got = fused_cpu.pooled_sum(tables[0].data, ids, slots, segments, threads)
+        got = native.pooled_sum(tables[0].data, ids, slots, segments, threads)
         assert got is not None and got.shape == (segments, dim) and torch.equal(got, want), threads
-    assert fused_cpu.pooled_sum(tables[0].data, ids, slots.flip(0), segments, 2) is None  # not sorted
+    assert native.pooled_sum(tables[0].data, ids, slots.flip(0), segments, 2) is None  # not sorted
     shuffled = torch.from_numpy(rng.permutation(n))
     assert torch.equal(on.gather_combine(tables[0], ids[shuffled], slots[shuffled], segments),
                        off.gather_combine(tables[1], ids[shuffled], slots[shuffled], segments))
     for bad in (-1, 5000):
         wrong = ids.clone()
         wrong[12345] = bad
-        assert fused_cpu.pooled_sum(tables[0].data, wrong, slots, segments, 2) is None
+        assert native.pooled_sum(tables[0].data, wrong, slots, segments, 2) is None
         with pytest.raises(me.errors.InputError, match="Expected ids in"):
             on.gather_combine(tables[0], wrong, slots, segments)
-    assert fused_cpu.pooled_sum(tables[0].data, ids, slots, int(slots.max()), 2) is None  # a segment past the count
+    assert native.pooled_sum(tables[0].data, ids, slots, int(slots.max()), 2) is None  # a segment past the count
 
 
 def test_bad_ids_are_checked_by_the_fused_update_and_change_nothing():
@@ -187,7 +187,7 @@ def test_bad_ids_are_checked_by_the_fused_update_and_change_nothing():
 
 
 def test_helpers_concurrent_callers_and_fork():
-    """The drivers' helper threads (``Helpers`` in fused_cpu.cc): two Python threads calling at
+    """The drivers' helper threads (``Helpers`` in native_fused.cc): two Python threads calling at
     once (ctypes releases the GIL; the second runs its chunks itself) and a forked child (runs
     everything on its calling thread) get the same bits as one call on one thread."""
     import os
@@ -197,13 +197,13 @@ def test_helpers_concurrent_callers_and_fork():
     data = torch.from_numpy(rng.standard_normal((3000, 16)).astype(np.float32))
     ids = torch.from_numpy(rng.integers(0, 3000, 70_000))
     slots = torch.from_numpy(np.sort(rng.integers(0, 9000, 70_000)))
-    want = fused_cpu.pooled_sum(data, ids, slots, 9000, 1)
-    assert want is not None and torch.equal(fused_cpu.pooled_sum(data, ids, slots, 9000, 2), want)
+    want = native.pooled_sum(data, ids, slots, 9000, 1)
+    assert want is not None and torch.equal(native.pooled_sum(data, ids, slots, 9000, 2), want)
     got: list = []
 
     def call() -> None:
         for _ in range(20):
-            got.append(fused_cpu.pooled_sum(data, ids, slots, 9000, 3))
+            got.append(native.pooled_sum(data, ids, slots, 9000, 3))
 
     workers = [threading.Thread(target=call) for _ in range(2)]
     for w in workers:
@@ -214,7 +214,7 @@ def test_helpers_concurrent_callers_and_fork():
     pid = os.fork()
     if pid == 0:  # the child: exit 0 only with the same bits (no helpers, no deadlock); compared
         try:        # in NumPy: torch's own OpenMP ops may hang in a forked child (GNU OpenMP)
-            out = fused_cpu.pooled_sum(data, ids, slots, 9000, 2)
+            out = native.pooled_sum(data, ids, slots, 9000, 2)
             os._exit(0 if np.array_equal(out.numpy(), want.numpy()) else 1)
         finally:
             os._exit(2)

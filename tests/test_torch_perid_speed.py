@@ -1,6 +1,6 @@
 """Correctness of the torch backend's per-id fast paths (issue #18: the per-id W1 step).
 
-* ``fused_cpu.gather_rows``: the lookup of large outputs with streaming stores equals
+* ``native.gather_rows``: the lookup of large outputs with streaming stores equals
   ``index_select`` bit for bit (aligned rows, unaligned rows, float64, through ``gather``).
 * ``update_rows(check_finite=True)`` (``Capabilities.checked_updates``): the fused kernel checks
   the gradients while it sums them; any NaN/Inf element — in a row a contribution reads or in
@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch", reason="the torch backend needs torch: pip 
 import meshembed as me  # noqa: E402
 from meshembed.errors import InputError, NonFiniteError  # noqa: E402
 from meshembed.sharding.placement import Placement  # noqa: E402
-from meshembed_torch import fused_cpu  # noqa: E402
+from meshembed_torch import native  # noqa: E402
 
 BAD = [float("nan"), float("inf"), float("-inf")]
 
@@ -37,31 +37,31 @@ def be():
 def test_gather_rows_equals_index_select(dtype, dim):
     rng = np.random.default_rng(0)
     data = torch.from_numpy(rng.standard_normal((1000, dim))).to(dtype)
-    n = -(-fused_cpu.STREAM_MIN_BYTES // (dim * data.element_size())) + 3  # just above the threshold
+    n = -(-native.STREAM_MIN_BYTES // (dim * data.element_size())) + 3  # just above the threshold
     index = torch.from_numpy((rng.zipf(1.2, size=n) - 1) % 1000)
     out = torch.full((n, dim), 7.0, dtype=dtype)
-    assert fused_cpu.gather_rows(data, index, out)
+    assert native.gather_rows(data, index, out)
     assert torch.equal(out, torch.index_select(data, 0, index))
 
 
 def test_gather_rows_declines_small_or_odd_inputs():
     data = torch.zeros(10, 4)
     small = torch.empty(3, 4)
-    assert not fused_cpu.gather_rows(data, torch.tensor([0, 1, 2]), small)
-    big = fused_cpu.STREAM_MIN_BYTES // 16 + 1
-    assert not fused_cpu.gather_rows(data, torch.zeros(big, dtype=torch.int32), torch.empty(big, 4))  # int32 ids
-    assert not fused_cpu.gather_rows(data, torch.zeros(big, dtype=torch.int64), torch.empty(big, 4).t().contiguous().t())
+    assert not native.gather_rows(data, torch.tensor([0, 1, 2]), small)
+    big = native.STREAM_MIN_BYTES // 16 + 1
+    assert not native.gather_rows(data, torch.zeros(big, dtype=torch.int32), torch.empty(big, 4))  # int32 ids
+    assert not native.gather_rows(data, torch.zeros(big, dtype=torch.int64), torch.empty(big, 4).t().contiguous().t())
 
 
 def test_backend_gather_uses_streaming_path(be, monkeypatch):
-    dim, n = 64, fused_cpu.STREAM_MIN_BYTES // 256 + 5
+    dim, n = 64, native.STREAM_MIN_BYTES // 256 + 5
     rng = np.random.default_rng(1)
     values = rng.standard_normal((5000, dim)).astype(np.float32)
     table = be.create_table(values, Placement(5000, 1, "mod"))
     ids = (rng.zipf(1.1, size=n) - 1) % 5000
     taken = []
-    real = fused_cpu.gather_rows
-    monkeypatch.setattr(fused_cpu, "gather_rows", lambda *a: taken.append(real(*a)) or taken[-1])
+    real = native.gather_rows
+    monkeypatch.setattr(native, "gather_rows", lambda *a: taken.append(real(*a)) or taken[-1])
     out = be.gather(table, be.asarray(ids))
     assert taken == [True]
     np.testing.assert_array_equal(be.to_numpy(out), values[ids])
@@ -216,9 +216,9 @@ def test_engine_checks_largest_table_in_its_update_only(be, monkeypatch):
     emb = me.TPUEmbedding(cfg, backend="torch", num_shards=1)
     ref = me.TPUEmbedding(cfg, backend="numpy", num_shards=1)
     seen, checked = [], []
-    real_all_finite, real_update = type(emb.backend).all_finite, fused_cpu.update
+    real_all_finite, real_update = type(emb.backend).all_finite, native.update
     monkeypatch.setattr(type(emb.backend), "all_finite", lambda self, x: seen.append(tuple(x.shape)) or real_all_finite(self, x))
-    monkeypatch.setattr(fused_cpu, "update", lambda *a, **k: checked.append(k.get("check_finite")) or real_update(*a, **k))
+    monkeypatch.setattr(native, "update", lambda *a, **k: checked.append(k.get("check_finite")) or real_update(*a, **k))
     for e in (emb, ref):
         for _ in range(2):
             e.enqueue(feats)

@@ -26,7 +26,7 @@ from meshembed.errors import InputError, NonFiniteError
 from meshembed.math.rule import UpdateRule
 from meshembed.sharding.placement import Placement
 from meshembed.sharding.placement import unshard as unshard_numpy
-from meshembed_torch import fused_cpu
+from meshembed_torch import native
 from meshembed_torch.dense import TorchDenseMixin  # imports torch lazily, like this module
 from meshembed_torch.table import TorchShardedTable, empty_table
 
@@ -86,7 +86,7 @@ class TorchBackend(TorchDenseMixin, Backend):
             )
         self.fused = env_flag(FUSED_ENV, True) if fused is None else bool(fused)
         # when and what torch.compile compiles (gather -> rule -> scatter by rule and row
-        # layout); the C++ fused row updates (fused_cpu) are cached by the codegen, not here
+        # layout); the C++ fused row updates (native.py) are cached by the codegen, not here
         self._compiler = kernels.UpdateCompiler(mode, self.xp)
         self._compile_mode = mode
         self._compiled_updates = self._compiler.entries
@@ -266,8 +266,8 @@ class TorchBackend(TorchDenseMixin, Backend):
             rows = self.__dict__.setdefault("_recycled_rows", self._k.RecycledRows())
             out = rows.empty((ids.shape[0], table.data.shape[1]), table.data.dtype, table.data.device)
             index = table.rowmap.local_index(ids)
-            # large outputs: streaming stores (fused_cpu.gather_rows)
-            if self.fused and fused_cpu.gather_rows(table.data, index, out):
+            # large outputs: streaming stores (native.gather_rows)
+            if self.fused and native.gather_rows(table.data, index, out):
                 return out
             return self._torch.index_select(table.data, 0, index, out=out)
         seg = self._k.segments(ids)  # send each distinct id once
@@ -310,9 +310,9 @@ class TorchBackend(TorchDenseMixin, Backend):
         if (weights is None and self.fused and table.group is None and table.rowmap.identity
                 and data.device.type == "cpu" and data.dtype in (torch.float32, torch.float64)):
             # gather + sum of sorted segments in one C++ pass, the ids' range check folded in
-            # (fused_cpu.pooled_sum: embedding_bag's bits); None: the general path below (it
+            # (native.pooled_sum: embedding_bag's bits); None: the general path below (it
             # also reports bad ids)
-            out = fused_cpu.pooled_sum(data, ids, segment_ids, int(num_segments), torch.get_num_threads())
+            out = native.pooled_sum(data, ids, segment_ids, int(num_segments), torch.get_num_threads())
             if out is not None:
                 return out
         try:
@@ -394,7 +394,7 @@ class TorchBackend(TorchDenseMixin, Backend):
                 )
             kernel = None
             if self.fused and first.group is None and ids.numel() and ids.numel() < 2**31:
-                kernel = fused_cpu.kernel_for(fn, values, [t.data for t in tables], g_src, ids.numel(), rows_of, w)
+                kernel = native.kernel_for(fn, values, [t.data for t in tables], g_src, ids.numel(), rows_of, w)
             if deferred and kernel is None:
                 ids, id_range = first.checked_ids(ids)
             if check_finite and kernel is None and not self.all_finite(g_src):
@@ -404,12 +404,12 @@ class TorchBackend(TorchDenseMixin, Backend):
             raise
         if u.guard is not None and not bool(u.guard):  # the protocol's guard: write nothing
             return tables
-        if kernel is not None:  # a fused row update generated from the rule (see fused_cpu.py)
+        if kernel is not None:  # a fused row update generated from the rule (see native.py)
             rows = ids if first.rowmap.identity else first.rowmap.local_index(ids)
             try:
-                fused_cpu.update(kernel, rows, g_src, rows_of, w, [t.data for t in tables], torch.get_num_threads(),
+                native.update(kernel, rows, g_src, rows_of, w, [t.data for t in tables], torch.get_num_threads(),
                                  check_finite=check_finite)
-            except fused_cpu.RowOutside:
+            except native.RowOutside:
                 first.checked_ids(ids)  # its InputError names the vocabulary and the ids' range
                 raise
             self._stats["fused_updates"] += 1
@@ -446,11 +446,11 @@ class TorchBackend(TorchDenseMixin, Backend):
 
     def apply_rule_rows(self, rule: Any, values: Sequence[Any], grads: Any, rows: Sequence[Any]) -> list[Any]:
         """A 16-bit table's rule math with NumPy's bits (torch ops are not, e.g. ``torch.pow``):
-        the generated C++ row kernel, or NumPy's own math on the same rows (:mod:`.low_precision`);
+        the generated C++ row kernel, or NumPy's own math on the same rows (:func:`.kernels.rule_rows`);
         the protocol's torch ops where neither applies."""
-        from meshembed_torch import low_precision
+        from meshembed_torch import kernels
 
-        new = low_precision.rule_rows(self, rule, values, grads, rows)
+        new = kernels.rule_rows(self, rule, values, grads, rows)
         return super().apply_rule_rows(rule, values, grads, rows) if new is None else new
 
     def update_rows_in_order(self, tables: Sequence[TorchShardedTable], ids: Any, grads: Any,

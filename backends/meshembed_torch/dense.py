@@ -122,43 +122,43 @@ class TorchDenseMixin:
         return call_values(self.xp, values, like)
 
     def finite_guard(self, arrays: Sequence[Any]) -> Any:
-        """One C pass over every CPU float tensor (:func:`meshembed_torch.dense_cpu.all_finite`:
+        """One C pass over every CPU float tensor (:func:`meshembed_torch.native.all_finite`:
         W2's 64 gradients in one call instead of two torch reductions each); else the default."""
         import torch
 
-        from meshembed_torch import dense_cpu
+        from meshembed_torch import native
 
-        ok = dense_cpu.all_finite(list(arrays), torch.get_num_threads()) if self.fused else None  # type: ignore[attr-defined]
+        ok = native.all_finite(list(arrays), torch.get_num_threads()) if self.fused else None  # type: ignore[attr-defined]
         return super().finite_guard(arrays) if ok is None else torch.tensor(ok)  # type: ignore[misc]
 
     def in_place_group(self, rule: UpdateRule) -> int:
         """Every staged tensor in one call where the generated kernel runs (one C call with
         OpenMP, no compile time); else the default groups of the compiled core function."""
-        from meshembed_torch import dense_cpu
+        from meshembed_torch import native
 
-        if self.fused and dense_cpu.kernel_for(rule) is not None:  # type: ignore[attr-defined]
+        if self.fused and native.dense_kernel_for(rule) is not None:  # type: ignore[attr-defined]
             return 64
         return super().in_place_group(rule)  # type: ignore[misc]
 
     def compile_update(self, rule: UpdateRule, count: int) -> Callable[..., Any]:
         """The generated row kernel of ``rule`` over the ``count`` tensors in one call
-        (:mod:`meshembed_torch.dense_cpu`: CPU tensors of the rule's dtype), written in place;
+        (:mod:`meshembed_torch.native`: CPU tensors of the rule's dtype), written in place;
         otherwise the core function compiled in place (``Backend.compile_update``), whose
         values are 0-d tensors so a new learning rate recompiles nothing."""
         import torch
 
-        from meshembed_torch import dense_cpu
+        from meshembed_torch import native
 
         fallback = super().compile_update(rule, count)  # type: ignore[misc]
-        kernel = dense_cpu.kernel_for(rule) if self.fused else None  # type: ignore[attr-defined]
+        kernel = native.dense_kernel_for(rule) if self.fused else None  # type: ignore[attr-defined]
         if kernel is None:
             return fallback
 
         def run(grads: Sequence[Any], values: Sequence[Any], *targets: Sequence[Any]) -> None:
-            prepared = dense_cpu.pointers(kernel, grads, targets)  # checked and collected in one loop
+            prepared = native.dense_pointers(kernel, grads, targets)  # checked and collected in one loop
             if prepared is None:
                 return fallback(grads, values, *targets)
-            dense_cpu.update(kernel, grads, values, targets, torch.get_num_threads(), prepared)
+            native.dense_update(kernel, grads, values, targets, torch.get_num_threads(), prepared)
             self._stats["fused_dense_updates"] += 1
             return None
 

@@ -51,7 +51,7 @@ _LAZY = {
     # front ends, one per framework idiom (the JAX and torch ones live in their backend packages)
     "tpu": "meshembed.tpu",
     "jax": "meshembed_jax.api",
-    "torch": "meshembed_torch.api",
+    "torch": "meshembed_torch.frontend",
 }
 
 __all__ = [

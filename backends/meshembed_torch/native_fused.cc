@@ -3,7 +3,7 @@
 // no intermediate tensor. The optimizer is not written here: it is a row kernel generated
 // from the core's math (meshembed_native/codegen.py), passed in as a function pointer with
 // its parameter block. A registered optimisation of the torch backend
-// (meshembed_torch/fused_cpu.py); tests compare it with the core function and NumPy.
+// (meshembed_torch/native.py); tests compare it with the core function and NumPy.
 //
 // Plain C ABI (called through ctypes with tensors' data pointers), float or double rows, no
 // torch headers. Threads (the count torch's intra-op setting gives): the pooled lookup and the
@@ -459,7 +459,7 @@ MESHEMBED_FUSED_UPDATE(double, meshembed_fused_update_float64)
 // an id is outside [0, num_rows) (out is then partly written). The driver of drivers.h
 // (GatherRowRange), each thread a contiguous range of ids; with 64-byte aligned rows the stores
 // stream past the caches, for outputs larger than the caches (the caller decides:
-// fused_cpu.gather_rows).
+// native.gather_rows).
 extern "C" int64_t meshembed_gather_rows(const char* table, int64_t num_rows, const int64_t* ids, int64_t n,
                                          int64_t row_bytes, char* out, int threads) {
   const bool stream = meshembed::Streamable(out, row_bytes);
