@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     import jax
 
     import meshembed as me
-    from meshembed_jax import api
+    from meshembed_jax import frontend as api
 
     P = me.embedding.Precision
 

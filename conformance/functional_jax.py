@@ -50,7 +50,7 @@ def _jitted() -> tuple[Any, Any]:
     if not _JIT:
         import jax
 
-        from meshembed_jax import api
+        from meshembed_jax import frontend as api
 
         _JIT["lookup"] = jax.jit(api.lookup)
         _JIT["apply"] = jax.jit(api.apply_gradients)
@@ -84,7 +84,7 @@ class FunctionalEngine(TPUEmbedding):
     def _fstate(self) -> Any:
         """The engine's arrays as an ``EmbeddingState`` with a static part kept per engine
         (the jitted calls retrace only when the shard layouts change, e.g. never)."""
-        from meshembed_jax import api
+        from meshembed_jax import frontend as api
 
         try:
             state = api.from_engine(self)  # ConfigError for what me.jax does not support
@@ -104,7 +104,7 @@ class FunctionalEngine(TPUEmbedding):
                 mode_override: str | None = None) -> None:
         if not self._functional():
             return super().enqueue(features, weights, training=training, mode_override=mode_override)
-        from meshembed_jax import api
+        from meshembed_jax import frontend as api
 
         resolve_mode(self.layout, training, mode_override)  # the engine's own mode and order errors first
         self._check_can_enqueue()
@@ -133,7 +133,7 @@ class FunctionalEngine(TPUEmbedding):
         outside the update loop, mechanism unknown). On the fused CPU kernels the bound
         changes nothing. A user of me.jax alone
         picks the bound; here it is the engine's, so the two are compared on one program."""
-        from meshembed_jax import api
+        from meshembed_jax import frontend as api
 
         sizes = {}
         for f, d in zip(self.layout.features, self.pending.features):

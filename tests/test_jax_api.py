@@ -298,9 +298,9 @@ def test_jitted_steps_export_for_tpu_and_gpu(platform):
     assert dense.platforms == (platform,)
     # and on CPU the same step takes the FFI kernels
     cpu = jax.jit(lambda s, b, lr: _step(s, b, lr)[0]).lower(state, batch, [0.1, 0.1]).as_text()
-    from meshembed_jax import cpu_kernels
+    from meshembed_jax import native
 
-    if cpu_kernels.usable("cpu", np.float32):
+    if native.usable("cpu", np.float32):
         assert "custom_call @meshembed" in cpu
 
 
@@ -319,7 +319,7 @@ def test_two_tower_example_on_eight_devices():
 def test_prepare_counts_distinct_ids_without_a_sort():
     """unique_capacity's check counts distinct ids by a row mask (small vocabularies) or a
     sort: both the same count, the same CapacityError."""
-    from meshembed_jax import api
+    from meshembed_jax.frontend import step as api
 
     rng = np.random.default_rng(5)
     ids = rng.integers(-1, 300, 1000).astype(np.int32)  # -1: padding, not an id
@@ -444,7 +444,7 @@ def test_accumulation_off_applies_each_occurrence_like_the_engine():
 def test_float32_values_reach_the_fused_kernel_as_exact_doubles():
     """A traced float32 hyper-parameter becomes the float64 bit pattern the engine passes
     (built with integer ops, so without x64 too): normal, subnormal, zero, Inf and NaN."""
-    from meshembed_jax import api
+    from meshembed_jax.frontend import step as api
 
     values = np.array([0.3, -0.0, 0.0, 1e-45, 3e-39, -1.17e-38, 1.1754944e-38, np.inf, -np.inf, np.nan, 3.4e38,
                        -2.5], np.float32)

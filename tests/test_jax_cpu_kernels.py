@@ -1,4 +1,4 @@
-"""The JAX backend's CPU row kernels (XLA FFI, ``meshembed_jax/cpu_kernels.cc``).
+"""The JAX backend's CPU row kernels (XLA FFI, ``meshembed_jax/native.cc``).
 
 They must give the numbers of the pure-XLA kernels they replace (and of the NumPy
 reference), be what the compiled steps actually call, and fall back cleanly — with one
@@ -21,7 +21,7 @@ import meshembed as me  # noqa: E402
 from meshembed.math.registry import OptimizerMath  # noqa: E402
 from meshembed.math.rule import UpdateRule  # noqa: E402
 from meshembed.sharding import Placement  # noqa: E402
-from meshembed_jax import JaxBackend, cpu_kernels  # noqa: E402
+from meshembed_jax import JaxBackend, native  # noqa: E402
 from meshembed_numpy import NumpyBackend  # noqa: E402
 from tests.jax_x64 import x64_where_named  # noqa: E402,F401
 
@@ -51,8 +51,8 @@ def _close(actual, expected, dtype: str) -> None:
 
 @needs_compiler
 def test_kernels_build_and_register():
-    assert cpu_kernels.load(), cpu_kernels._state.get("error")
-    assert cpu_kernels.library_path().exists()
+    assert native.load(), native._state.get("error")
+    assert native.library_path().exists()
 
 
 @needs_compiler
@@ -130,18 +130,18 @@ def test_raw_kernels_bounds_and_index_dtypes(index_dtype):
     """Rows outside [0, m) read as zeros and are never written; segment ids outside
     [0, S) are dropped; int32 and int64 ids; the dedup gives ascending rows (first-occurrence
     order for shards too large for its bitmap)."""
-    assert cpu_kernels.load()
+    assert native.load()
     table = jnp.arange(5 * 3, dtype=jnp.float32).reshape(5, 3)
     idx = jnp.asarray([4, 5, 0, 7, 2], index_dtype)  # 5 and 7: not owned (m = 5)
-    rows = jax.jit(cpu_kernels.gather_rows)(table, idx)
+    rows = jax.jit(native.gather_rows)(table, idx)
     np.testing.assert_array_equal(np.asarray(rows), np.asarray(table)[[4, 0, 0, 0, 2]] * np.array([1, 0, 1, 0, 1])[:, None])
-    new = jax.jit(cpu_kernels.scatter_rows)(table, idx, -jnp.ones((5, 3), jnp.float32))
+    new = jax.jit(native.scatter_rows)(table, idx, -jnp.ones((5, 3), jnp.float32))
     want = np.asarray(table).copy()
     want[[4, 0, 2]] = -1
     np.testing.assert_array_equal(np.asarray(new), want)
 
     segs = jnp.asarray([0, 1, 1, 0, 9], jnp.int32)  # 9: dropped
-    out = jax.jit(lambda t, i, s: cpu_kernels.gather_combine(t, i, s, jnp.zeros((1,), jnp.float32), 2, False))(
+    out = jax.jit(lambda t, i, s: native.gather_combine(t, i, s, jnp.zeros((1,), jnp.float32), 2, False))(
         table, idx, segs)
     tab = np.asarray(table)
     np.testing.assert_array_equal(np.asarray(out), np.stack([tab[4], tab[0]]))
@@ -149,19 +149,19 @@ def test_raw_kernels_bounds_and_index_dtypes(index_dtype):
     ids = jnp.asarray([3, 1, 3, 9, 1, 0], index_dtype)  # 9: not owned
     grads = jnp.asarray(np.arange(6 * 2, dtype=np.float32).reshape(6, 2))
     none = jnp.zeros((1,), jnp.int32)
-    uniq, gs, count = jax.jit(lambda i, g: cpu_kernels.dedup_sum(i, g, none, none, 5, 4, False, False))(ids, grads)
+    uniq, gs, count = jax.jit(lambda i, g: native.dedup_sum(i, g, none, none, 5, 4, False, False))(ids, grads)
     assert int(count) == 3 and uniq.dtype == index_dtype
     np.testing.assert_array_equal(np.asarray(uniq), [0, 1, 3, 5])  # ascending rows; unused slot: m
     gn = np.asarray(grads)
     np.testing.assert_array_equal(np.asarray(gs), [gn[5], gn[1] + gn[4], gn[0] + gn[2], [0, 0]])
     # a shard too large for the bitmap: hash dedup, first-occurrence order, same sums
     big = 1 << 28
-    uniq, gs, count = jax.jit(lambda i, g: cpu_kernels.dedup_sum(i, g, none, none, big, 4, False, False))(ids, grads)
+    uniq, gs, count = jax.jit(lambda i, g: native.dedup_sum(i, g, none, none, big, 4, False, False))(ids, grads)
     assert int(count) == 4  # 9 is owned here
     np.testing.assert_array_equal(np.asarray(uniq), [3, 1, 9, 0])
     np.testing.assert_array_equal(np.asarray(gs), [gn[0] + gn[2], gn[1] + gn[4], gn[3], gn[5]])
     # overflow: capacity 2 < 3 unique rows -> every slot says "write nothing"
-    uniq, _, count = jax.jit(lambda i, g: cpu_kernels.dedup_sum(i, g, none, none, 5, 2, False, False))(ids, grads)
+    uniq, _, count = jax.jit(lambda i, g: native.dedup_sum(i, g, none, none, 5, 2, False, False))(ids, grads)
     assert int(count) == 3
     np.testing.assert_array_equal(np.asarray(uniq), [5, 5])
 
@@ -175,7 +175,7 @@ def test_all_finite_kernel_is_the_guard(dtype, bad):
     enough for several parallel ranges); the largest finite values and subnormals pass."""
     from meshembed_jax.backend import JaxBackend
 
-    assert cpu_kernels.load()
+    assert native.load()
     big = np.full(1_000_003, np.finfo(dtype).max, dtype)
     big[::7] = np.finfo(dtype).smallest_subnormal
     small = np.arange(5, dtype=dtype)
@@ -183,39 +183,39 @@ def test_all_finite_kernel_is_the_guard(dtype, bad):
         arrays = [small.copy(), big.copy()]
         if bad is not None:
             arrays[1][where] = bad
-        got = jax.jit(lambda *xs: cpu_kernels.all_finite(list(xs)))(*arrays)
+        got = jax.jit(lambda *xs: native.all_finite(list(xs)))(*arrays)
         assert bool(got) is (bad is None), (bad, where)
         be = JaxBackend()
-        hlo = jax.jit(lambda *xs: cpu_kernels.all_finite(list(xs))).lower(*arrays).as_text()
+        hlo = jax.jit(lambda *xs: native.all_finite(list(xs))).lower(*arrays).as_text()
         assert "meshembed_all_finite" in hlo
         assert bool(be.finite_guard(arrays)) is (bad is None)
 
 
 def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path):
     """No compiler: one RuntimeWarning naming the fix, then the pure-XLA kernels."""
-    saved = dict(cpu_kernels._state)
+    saved = dict(native._state)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("MESHEMBED_CACHE", str(tmp_path))
-    cpu_kernels._state.clear()
+    native._state.clear()
     try:
         with pytest.warns(RuntimeWarning, match="MESHEMBED_JAX_CPU_KERNELS=0"):
-            assert cpu_kernels.usable("cpu", np.float32) is False
+            assert native.usable("cpu", np.float32) is False
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # only once
-            assert cpu_kernels.usable("cpu", np.float32) is False
+            assert native.usable("cpu", np.float32) is False
         be = JaxBackend()
         t = be.create_table(np.ones((10, 2), np.float32), Placement(10, 1, "mod"))
         out = be.gather_combine(t, be.asarray(np.array([1, 2, 2])), be.asarray(np.array([0, 0, 1])), 2)
         np.testing.assert_array_equal(np.asarray(out), [[2, 2], [1, 1]])
     finally:
-        cpu_kernels._state.clear()
-        cpu_kernels._state.update(saved)
+        native._state.clear()
+        native._state.update(saved)
 
 
 def test_other_platforms_and_dtypes_use_xla():
-    assert cpu_kernels.usable("tpu", np.float32) is False
-    assert cpu_kernels.usable("gpu", np.float32) is False
-    assert cpu_kernels.usable("cpu", np.float16) is False
+    assert native.usable("tpu", np.float32) is False
+    assert native.usable("gpu", np.float32) is False
+    assert native.usable("cpu", np.float16) is False
 
 
 def test_huge_page_hint_keeps_the_table(monkeypatch):

@@ -1,4 +1,4 @@
-"""Dynamic vocabularies inside jitted me.jax (backends/meshembed_jax/dynamic.py) against the NumPy
+"""Dynamic vocabularies inside jitted me.jax (backends/meshembed_jax/frontend/dynamic.py) against the NumPy
 reference (meshembed.embedding.dynamic.assign and the NumPy engine): the same keys give the same
 rows, admissions, evictions, statistics and values, a checkpoint mid-run resumes on either side,
 and one compiled program serves every step."""
@@ -14,7 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 import meshembed as me  # noqa: E402
 from meshembed.embedding import dynamic as dv  # noqa: E402
 from meshembed.errors import ConfigError, InputError  # noqa: E402
-from meshembed_jax import dynamic as jdyn  # noqa: E402
+from meshembed_jax.frontend import dynamic as jdyn  # noqa: E402
 from tests.jax_x64 import x64_where_named  # noqa: E402,F401
 
 E = me.embedding

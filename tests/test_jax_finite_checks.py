@@ -25,9 +25,9 @@ from meshembed.embedding.updates import make_rule  # noqa: E402
 from meshembed.errors import InputError, NonFiniteError  # noqa: E402
 from meshembed.sharding.placement import Placement  # noqa: E402
 from meshembed_jax import backend as jax_backend  # noqa: E402
-from meshembed_jax import cpu_kernels  # noqa: E402
+from meshembed_jax import native  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.usable("cpu", np.float32),
+pytestmark = pytest.mark.skipif(not native.usable("cpu", np.float32),
                                 reason="the JAX CPU FFI kernels did not build here")
 
 BAD = [float("nan"), float("inf"), float("-inf")]

@@ -105,13 +105,13 @@ def test_cpu_export_says_why_or_runs():
     """On CPU the step calls meshembed's FFI kernels: me.jax.export says why that cannot be
     exported and what to do; with MESHEMBED_JAX_CPU_KERNELS=0 (the pure-XLA kernels) the CPU
     artifact serializes, deserializes and runs with the jitted step's bits (a subprocess)."""
-    from meshembed_jax import cpu_kernels
+    from meshembed_jax import native
 
     cfg = _small()
     state = me.jax.init(cfg)
     batch = me.jax.prepare(cfg, {"f": np.array([1, 2, 3, 1])})
     lr = jax.ShapeDtypeStruct((), jnp.float32)
-    if cpu_kernels.usable("cpu", np.float32):
+    if native.usable("cpu", np.float32):
         with pytest.raises(ConfigError, match=r"platform 'cpu'.*C\+\+ row kernels.*platforms=\('tpu',\).*"
                                               r"MESHEMBED_JAX_CPU_KERNELS=0"):
             me.jax.export(lambda s, b, lr: _step(s, b, [lr])[0], platforms=("cpu",))(_spec(state), _spec(batch), lr)

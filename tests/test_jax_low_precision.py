@@ -83,7 +83,7 @@ def _engine_run(batches, emb=None) -> tuple[dict, list]:
 def _jax_run(state, batches, jit: bool = True) -> tuple:
     import jax
 
-    from meshembed_jax import api
+    from meshembed_jax.frontend import step as api
 
     lookup = jax.jit(api.lookup) if jit else api.lookup
     apply = jax.jit(api.apply_gradients) if jit else api.apply_gradients
@@ -121,7 +121,7 @@ def reference():
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_me_jax_gives_the_engines_bits(reference, jit):
-    from meshembed_jax import api
+    from meshembed_jax.frontend import step as api
 
     state, acts = _jax_run(api.init(_config(), num_shards=2, seed=4), _batches(3), jit=jit)
     want, want_acts = reference
@@ -135,7 +135,7 @@ def test_me_jax_gives_the_engines_bits(reference, jit):
 def test_checkpoints_round_trip_with_the_engine(tmp_path):
     """me.jax.save -> TPUEmbedding.restore (numpy) and TPUEmbedding.save -> me.jax.restore:
     the stored bits, the step counter, and the steps after the restore, bit for bit."""
-    from meshembed_jax import api
+    from meshembed_jax.frontend import step as api
 
     first, then = _batches(2), _batches(2, seed=1)
     state, _ = _jax_run(api.init(_config(), num_shards=2, seed=4), first)
@@ -156,7 +156,7 @@ def test_checkpoints_round_trip_with_the_engine(tmp_path):
 def test_static_part_carries_the_precision():
     """The serialized static part (jax.export's aux data) keeps each table's Precision (the
     config proto has no field for it) and the arrays' storage dtypes."""
-    from meshembed_jax import api
+    from meshembed_jax.frontend import step as api
 
     state = api.init(_config(), num_shards=2, seed=4)
     st = api._deserialize_static(api._serialize_static(state._static))
@@ -170,7 +170,7 @@ def test_ftrl_with_a_dynamic_learning_rate_gives_the_numpy_bits():
     multiply by its reciprocal); the division is element-wise now (exact.py): NumPy's bits."""
     import jax
 
-    from meshembed_jax import api
+    from meshembed_jax.frontend import step as api
 
     opt = me.embedding.FTRL(me.embedding.DynamicLearningRate(0))
     cfg = me.EmbeddingConfig(tables=[me.TableConfig("t", V, D, optimizer=opt, combiner="sum",
@@ -192,7 +192,7 @@ def test_ftrl_with_a_dynamic_learning_rate_gives_the_numpy_bits():
 
 def test_dynamic_vocabulary_on_a_low_precision_table_is_refused():
     """map_keys' re-initialisation writes float32 rows: not run on 16-bit storage (the engine runs it)."""
-    from meshembed_jax import api
+    from meshembed_jax.frontend import step as api
 
     cfg = me.EmbeddingConfig(tables=[me.TableConfig("t", V, D, optimizer=me.embedding.SGD(0.1),
                                                     precision=P(parameters="bfloat16"),
@@ -206,7 +206,7 @@ def test_return_finite_skips_the_step_on_nan():
     """A NaN gradient under ``return_finite=True``: no 16-bit array written, the counter stays."""
     import jax
 
-    from meshembed_jax import api
+    from meshembed_jax.frontend import step as api
 
     state = api.init(_config(), num_shards=2, seed=4)
     (feats, grads), = _batches(1)
@@ -223,7 +223,7 @@ def _eight(out: str, ckpt: str) -> None:
     state saved to ``ckpt``."""
     import jax
 
-    from meshembed_jax import api
+    from meshembed_jax.frontend import step as api
 
     assert len(jax.devices()) == 8, jax.devices()
     results = {}
@@ -267,7 +267,7 @@ def test_sealed_division_and_pow_give_numpys_bits():
     import jax
     import jax.numpy as jnp
 
-    from meshembed_jax import exact
+    from meshembed_jax.kernels import exact
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((500, 8)).astype(np.float32)

@@ -124,9 +124,9 @@ def _hlo_worker() -> None:
     assert reduces and any(f"[{gids.shape[0]},16]" in line for line in reduces), reduces
     upd = [line for line in texts["update"].splitlines() if "all-reduce(" in line or "all-reduce-start(" in line]
     assert all("[]" in line.split("=")[1].split("all-reduce")[0] for line in upd), upd
-    from meshembed_jax import cpu_kernels
+    from meshembed_jax import native
 
-    if cpu_kernels.usable("cpu", np.float32):  # the FFI row kernels run on every device
+    if native.usable("cpu", np.float32):  # the FFI row kernels run on every device
         assert "meshembed_dedup_sum" in texts["update"] and "meshembed_scatter_rows" in texts["update"]
         # the generated fused update: one in-place call per device, no collective, no copy
         from meshembed.embedding.updates import make_rule
@@ -136,7 +136,7 @@ def _hlo_worker() -> None:
         spec = me.TPUEmbedding(cfg, backend="numpy").layout.tables[0]
         be.update_rows(tables, ids, grads, make_rule(spec), values=(0.1,))
         key = next(k for k in be._kernels if k[0] == "fused_update")
-        hp = cpu_kernels.hp_block((0.1,))  # Adagrad's parameter block: the learning rate
+        hp = native.hp_block((0.1,))  # Adagrad's parameter block: the learning rate
         guard = be._guard(tables[0].layout, None)
         text = be._kernels[key].lower(tuple(t.data for t in tables), gids, ggrads, be._no_weights(tables[0].layout, np.int32),
                                       be._no_weights(tables[0].layout, np.float32), guard, hp).compile().as_text()

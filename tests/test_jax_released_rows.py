@@ -15,9 +15,9 @@ pytest.importorskip("jax", reason="the JAX backend needs jax: pip install 'meshe
 import jax  # noqa: E402
 
 import meshembed as me  # noqa: E402
-from meshembed_jax import cpu_kernels  # noqa: E402
+from meshembed_jax import native  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.usable("cpu", np.float32),
+pytestmark = pytest.mark.skipif(not native.usable("cpu", np.float32),
                                 reason="the JAX CPU FFI kernels did not build here")
 
 VOCAB, DIM, N = 1000, 64, 131072  # [131072, 1, 64] float32: 32 MiB, the size that is recycled

@@ -1,6 +1,6 @@
 """Keras' clipping and EMA written once (``meshembed.optimizers.options.clip`` / ``ema``) and the
 front ends that call them: ``me.optimizers.Adadelta`` (host), ``me.jax.adadelta`` (optax,
-``meshembed_jax.adadelta``) and ``me.torch.Adadelta``; their argument checks; and the optimizer
+``meshembed_jax.frontend.adadelta``) and ``me.torch.Adadelta``; their argument checks; and the optimizer
 state moving both ways between meshembed and a real Keras 3 ``keras.optimizers.Adadelta``.
 
 The NaN/Inf cases are compared with the real TensorFlow (``tf.clip_by_norm``,
@@ -157,7 +157,7 @@ def test_ema_traced_equals_eager_and_keras3_starts_at_the_variable():
 def _jax_adadelta():
     pytest.importorskip("jax")
     pytest.importorskip("optax")
-    from meshembed_jax.adadelta import adadelta
+    from meshembed_jax.frontend.adadelta import adadelta
 
     return adadelta
 
@@ -212,7 +212,7 @@ def test_front_ends_take_the_same_step_as_tf_clipping(option, case):
         _assert_like_tf([t.detach().numpy() for t in tp], want, "me.torch")
 
 
-# -- me.jax.adadelta (meshembed_jax.adadelta) ----------------------------------------------------
+# -- me.jax.adadelta (meshembed_jax.frontend.adadelta) -------------------------------------------
 @pytest.mark.parametrize("options", ["plain", "clipnorm", "global_clipnorm", "clipvalue", "ema"])
 def test_jax_adadelta_equals_the_host_optimizer(options):
     import jax

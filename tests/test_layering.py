@@ -36,8 +36,7 @@ BACKEND_MAY_USE = ("meshembed.backend", "meshembed.math", "meshembed.sharding", 
                    "meshembed.errors", "meshembed_native")
 #: Front ends living in backend packages (a module, or a subpackage with everything under it):
 #: they may use the public engine API as well, and no other backend file may import them.
-FRONT_ENDS = {"meshembed_jax/api.py", "meshembed_jax/adadelta.py", "meshembed_jax/dynamic.py",
-              "meshembed_torch/frontend"}
+FRONT_ENDS = {"meshembed_jax/frontend", "meshembed_torch/frontend"}
 FRAMEWORKS = ("torch", "jax", "jaxlib", "cupy", "tensorflow")
 
 
@@ -92,7 +91,7 @@ def _front_end(rel: str) -> bool:
     return any(rel == f or rel.startswith(f + "/") for f in FRONT_ENDS)
 
 
-#: The front ends as module names (``meshembed_torch.frontend``, ``meshembed_jax.api``).
+#: The front ends as module names (``meshembed_jax.frontend``, ``meshembed_torch.frontend``).
 FRONT_END_MODULES = tuple(f.removesuffix(".py").replace("/", ".") for f in sorted(FRONT_ENDS))
 
 

@@ -583,12 +583,12 @@ def test_jax_front_end_gives_the_engines_bits(reference):
 
 def test_jax_engine_compiles_one_program_and_falls_back_where_inexact():
     """The JAX engine's update of a 16-bit table is one compiled program per table and shape
-    (meshembed_jax.low_precision, via ``update_low_precision``); a dynamic rate meeting another
+    (meshembed_jax.kernels.low_precision, via ``update_low_precision``); a dynamic rate meeting another
     scalar in the rule (lr x weight decay: the engine holds it as a Python float, double
     arithmetic) takes the generic path instead: NumPy's bits either way."""
     if not _usable("jax"):
         pytest.skip("jax not installed")
-    from meshembed_jax import low_precision
+    from meshembed_jax.kernels import low_precision
 
     E = me.embedding
 

@@ -182,7 +182,7 @@ def _hlo_program(fn, n_args: int) -> bytes:
 
 def test_user_defined_program_runs_real_hlo_under_jax() -> None:
     """An Adagrad HLO (g, p, acc, lr) -> (p', acc') as a TPU user would write it."""
-    from meshembed_jax.hlo import jax_hlo_runner
+    from meshembed_jax.kernels.hlo import jax_hlo_runner
 
     def adagrad_hlo(g, p, acc, lr):
         acc = acc + g * g

@@ -99,7 +99,7 @@ def test_both_backends_bind_the_shared_drivers():
     no loop of their own for them."""
     root = pathlib.Path(native.INCLUDE_DIR).parent
     torch_src = (root / "meshembed_torch" / "native_dense.cc").read_text() + (root / "meshembed_torch" / "native_fused.cc").read_text()
-    jax_src = (root / "meshembed_jax" / "cpu_kernels.cc").read_text()
+    jax_src = (root / "meshembed_jax" / "native.cc").read_text()
     for src in (torch_src, jax_src):
         assert '#include "drivers.h"' in src
         for driver in ("meshembed::DenseUpdate<", "meshembed::AllFinite(", "meshembed::GatherRowRange("):

@@ -163,10 +163,10 @@ class JaxDenseMixin:
     def _row_kernel(self, rule: UpdateRule) -> Any:
         """The generated row kernel of ``rule`` (``meshembed_native.codegen``) where the FFI
         kernels run here and the backend's ``fused`` and ``use_cpu_kernels`` are on, else None."""
-        from meshembed_jax import cpu_kernels
+        from meshembed_jax import native
 
         if not (rule.elementwise and self.fused and self.use_cpu_kernels  # type: ignore[attr-defined]
-                and cpu_kernels.usable("cpu", rule.dtype)):
+                and native.usable("cpu", rule.dtype)):
             return None
         from meshembed_native import codegen
 
@@ -182,7 +182,7 @@ class JaxDenseMixin:
         recompile nothing. None where the core function must run."""
         import jax
 
-        from meshembed_jax import cpu_kernels
+        from meshembed_jax import native
 
         kernel = self._row_kernel(rule)
         arrays = [*grads, *(x for t in targets for x in t)]
@@ -192,10 +192,10 @@ class JaxDenseMixin:
             return None
 
         def update(hp: Any, grads: Sequence[Any], *targets: Sequence[Any]) -> list:
-            return cpu_kernels.dense_update(hp, list(grads), [list(t) for t in targets], kernel)
+            return native.dense_update(hp, list(grads), [list(t) for t in targets], kernel)
 
         def block(values: Sequence[Any]) -> np.ndarray:
-            return cpu_kernels.hp_block([kernel.params(v) for v in values])
+            return native.hp_block([kernel.params(v) for v in values])
 
         compiled = jax.jit(update, donate_argnums=tuple(range(2, 2 + len(targets)))).lower(
             block(values), grads, *targets).compile()

@@ -20,7 +20,7 @@ import numpy as np
 from meshembed.backend.protocol import ShardedTable, walk_blocks
 from meshembed.errors import ConfigError, InputError
 from meshembed.sharding.placement import Placement
-from meshembed_jax.layout import ShardLayout, choose_devices
+from meshembed_jax.distributed import ShardLayout, choose_devices
 from meshembed_native.pages import HUGE_PAGE_MIN_BYTES, advise_huge_pages
 
 _KERNEL_CACHE_SIZE = 128
@@ -185,7 +185,7 @@ class JaxTables:
             if mesh is None:
                 from jax.sharding import Mesh
 
-                from meshembed_jax.layout import AXIS
+                from meshembed_jax.distributed import AXIS
 
                 mesh = self._meshes[key[1]] = Mesh(np.array(devices, dtype=object), (AXIS,))
             found = self._layouts[key] = ShardLayout(placement, len(devices), mesh, key[2])
@@ -217,7 +217,7 @@ class JaxTables:
         from jax.sharding import NamedSharding, PartitionSpec
 
         from meshembed_jax import kernels
-        from meshembed_jax.layout import AXIS
+        from meshembed_jax.distributed import AXIS
 
         rows, dim = shape
         if rows * dim * 4 < BLOCKWISE_MIN_BYTES:

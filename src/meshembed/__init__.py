@@ -50,7 +50,7 @@ _LAZY = {
     "interop": "meshembed.interop",
     # front ends, one per framework idiom (the JAX and torch ones live in their backend packages)
     "tpu": "meshembed.tpu",
-    "jax": "meshembed_jax.api",
+    "jax": "meshembed_jax.frontend",
     "torch": "meshembed_torch.frontend",
 }
 

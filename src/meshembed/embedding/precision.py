@@ -50,7 +50,7 @@ _xp_host = None
 #: gradient rows, ``step`` the steps applied before this one, ``guard`` true or None (nothing
 #: is asked when it is false). It returns the new tables, computed with exactly the bits of
 #: the generic path below (NumPy's), or ``None`` to let the generic path run. The JAX backend
-#: implements it as one compiled program per table and shape (``meshembed_jax.low_precision``);
+#: implements it as one compiled program per table and shape (``meshembed_jax.kernels.low_precision``);
 #: the protocol's default returns ``None``.
 UPDATE_PROTOCOL = "update_low_precision"
 #: Compiled integer programs of tracing backends, per backend (see :func:`_update_padded`).

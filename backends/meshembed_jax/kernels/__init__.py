@@ -19,8 +19,13 @@ that count comes back so the caller can raise ``CapacityError`` or retry with a 
 capacity, with the tables unchanged — never a silent truncation.
 
 On CPU devices the row movement inside these kernels (gather + combine, dedup + gradient
-sums, row gather and in-place scatter) is done by the FFI kernels of ``cpu_kernels``; the
-pure-XLA code below is what runs elsewhere (TPU, GPU) and where they cannot be built.
+sums, row gather and in-place scatter) is done by the FFI kernels of
+:mod:`meshembed_jax.native`; the pure-XLA code below is what runs elsewhere (TPU, GPU) and
+where they cannot be built.
+
+The submodules hold the kernels that both the engine (``JaxBackend``) and me.jax trace:
+:mod:`.exact` (float math with the op-by-op bits), :mod:`.low_precision` (a 16-bit table's
+update as one program) and :mod:`.hlo` (UserDefinedProgram's HLO runner).
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshembed.errors import InputError
-from meshembed_jax import cpu_kernels
-from meshembed_jax.layout import AXIS, ShardLayout
+from meshembed_jax import native
+from meshembed_jax.distributed import AXIS, ShardLayout
 
 try:  # jax >= 0.6 exports shard_map at the top level
     from jax import shard_map as _shard_map
@@ -66,10 +71,10 @@ DEDUP_STRATEGIES = ("dense", "sort")
 
 
 def use_cpu_kernels(layout: ShardLayout, *dtypes: Any) -> bool:
-    """Whether the FFI row kernels (``cpu_kernels``) serve this layout: switched on for it
+    """Whether the FFI row kernels (:mod:`meshembed_jax.native`) serve this layout: switched on for it
     (``layout.cpu_kernels``), CPU devices, float32/float64 rows, the library built. Otherwise
     the pure-XLA kernels below run."""
-    return layout.cpu_kernels and cpu_kernels.usable(layout.mesh.devices.flat[0].platform, *dtypes)
+    return layout.cpu_kernels and native.usable(layout.mesh.devices.flat[0].platform, *dtypes)
 
 
 def on_platform(layout: ShardLayout, ffi: Callable[[], Any], xla: Callable[[], Any], *dtypes: Any) -> Any:
@@ -174,7 +179,7 @@ def make_lookup(layout: ShardLayout, dim: int, shape: tuple[int, ...] | None = N
             return rows if out is None else rows.reshape(out)
 
         def ffi() -> jax.Array:  # zeros for the sentinel row m, as mode="fill"
-            return cpu_kernels.gather_rows(table, flat, out)
+            return native.gather_rows(table, flat, out)
 
         return across_devices(layout, on_platform(layout, ffi, xla, table.dtype))
 
@@ -198,7 +203,7 @@ def make_lookup_into(layout: ShardLayout, dim: int, shape: tuple[int, ...]) -> C
 
     def per_device(block: jax.Array, ids: jax.Array, dst: jax.Array) -> jax.Array:
         flat, table = local_rows(layout, ids), block.reshape(m, dim)
-        return on_platform(layout, lambda: cpu_kernels.gather_rows_into(table, flat, dst),
+        return on_platform(layout, lambda: native.gather_rows_into(table, flat, dst),
                            lambda: table.at[flat].get(mode="fill", fill_value=0).reshape(out), table.dtype)
 
     fn = device_map(layout, per_device, in_specs=(P(AXIS), P(), P()), out_specs=P())
@@ -306,7 +311,7 @@ def make_gather_combine(layout: ShardLayout, dim: int, n: int, num_segments: int
             return _pieces(n, c, body, jnp.zeros((num_segments, dim), table.dtype))
 
         def ffi() -> jax.Array:
-            return cpu_kernels.gather_combine(table, flat, segs, w, num_segments, weighted)
+            return native.gather_combine(table, flat, segs, w, num_segments, weighted)
 
         return across_devices(layout, on_platform(layout, ffi, xla, table.dtype))
 
@@ -337,12 +342,12 @@ def _apply_unique(flats: list, uniq: jax.Array, g: jax.Array, c: int,
         idx = _slice(uniq, start, c)
         gc = _slice(g, start, c)
         if ffi:
-            rows = [cpu_kernels.gather_rows(f, idx) for f in tabs]
+            rows = [native.gather_rows(f, idx) for f in tabs]
         else:
             rows = [f.at[idx].get(mode="fill", fill_value=0) for f in tabs]
         new = _as_rows(call(dyn, gc.astype(tabs[0].dtype), *rows), n_tables)
         if ffi:
-            return tuple(cpu_kernels.scatter_rows(f, idx, jnp.asarray(r).astype(f.dtype)) for f, r in zip(tabs, new))
+            return tuple(native.scatter_rows(f, idx, jnp.asarray(r).astype(f.dtype)) for f, r in zip(tabs, new))
         return tuple(
             f.at[idx].set(jnp.asarray(r).astype(f.dtype), mode="drop", unique_indices=True)
             for f, r in zip(tabs, new)
@@ -424,7 +429,7 @@ def make_update(layout: ShardLayout, dim: int, n_tables: int, capacity: int, ded
         def ffi_sum(flat: jax.Array, m: int, cap: int) -> tuple:
             none = jnp.zeros((1,), jnp.int32)
             wt = w if weighted else jnp.zeros((1,), grads.dtype)
-            return cpu_kernels.dedup_sum(flat, grads, segs if combined else none, wt if combined else none, m, cap,
+            return native.dedup_sum(flat, grads, segs if combined else none, wt if combined else none, m, cap,
                                          combined=combined, weighted=combined and weighted)
 
         return _update_body(layout, dim, capacity, dedup, call, blocks, ids, guard, dyn, add_grads, grads.dtype,
@@ -438,7 +443,7 @@ def make_update(layout: ShardLayout, dim: int, n_tables: int, capacity: int, ded
 def make_fused_update(layout: ShardLayout, dim: int, n_tables: int, address: int, combined: bool,
                       weighted: bool) -> Callable:
     """``update(datas, ids, grads, segs, w, guard, hp) -> datas``: the rule's generated row
-    kernel (``address``, see ``cpu_kernels.row_kernel``) run by ``cpu_kernels.fused_update``
+    kernel (``address``, see ``native.row_kernel``) run by ``native.fused_update``
     on CPU devices: dedup, per-row sums and the kernel in one in-place pass per device. Its
     buffers are sized by the batch, so no capacity can overflow; the call is skipped when
     ``guard`` is false. ``combined``: row ``i``'s gradient is ``w[i] * grads[segs[i]]``."""
@@ -452,7 +457,7 @@ def make_fused_update(layout: ShardLayout, dim: int, n_tables: int, address: int
             grads = grads.reshape(-1, grads.shape[-1])
 
         def body(_: jax.Array, datas: tuple) -> tuple:
-            return tuple(cpu_kernels.fused_update(list(datas), flat, grads, segs, w, hp, address, combined, weighted))
+            return tuple(native.fused_update(list(datas), flat, grads, segs, w, hp, address, combined, weighted))
 
         # a loop of one trip (none when the guard is false): inline, XLA copies the donated
         # tables around the in-place call, as with the scatter in _apply_unique

@@ -1,4 +1,5 @@
-"""``me.jax``: the TPU embedding as pure functions over pytrees, for a user's own ``jax.jit``.
+"""``me.jax``'s step functions (the public names are re-exported by :mod:`meshembed_jax.frontend`):
+the TPU embedding as pure functions over pytrees, for a user's own ``jax.jit``.
 
 ``init`` -> :class:`EmbeddingState` (tables and slots as sharded ``jax.Array``s, a step
 counter); ``prepare`` (host, outside jit) -> :class:`Batch` of fixed-shape arrays;
@@ -18,7 +19,7 @@ cannot carry the CPU kernels.
 Low-precision tables (``TableConfig(precision=...)``, docs/low_precision.md) run the engine's
 16-bit branch traced (``_low_update`` / ``_low_lookup``): the state holds their 16-bit arrays
 as int16 patterns, and every step gives the engine's bits (the optimizer's float math through
-``exact.py``, so XLA cannot fuse it differently from the op-by-op reference).
+``kernels/exact.py``, so XLA cannot fuse it differently from the op-by-op reference).
 """
 
 from __future__ import annotations
@@ -45,15 +46,11 @@ from meshembed.embedding.updates import rule_values, update_kind
 from meshembed.errors import CapacityError, ConfigError, InputError, StateError
 from meshembed.math.rule import UpdateRule
 from meshembed.sharding.placement import Placement
-from meshembed_jax import cpu_kernels, kernels, low_precision
-from meshembed_jax.adadelta import AdadeltaState, adadelta  # noqa: F401 (me.jax.adadelta)
+from meshembed_jax import kernels, native
 from meshembed_jax.backend import JaxBackend, bucket, traced_rule_errors
-from meshembed_jax.layout import AXIS, ShardLayout
+from meshembed_jax.distributed import AXIS, ShardLayout
+from meshembed_jax.kernels import low_precision
 from meshembed_jax.table import JaxShardedTable
-
-__all__ = ["EmbeddingState", "Batch", "init", "prepare", "map_keys", "vocabulary", "lookup", "apply_gradients",
-           "from_engine",
-           "to_engine", "save", "restore", "place", "export", "adadelta", "AdadeltaState"]
 
 #: Version of the serialized static part of the pytrees (``jax.export`` aux data).
 _FORMAT = 1
@@ -248,7 +245,7 @@ class EmbeddingState:
 
     Plain arrays as leaves: Orbax-style tools checkpoint it as is; :func:`save` /
     :func:`restore` use meshembed's portable checkpoints (``TPUEmbedding.save`` files).
-    ``vocab[table]``: a dynamic table's key table (``meshembed_jax.dynamic``; {} without one)."""
+    ``vocab[table]``: a dynamic table's key table (``meshembed_jax.frontend.dynamic``; {} without one)."""
 
     def __init__(self, tables: dict[str, dict[str, Any]], step: Any, static: _Static, vocab: Any = None) -> None:
         self.tables, self.step, self._static = tables, step, static
@@ -476,7 +473,7 @@ def from_engine(emb: TPUEmbedding) -> EmbeddingState:
     if not isinstance(emb.backend, JaxBackend):
         raise ConfigError(f"Invalid engine: me.jax needs backend='jax'. Received: backend={emb.backend.name!r}")
     _refuse_inexact_low_precision(emb.layout, dynamic.dynamic_tables(emb.config))
-    from meshembed_jax import dynamic as jdyn
+    from meshembed_jax.frontend import dynamic as jdyn
 
     vocab_static = jdyn.statics(emb)  # refuses the policies me.jax cannot run exactly
     tables, layouts, dtypes = {}, {}, {}
@@ -531,7 +528,7 @@ def init(config: Any, *, mesh: Any = None, axis: str | None = None, num_shards: 
     shards split over the ``model`` devices, replicated over ``data``). ``num_shards``: the
     logical shards (default: the device count, or the axis size), a multiple of the axis size."""
     backend = _backend_for(mesh, axis)
-    from meshembed_jax import dynamic as jdyn
+    from meshembed_jax.frontend import dynamic as jdyn
 
     cfg = load_config(config)
     jdyn.refuse_unsupported(cfg)  # before any table
@@ -562,7 +559,7 @@ def to_engine(state: EmbeddingState, *, allow_nonfinite: bool = False) -> TPUEmb
     emb = TPUEmbedding(st.config, backend=st.backend, num_shards=st.num_shards, allow_nonfinite=allow_nonfinite,
                        state=_EngineState(tables, step), **extra)
     if tvs:  # dynamic vocabularies: me.jax's words as the engine's host state
-        from meshembed_jax import dynamic as jdyn
+        from meshembed_jax.frontend import dynamic as jdyn
 
         jdyn.check_vocab(tvs, state.vocab)
         for tv in tvs.values():
@@ -753,7 +750,7 @@ def prepare(config: Any, features: Any, weights: Any = None, *, capacity: int | 
         unique.append(cap)
     batch = Batch(tuple(ids), tuple(slots), tuple(scales), tuple(statics), tuple(unique))
     if dyn:
-        from meshembed_jax import dynamic as jdyn
+        from meshembed_jax.frontend import dynamic as jdyn
 
         return jdyn.key_batch(batch, layout, dyn)
     return batch
@@ -766,7 +763,7 @@ def map_keys(state: EmbeddingState, batch: Any, *, training: bool = True) -> tup
     rows given to keys re-initialised; without, only read. Returns ``(state, Batch of rows)``
     for :func:`lookup` / :func:`apply_gradients`; a key without a row reads zeros and gets no
     update. Pure and jit-able (the key tables live in ``state.vocab`` at a fixed capacity)."""
-    from meshembed_jax import dynamic as jdyn
+    from meshembed_jax.frontend import dynamic as jdyn
 
     st = _check_state(state)
     training = batches.check_bool(training, "training")
@@ -791,7 +788,7 @@ def map_keys(state: EmbeddingState, batch: Any, *, training: bool = True) -> tup
 def vocabulary(state: EmbeddingState, table: str) -> dynamic.DynamicVocabularyState:
     """A dynamic table's vocabulary as the engine's host ``DynamicVocabularyState`` (``stats``,
     ``hit_rate``, ``rows_of``, ``resident``): read outside jit, every invariant checked."""
-    from meshembed_jax import dynamic as jdyn
+    from meshembed_jax.frontend import dynamic as jdyn
 
     st = _check_state(state)
     _refuse_traced(state.vocab, "me.jax.vocabulary")
@@ -986,7 +983,7 @@ def _low_widths(st: _Static, t: Any) -> list[int]:
 def _low_update(st: _Static, t: Any, rule: UpdateRule, datas: tuple, values: tuple, guard: Any, ids: Any,
                 grads: Any, step: Any, cap: int) -> tuple:
     """``precision.update_table`` traced: the program of the JAX engine's low-precision update
-    (``meshembed_jax.low_precision.update``, the same code), on this state's layout."""
+    (``meshembed_jax.kernels.low_precision.update``, the same code), on this state's layout."""
     try:
         return low_precision.update(st.backend, st.shard_layouts[t.index], t, rule, datas, values, guard, ids, grads,
                                     step, cap, _low_widths(st, t))
@@ -1069,12 +1066,12 @@ def _double_block(kernel: Any, values: tuple) -> Any:
     """The generated kernel's parameter block as the engine passes it: every value a double
     (the NumPy reference's Python floats). A constant (a config's learning rate) is exact;
     a traced value is its own dtype widened (float32 without x64, as it entered the jit).
-    Without x64 the doubles travel as uint32 pairs (``cpu_kernels.hp_block``)."""
+    Without x64 the doubles travel as uint32 pairs (``native.hp_block``)."""
     if not any(isinstance(v, jax.Array) for v in values):  # all known now: the engine's exact block
-        return jnp.asarray(cpu_kernels.hp_block(kernel.params(values)))
+        return jnp.asarray(native.hp_block(kernel.params(values)))
     if jax.config.jax_enable_x64:
         return jnp.stack([jnp.asarray(v, jnp.float64).reshape(()) for v in values])
-    pairs = [jnp.asarray(cpu_kernels.hp_block([v])) if not isinstance(v, jax.Array) else _f64_bits(v)
+    pairs = [jnp.asarray(native.hp_block([v])) if not isinstance(v, jax.Array) else _f64_bits(v)
              for v in values]
     return jnp.concatenate(pairs)
 

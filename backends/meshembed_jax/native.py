@@ -1,4 +1,5 @@
-"""The CPU row kernels (``cpu_kernels.cc``): built on first use, registered with XLA's FFI.
+"""The JAX backend's native code: the CPU row kernels (``native.cc``), built on first use and
+registered with XLA's FFI.
 
 Why: XLA's CPU gathers and scatters move rows element by element on one thread, which made
 the W1 step several times slower than the torch backend (docs/benchmarks.md). These kernels
@@ -25,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from meshembed_native import build as native
+from meshembed_native import build as native_build
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+_SOURCE = Path(__file__).with_name("native.cc")
 _TARGETS = {
     "meshembed_gather_combine": "MeshembedGatherCombine",
     "meshembed_dedup_sum": "MeshembedDedupSum",
@@ -48,14 +49,14 @@ def _key() -> str:
 
 
 def library_path() -> Path:
-    return native.library_path(_SOURCE, "jax_cpu_kernels", _key())
+    return native_build.library_path(_SOURCE, "jax_native", _key())
 
 
 def build() -> Path:
     """Compile the kernels against jax's FFI headers (once; see :mod:`meshembed_native.build`)."""
     import jax.ffi
 
-    return native.build_library(_SOURCE, "jax_cpu_kernels", _key(), include_dirs=[jax.ffi.include_dir()])
+    return native_build.build_library(_SOURCE, "jax_native", _key(), include_dirs=[jax.ffi.include_dir()])
 
 
 def load() -> bool:
@@ -245,5 +246,5 @@ def row_kernel(rule: Any, n_arrays: int, dtype: Any) -> Any:
     return _kernels[key]
 
 
-if __name__ == "__main__":  # python -m meshembed_jax.cpu_kernels: build and report
+if __name__ == "__main__":  # python -m meshembed_jax.native: build and report
     print(build() if load() else _state.get("error"), file=sys.stderr)

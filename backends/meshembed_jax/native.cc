@@ -5,10 +5,10 @@
 // only: the optimizer formula is the core's, compiled by XLA or, in the fused updates
 // (FusedUpdateImpl, DenseUpdateImpl), generated from the core's math as C++
 // (meshembed_native.codegen) and called through the address the caller passes.
-// Semantics match the pure-XLA kernels in kernels.py (rows >= m are "not owned": read as
+// Semantics match the pure-XLA kernels in kernels/__init__.py (rows >= m are "not owned": read as
 // zeros, never written; sums run in batch order, so results are deterministic).
 //
-// Built on first use by cpu_kernels.py (g++ -O3, headers from jax.ffi.include_dir()).
+// Built on first use by native.py (g++ -O3, headers from jax.ffi.include_dir()).
 
 #include <algorithm>
 #include <atomic>

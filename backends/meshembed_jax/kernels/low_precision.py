@@ -1,6 +1,6 @@
 """Low-precision tables on JAX (docs/low_precision.md): the engine's update of a 16-bit table
 (``meshembed.embedding.precision.update_table``) as one compiled program, shared by the JAX
-engine (:meth:`JaxBackend.update_low_precision`) and me.jax (``api.py``: traced into the
+engine (:meth:`JaxBackend.update_low_precision`) and me.jax (``frontend/step.py``: traced into the
 user's ``jax.jit``, or jitted once per table and shapes when called eagerly).
 
 The program: the per-id gradient rows summed per unique id (the engine's ``segment_sum``
@@ -24,8 +24,9 @@ from meshembed.config.precision import array_dtypes
 from meshembed.errors import ConfigError
 from meshembed.math import rounding
 from meshembed.math.rule import UpdateRule, apply_rule
-from meshembed_jax import exact, kernels
-from meshembed_jax.layout import ShardLayout
+from meshembed_jax import kernels
+from meshembed_jax.distributed import ShardLayout
+from meshembed_jax.kernels import exact
 
 __all__ = ["counters", "engine_update", "materialized", "update", "update_compiled"]
 

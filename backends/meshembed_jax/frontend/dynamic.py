@@ -247,7 +247,7 @@ def check_vocab(tvs: Mapping[int, TableVocab], vocab: Any) -> None:
 @jax.tree_util.register_pytree_node_class
 class KeyBatch:
     """A me.jax batch whose dynamic tables' ids are int64 keys: ``batch`` is the
-    :class:`~meshembed_jax.api.Batch` of rows :func:`map_keys` fills in (those features' ids
+    :class:`~meshembed_jax.frontend.Batch` of rows :func:`map_keys` fills in (those features' ids
     are -1 until then), ``key_lo``/``key_hi`` each feature's keys as uint32 words (None for
     the features of other tables). Padding positions have an out-of-range slot, as in any Batch."""
 
@@ -513,7 +513,7 @@ def eager_program(static: Any, training: bool, fn: Any) -> Any:
 def row_batch(kb: KeyBatch, ids: tuple) -> Any:
     """The Batch of rows: each position without a row gets the padding's slot and no factor, so
     it reads nothing and gets no gradient (the reference drops it from its feature)."""
-    from meshembed_jax.api import bucket
+    from meshembed_jax.table import bucket
 
     b = kb.batch
     slots, scale = list(b.slots), list(b.scale)
