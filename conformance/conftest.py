@@ -138,8 +138,9 @@ def _backend_of(item) -> str | None:
 
 def pytest_collection_modifyitems(config, items):
     if _DEVICE_REPEATS == "0":
-        repeats = [item for item in items if device_repeats.is_repeat(item)]
-        items[:] = [item for item in items if not device_repeats.is_repeat(item)]
+        one_process = RANKS is None
+        repeats = [item for item in items if device_repeats.is_repeat(item, one_process)]
+        items[:] = [item for item in items if not device_repeats.is_repeat(item, one_process)]
         config.hook.pytest_deselected(items=repeats)
     manifest = _xfails()
     subset = _module.compiled_subset(item.nodeid for item in items if _backend_of(item) == _module.COMPILED_NAME)

@@ -154,9 +154,10 @@ def _optimizers() -> dict:
 
 
 #: On jax-functional (jitted me.jax: a full step compiled per optimizer, ~20 s of CPU each) and
-#: in the many-device runs (conformance/device_repeats.py) only the rules with a division by a
-#: scalar, a pow or every row updated run; the update itself is the program the 1-device ``jax``
-#: entry checks for every optimizer (meshembed_jax.kernels.low_precision).
+#: over 4 ranks (conformance/device_repeats.py) only the rules with a division by a scalar, a pow
+#: or every row updated run (on 8 JAX devices none: one shard is on one device); the update itself
+#: is the program the 1-device ``jax`` entry checks for every optimizer
+#: (meshembed_jax.kernels.low_precision).
 SUBSET = {"AdagradMomentum", "FTRL", "OnlineYogi", "AdamNonLazy"}
 
 

@@ -642,13 +642,10 @@ def test_torch_gives_numpys_bits_with_fused_kernels_on_and_off(optimizer, fused)
 
 # -- 8 JAX devices --------------------------------------------------------------------------------
 def _jax8(out: str) -> None:
-    results = {}
-    for shards in (8, 4):
-        emb = me.TPUEmbedding(_config(), backend="jax", num_shards=shards, seed=1)
-        _train(emb, _batches(4))
-        for t, arrays in _state(emb).items():
-            for k, v in arrays.items():
-                results[f"{shards}.{t}.{k}"] = v
+    """8 shards on 8 devices (fewer shards on 8 devices: conformance's test_engine_low_precision)."""
+    emb = me.TPUEmbedding(_config(), backend="jax", num_shards=8, seed=1)
+    _train(emb, _batches(4))
+    results = {f"8.{t}.{k}": v for t, arrays in _state(emb).items() for k, v in arrays.items()}
     np.savez(out, **results)
 
 
@@ -663,8 +660,7 @@ def test_same_bits_on_eight_jax_devices(tmp_path, reference):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     state, _ = reference
     with np.load(out) as z:
-        for shards in (8, 4):
-            _assert_same_bits(state, {t: {k: z[f"{shards}.{t}.{k}"] for k in state[t]} for t in state}, shards)
+        _assert_same_bits(state, {t: {k: z[f"8.{t}.{k}"] for k in state[t]} for t in state}, 8)
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "jax8":
