@@ -31,5 +31,4 @@ from meshembed_jax.frontend.step import (
 )
 
 __all__ = ["EmbeddingState", "Batch", "init", "prepare", "map_keys", "vocabulary", "lookup", "apply_gradients",
-           "from_engine",
-           "to_engine", "save", "restore", "place", "export", "adadelta", "AdadeltaState"]
+           "from_engine", "to_engine", "save", "restore", "place", "export", "adadelta", "AdadeltaState"]
