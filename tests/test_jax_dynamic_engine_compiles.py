@@ -19,7 +19,7 @@ jax = pytest.importorskip("jax")
 import meshembed as me  # noqa: E402,F401
 from meshembed.sharding import Placement  # noqa: E402
 from meshembed_jax import JaxBackend  # noqa: E402
-from meshembed_jax.table import bucket  # noqa: E402
+from meshembed_jax.distributed import bucket  # noqa: E402
 
 
 def _reinit(be: JaxBackend, table, ids: np.ndarray, rows: np.ndarray):

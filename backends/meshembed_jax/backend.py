@@ -22,9 +22,8 @@ jax is imported when the backend is instantiated. The parts, as in every backend
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -34,24 +33,9 @@ from meshembed.errors import CapacityError, ConfigError, InputError, NonFiniteEr
 from meshembed.math.rule import UpdateRule, apply_rule
 from meshembed.sharding.placement import Placement
 from meshembed_jax.dense import JaxDenseMixin
-from meshembed_jax.distributed import JaxProcesses, ShardLayout
-from meshembed_jax.table import JaxShardedTable, JaxTables, ReleasedRows, bucket
+from meshembed_jax.distributed import JaxProcesses, ShardLayout, bucket
+from meshembed_jax.table import JaxShardedTable, JaxTables, ReleasedRows
 
-
-@contextlib.contextmanager
-def traced_rule_errors(rule: UpdateRule, who: str, alternative: str) -> Iterator[None]:
-    """Turn JAX's error for a rule whose math branches in Python on a traced dynamic value
-    into a ConfigError naming the rule and the fix (raised before anything is written)."""
-    import jax
-
-    try:
-        yield
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError) as exc:
-        raise ConfigError(
-            f"Invalid update rule {rule.algorithm!r}: its math branches in Python on one of its dynamic "
-            f"values {rule.dynamic}, which {who} passes as traced inputs (nothing was updated). "
-            f"Fix: give that hyper-parameter a constant value, or {alternative}."
-        ) from exc
 
 class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
     """Tables on a ``jax.sharding.Mesh``; compiled, donated, shard_map-routed row kernels.
@@ -68,7 +52,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
             x64 off ids are int32 (int64 input range-checked and narrowed), tables, slots
             and counters 32-bit, and float64 tables are refused.
         devices: the devices tables are placed on (default ``jax.devices()``).
-        cpu_kernels: whether the CPU FFI row kernels (:mod:`.cpu_kernels`) serve CPU tables;
+        cpu_kernels: whether the CPU FFI row kernels (:mod:`.native`) serve CPU tables;
             ``None``: ``MESHEMBED_JAX_CPU_KERNELS`` (default on).
         fused: whether the fused updates generated from the rules run where they apply;
             ``None``: ``MESHEMBED_JAX_FUSED`` (default on).
@@ -486,6 +470,8 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         dedup = self._dedup_for(layout, nb)
         step = self.update_program(layout, dim, len(tables), capacity, dedup, rule, weighted is not None,
                                    bool(weighted))
+        from meshembed_jax.kernels import traced_rule_errors
+
         with traced_rule_errors(rule, "the jax backend", "write the math with xp.where"):
             new, count = step(tuple(t.data for t in tables), *args, values)
         for t, d in zip(tables, new):

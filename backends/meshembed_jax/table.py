@@ -20,7 +20,7 @@ import numpy as np
 from meshembed.backend.protocol import ShardedTable, walk_blocks
 from meshembed.errors import ConfigError, InputError
 from meshembed.sharding.placement import Placement
-from meshembed_jax.distributed import ShardLayout, choose_devices
+from meshembed_jax.distributed import ShardLayout, bucket, choose_devices
 from meshembed_native.pages import HUGE_PAGE_MIN_BYTES, advise_huge_pages
 
 _KERNEL_CACHE_SIZE = 128
@@ -29,15 +29,6 @@ _KERNEL_CACHE_SIZE = 128
 BLOCKWISE_MIN_BYTES = 32 << 20
 #: Host bytes of one window of that fill (all shards together).
 WINDOW_BYTES = 8 << 20
-
-
-def bucket(n: int) -> int:
-    """Round ``n`` up to one of at most 8 sizes per power of two (min 8): shapes repeat
-    across steps with varying batch sizes while padding wastes at most 12.5%."""
-    if n <= 8:
-        return 8
-    step = 1 << max((n - 1).bit_length() - 3, 0)
-    return -(-n // step) * step
 
 
 class JaxShardedTable(ShardedTable):

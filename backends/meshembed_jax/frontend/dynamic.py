@@ -513,7 +513,7 @@ def eager_program(static: Any, training: bool, fn: Any) -> Any:
 def row_batch(kb: KeyBatch, ids: tuple) -> Any:
     """The Batch of rows: each position without a row gets the padding's slot and no factor, so
     it reads nothing and gets no gradient (the reference drops it from its feature)."""
-    from meshembed_jax.table import bucket
+    from meshembed_jax.distributed import bucket
 
     b = kb.batch
     slots, scale = list(b.slots), list(b.scale)

@@ -47,7 +47,9 @@ from meshembed.errors import CapacityError, ConfigError, InputError, StateError
 from meshembed.math.rule import UpdateRule
 from meshembed.sharding.placement import Placement
 from meshembed_jax import kernels, native
-from meshembed_jax.backend import JaxBackend, bucket, traced_rule_errors
+from meshembed_jax.backend import JaxBackend
+from meshembed_jax.distributed import bucket
+from meshembed_jax.kernels import traced_rule_errors
 from meshembed_jax.distributed import AXIS, ShardLayout
 from meshembed_jax.kernels import low_precision
 from meshembed_jax.table import JaxShardedTable

@@ -30,15 +30,17 @@ update as one program) and :mod:`.hlo` (UserDefinedProgram's HLO runner).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from meshembed.errors import InputError
+from meshembed.errors import ConfigError, InputError
+from meshembed.math.rule import UpdateRule
 from meshembed_jax import native
 from meshembed_jax.distributed import AXIS, ShardLayout
 
@@ -53,6 +55,20 @@ except ImportError:  # pragma: no cover - older jax
 
     def shard_map(f: Callable, mesh: Any, in_specs: Any, out_specs: Any, check: bool = True) -> Callable:
         return _shard_map_exp(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+@contextlib.contextmanager
+def traced_rule_errors(rule: UpdateRule, who: str, alternative: str) -> Iterator[None]:
+    """Turn JAX's error for a rule whose math branches in Python on a traced dynamic value
+    into a ConfigError naming the rule and the fix (raised before anything is written)."""
+    try:
+        yield
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError) as exc:
+        raise ConfigError(
+            f"Invalid update rule {rule.algorithm!r}: its math branches in Python on one of its dynamic "
+            f"values {rule.dynamic}, which {who} passes as traced inputs (nothing was updated). "
+            f"Fix: give that hyper-parameter a constant value, or {alternative}."
+        ) from exc
 
 
 def device_map(layout: ShardLayout, f: Callable, in_specs: Any, out_specs: Any) -> Callable:

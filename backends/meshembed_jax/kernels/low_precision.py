@@ -77,8 +77,6 @@ def update(be: Any, sl: ShardLayout, t: Any, rule: UpdateRule, datas: tuple, val
     program input (the counter of the random bits, and, as ``min(step, 0)``, the runtime zero
     of the sealed math unless ``zero``, an int32 zero that is a program input, is given).
     Raises :class:`Inexact` where a traced value meets another scalar in the rule."""
-    from meshembed_jax.backend import traced_rule_errors
-
     dim = t.dimension
     xp, p, dtypes = be.xp, t.precision, array_dtypes(t)
     n = int(ids.shape[0])
@@ -98,7 +96,7 @@ def update(be: Any, sl: ShardLayout, t: Any, rule: UpdateRule, datas: tuple, val
     # the engine passes a zero of its own, as an input, so its counter may pass 2**31)
     zero = jnp.minimum(jnp.asarray(step), 0) if zero is None else zero
     try:
-        with traced_rule_errors(rule, "me.jax", "train this table with me.TPUEmbedding"):
+        with kernels.traced_rule_errors(rule, "me.jax", "train this table with me.TPUEmbedding"):
             new = exact.call(lambda xp_, vals, g, *r: apply_rule(xp_, rule, vals, g, *r), xp, zero, tuple(values),
                              sums, *rows)
     except exact.ScalarArithmetic as exc:
