@@ -336,7 +336,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
 
     def update_low_precision(self, tables: Sequence[JaxShardedTable], t: Any, rule: UpdateRule, values: Sequence[Any],
                              host_ids: np.ndarray, row_grads: Any, step: int, guard: Any) -> list | None:
-        """A low-precision table's update (``meshembed.embedding.precision.UPDATE_PROTOCOL``) as
+        """A low-precision table's update (``Backend.update_low_precision``) as
         one compiled program per table and shape, on one device or several, with NumPy's bits
         (:mod:`.kernels.low_precision`, the program me.jax traces); ``None``: the generic path."""
         from meshembed_jax.kernels import low_precision

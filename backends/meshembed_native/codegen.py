@@ -697,6 +697,12 @@ class RowKernel:
         return tuple(float(v) for v in values)
 
     @property
+    def calls_libm(self) -> bool:
+        """Whether the kernel calls pow/exp/log, whose float32 results are its own (within 1
+        ulp), not NumPy's."""
+        return any(n.op in _LIBM for n in self.graph.nodes)
+
+    @property
     def widths(self) -> tuple[int, ...]:
         """Per array: 1 for a row slot (one value per row: the driver steps its pointer by 1),
         0 for an array with the row's width ``dim``."""

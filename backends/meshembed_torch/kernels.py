@@ -610,11 +610,6 @@ class UpdateCompiler:
 # gradients not float32 on the CPU, a value that is not a Python number (the kernel takes
 # doubles; NumPy treats a Python float as a weak scalar), a rule not computed in float32.
 
-#: Operations whose float32 results in the generated kernels are the kernels' own (codegen.py:
-#: within 1 ulp of the correctly rounded result), not NumPy's (libm ``powf``, NumPy's exp/log).
-_LIBM = ("pow", "exp", "log")
-
-
 def _numpy_xp() -> Any:
     import array_api_compat.numpy as xp
 
@@ -632,7 +627,7 @@ def rule_rows(be: Any, rule: Any, values: Sequence[Any], grads: Any, rows: Seque
     rows = [r.contiguous() for r in rows]
     n = int(grads.shape[0])
     kernel = native.kernel_for(rule, values, rows, grads, n, None, None) if be.fused else None
-    if kernel is None or any(node.op in _LIBM for node in kernel[0].graph.nodes):
+    if kernel is None or kernel[0].calls_libm:
         new = apply_rule(_numpy_xp(), rule, values, grads.numpy(), *(r.numpy() for r in rows))
         be._stats["numpy_low_precision_updates"] += 1
         return [torch.from_numpy(np.ascontiguousarray(r, dtype=np.float32)) for r in new]

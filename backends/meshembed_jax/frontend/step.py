@@ -48,10 +48,8 @@ from meshembed.math.rule import UpdateRule
 from meshembed.sharding.placement import Placement
 from meshembed_jax import kernels, native
 from meshembed_jax.backend import JaxBackend
-from meshembed_jax.distributed import bucket
-from meshembed_jax.kernels import traced_rule_errors
-from meshembed_jax.distributed import AXIS, ShardLayout
-from meshembed_jax.kernels import low_precision
+from meshembed_jax.distributed import AXIS, ShardLayout, bucket
+from meshembed_jax.kernels import low_precision, traced_rule_errors
 from meshembed_jax.table import JaxShardedTable
 
 #: Version of the serialized static part of the pytrees (``jax.export`` aux data).

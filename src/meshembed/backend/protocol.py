@@ -269,9 +269,16 @@ class Backend(abc.ABC):
 
     def update_low_precision(self, tables: Sequence[ShardedTable], table: Any, rule: Any, values: Sequence[Any],
                              host_ids: Any, row_grads: Array, step: int, guard: Any) -> list[Any] | None:
-        """A 16-bit table's update as this backend's own program, with exactly the bits of the
-        generic path (``meshembed.embedding.precision``: arguments at ``UPDATE_PROTOCOL``);
-        ``None`` (this default): the generic path runs."""
+        """A 16-bit table's update as this backend's own program, with exactly the bits (NumPy's)
+        of the generic path (``meshembed.embedding.precision.update_table``, which asks this
+        first); ``None`` (this default): the generic path runs.
+
+        ``tables``: the table's ``[params, *slots]`` (16-bit arrays as ``int16`` patterns);
+        ``table``: the layout's ``TableSpec`` (its ``precision``, ``index``, ``dimension``,
+        ``vocabulary_size``); ``rule`` / ``values``: the checked ``UpdateRule`` and its per-call
+        values (Python floats); ``host_ids``: int64 host ids (every row appended for a non-lazy
+        optimizer); ``row_grads``: their ``[n, D]`` gradient rows; ``step``: the steps applied
+        before this one (the random bits' counter); ``guard``: true or None (not asked when false)."""
         return None
 
     def update_rows(

@@ -40,19 +40,6 @@ STORAGE = {"bfloat16": np.dtype(np.int16), "float16": np.dtype(np.int16)}
 #: Rows per host block when converting whole tables (bounds the temporaries of the rounding).
 _BLOCK_ROWS = 1 << 16
 _xp_host = None
-#: The backend method :func:`update_table` asks first (``Backend.update_low_precision``; data in, arrays out):
-#: ``backend.update_low_precision(tables, table_spec, rule, values, host_ids, row_grads, step,
-#: guard) -> list | None`` with ``tables`` the table's ``[params, *slots]`` backend tables
-#: (16-bit arrays as ``int16`` patterns), ``table_spec`` the layout's :class:`TableSpec` (its
-#: ``precision``, ``index``, ``dimension``, ``vocabulary_size``), ``rule``/``values`` the
-#: checked :class:`UpdateRule` and its per-call values (Python floats), ``host_ids`` the int64
-#: host ids (every row appended for a non-lazy optimizer), ``row_grads`` their ``[n, D]``
-#: gradient rows, ``step`` the steps applied before this one, ``guard`` true or None (nothing
-#: is asked when it is false). It returns the new tables, computed with exactly the bits of
-#: the generic path below (NumPy's), or ``None`` to let the generic path run. The JAX backend
-#: implements it as one compiled program per table and shape (``meshembed_jax.kernels.low_precision``);
-#: the protocol's default returns ``None``.
-UPDATE_PROTOCOL = "update_low_precision"
 #: Compiled integer programs of tracing backends, per backend (see :func:`_update_padded`).
 _COMPILED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
@@ -175,7 +162,7 @@ def update_table(backend: Any, state: Sequence[Any], t: TableSpec, rule: UpdateR
     if host_ids.size == 0 or (guard is not None and not bool(guard)):
         return list(state)
     out = backend.update_low_precision(list(state), t, rule, values, host_ids, row_grads, int(step), guard)
-    if out is not None:  # the backend's own program (see UPDATE_PROTOCOL)
+    if out is not None:  # the backend's own program (Backend.update_low_precision)
         return list(out)
     uids, grads = backend.segment_sum(backend.asarray(host_ids, dtype="int64"), row_grads)
     unique = np.unique(host_ids)  # = uids (sorted unique), on the host: the random bits' counters
