@@ -138,7 +138,7 @@ class FunctionalEngine(TPUEmbedding):
         sizes = {}
         for f, d in zip(self.layout.features, self.pending.features):
             sizes[f.table] = sizes.get(f.table, 0) + int(d.ids.shape[0])
-        caps = {t.name: max(1, self.backend._capacity_for(self.state.tables[t.index][0].layout, sizes[t.index]))
+        caps = {t.name: max(1, self.backend.capacity_for(self.state.tables[t.index][0].layout, sizes[t.index]))
                 for t in self.layout.tables if sizes.get(t.index)}
         try:
             return api.prepare(self.config, features, weights, unique_capacity=caps)

@@ -444,7 +444,7 @@ def test_accumulation_off_applies_each_occurrence_like_the_engine():
 def test_float32_values_reach_the_fused_kernel_as_exact_doubles():
     """A traced float32 hyper-parameter becomes the float64 bit pattern the engine passes
     (built with integer ops, so without x64 too): normal, subnormal, zero, Inf and NaN."""
-    from meshembed_jax.frontend import step as api
+    from meshembed_jax.frontend import updater as api
 
     values = np.array([0.3, -0.0, 0.0, 1e-45, 3e-39, -1.17e-38, 1.1754944e-38, np.inf, -np.inf, np.nan, 3.4e38,
                        -2.5], np.float32)

@@ -247,12 +247,16 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         """``jax.jit``; options such as ``donate_argnums``/``static_argnames`` pass through."""
         return self._jax.jit(fn, **options)
 
-    def _dedup_for(self, layout: ShardLayout, nb: int) -> str:
+    def dedup_for(self, layout: ShardLayout, nb: int) -> str:
+        """How the update of ``nb`` ids dedups them on ``layout``: ``"dense"`` (a row mask) or
+        ``"sort"`` (the ``dedup`` option, else by the rows per device)."""
         if self.dedup:
             return self.dedup
         return "dense" if layout.rows_per_device <= max(64 * nb, 1 << 24) else "sort"
 
-    def _capacity_for(self, layout: ShardLayout, nb: int) -> int:
+    def capacity_for(self, layout: ShardLayout, nb: int) -> int:
+        """The unique rows a device's update of ``nb`` ids has room for: the fixed ``capacity``,
+        else what an overflow taught this backend, else a bucket by the batch."""
         if self.capacity is not None:
             return int(self.capacity)
         learned = self._auto_capacity.get((layout, nb))
@@ -466,8 +470,8 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
             self._refuse_nonfinite(finite)
             return tables
         jax = self._jax
-        capacity = self._capacity_for(layout, nb)
-        dedup = self._dedup_for(layout, nb)
+        capacity = self.capacity_for(layout, nb)
+        dedup = self.dedup_for(layout, nb)
         step = self.update_program(layout, dim, len(tables), capacity, dedup, rule, weighted is not None,
                                    bool(weighted))
         from meshembed_jax.kernels import traced_rule_errors

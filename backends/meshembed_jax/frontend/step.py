@@ -38,18 +38,20 @@ from meshembed.embedding import batch as batches
 from meshembed.embedding import dynamic
 from meshembed.embedding import inputs
 from meshembed.embedding import precision
+from meshembed.embedding import routing
 from meshembed.embedding import step as steps
 from meshembed.embedding.engine import TPUEmbedding
 from meshembed.embedding.layout import Layout, build_layout, load_config
 from meshembed.embedding.step import EngineState as _EngineState
-from meshembed.embedding.updates import rule_values, update_kind
+from meshembed.embedding.updates import rule_values
 from meshembed.errors import CapacityError, ConfigError, InputError, StateError
 from meshembed.math.rule import UpdateRule
 from meshembed.sharding.placement import Placement
-from meshembed_jax import kernels, native
+from meshembed_jax import kernels
 from meshembed_jax.backend import JaxBackend
 from meshembed_jax.distributed import AXIS, ShardLayout, bucket
-from meshembed_jax.kernels import low_precision, traced_rule_errors
+from meshembed_jax.kernels import low_precision
+from meshembed_jax.frontend.updater import PaddedInputs, TracedUpdater, weak_float
 from meshembed_jax.table import JaxShardedTable
 
 #: Version of the serialized static part of the pytrees (``jax.export`` aux data).
@@ -976,49 +978,7 @@ def _materialized(fn: Callable, zero: Any, *args: Any) -> Any:
     return low_precision.materialized(fn, zero, *args)
 
 
-def _low_widths(st: _Static, t: Any) -> list[int]:
-    return [slot_width(t.optimizer, name, t.dimension) for name in st.names[t.index]]
-
-
-def _low_update(st: _Static, t: Any, rule: UpdateRule, datas: tuple, values: tuple, guard: Any, ids: Any,
-                grads: Any, step: Any, cap: int) -> tuple:
-    """``precision.update_table`` traced: the program of the JAX engine's low-precision update
-    (``meshembed_jax.kernels.low_precision.update``, the same code), on this state's layout."""
-    try:
-        return low_precision.update(st.backend, st.shard_layouts[t.index], t, rule, datas, values, guard, ids, grads,
-                                    step, cap, _low_widths(st, t))
-    except low_precision.Inexact as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _low_update_compiled(st: _Static, t: Any, rule: UpdateRule, datas: tuple, values: tuple, guard: Any, ids: Any,
-                         grads: Any, step: Any, cap: int) -> tuple:
-    """:func:`_low_update` called eagerly: the same program, jitted once per table and shapes
-    (``low_precision.update_compiled``; the config's constant values stay Python constants of
-    the program, as inside a user's jit; array values, dynamic rates, are its inputs)."""
-    cache = st.__dict__.setdefault("_low_programs", {})
-    try:
-        return low_precision.update_compiled(st.backend, cache, st.shard_layouts[t.index], t, rule, datas, values,
-                                             guard, ids, grads, step, cap, _low_widths(st, t))
-    except low_precision.Inexact as exc:
-        raise ConfigError(str(exc)) from None
-
-
 # -- apply_gradients -----------------------------------------------------------------------
-def _weak(x: Any) -> Any:
-    """A learning rate as the engine's Python floats are traced: a weakly-typed scalar of the
-    *canonical* default float dtype (float32 without x64: float32 rows stay float32; scalar
-    algebra as in the engine). Not ``jnp.dtype(float)``: that puts a float64 scalar in an
-    x64-off program, and XLA turns ``x / convert(lr)`` into ``x * (1 / lr)`` (1 ulp off the
-    engine on FTRL, OnlineYogi, non-lazy Adam on the XLA step)."""
-    try:
-        from jax._src.lax.lax import _convert_element_type
-
-        return _convert_element_type(x, jax.dtypes.canonicalize_dtype(float), weak_type=True)
-    except Exception:  # pragma: no cover - private API moved
-        return jnp.asarray(x, jnp.float32)
-
-
 def _learning_rates(layout: Layout, learning_rates: Any) -> list[Any]:
     """The engine's learning-rate checks (a dict by tag, never its keys; the count; NaN/Inf
     and float32 overflow) on every concrete value; a traced one is checked for rank and dtype
@@ -1039,7 +999,7 @@ def _learning_rates(layout: Layout, learning_rates: Any) -> list[Any]:
             raise InputError(f"Invalid {what}: expected a scalar (rank 0). Received: shape={jnp.shape(v)}")
         elif np.dtype(v.dtype).kind not in "fiu":
             raise InputError(f"Invalid {what}: expected a real number. Received: a traced {v.dtype} value")
-        out.append(_weak(v))
+        out.append(weak_float(v))
     return out
 
 
@@ -1047,119 +1007,6 @@ def _update_fn(t: Any, rule: UpdateRule, lrs: list[Any]) -> tuple:
     """This step's values of the table's rule (the engine's ``rule_values``), with the traced
     learning rates; static hyper-parameters stay Python constants (as in the NumPy reference)."""
     return tuple(rule_values(t, rule, lrs))
-
-
-def _runtime(values: tuple) -> tuple:
-    """The values as the engine's compiled step receives them: runtime (weakly-typed) scalars,
-    never constants XLA could fold into the math (a constant ``lr`` lets it rewrite
-    ``x / lr`` as ``x * (1 / lr)``: 1 ulp off on FTRL with a config's constant rate)."""
-    return jax.lax.optimization_barrier(tuple(_weak(v) for v in values))
-
-
-def _unique_cap(batch: Batch, table: int, n_ids: int) -> int:
-    """The update's static unique-row capacity: ``prepare``'s checked bound, else every id."""
-    cap = batch.unique[table] if table < len(batch.unique) else None
-    return n_ids if cap is None else max(1, min(int(cap), n_ids))
-
-
-def _double_block(kernel: Any, values: tuple) -> Any:
-    """The generated kernel's parameter block as the engine passes it: every value a double
-    (the NumPy reference's Python floats). A constant (a config's learning rate) is exact;
-    a traced value is its own dtype widened (float32 without x64, as it entered the jit).
-    Without x64 the doubles travel as uint32 pairs (``native.hp_block``)."""
-    if not any(isinstance(v, jax.Array) for v in values):  # all known now: the engine's exact block
-        return jnp.asarray(native.hp_block(kernel.params(values)))
-    if jax.config.jax_enable_x64:
-        return jnp.stack([jnp.asarray(v, jnp.float64).reshape(()) for v in values])
-    pairs = [jnp.asarray(native.hp_block([v])) if not isinstance(v, jax.Array) else _f64_bits(v)
-             for v in values]
-    return jnp.concatenate(pairs)
-
-
-def _f64_bits(x: Any) -> Any:
-    """A float32 scalar's value as the float64 bit pattern, ``[low, high]`` uint32 words
-    (little-endian), computed with integer ops so it works without x64: exact for normal,
-    subnormal, zero, infinite and NaN values."""
-    u = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32).reshape(()), jnp.uint32)
-    sign, exp, man = u >> 31, (u >> 23) & 0xFF, u & 0x7FFFFF
-    lz = jax.lax.clz(man)  # subnormal: normalise the mantissa (leading one at bit 31 - lz)
-    shift = jnp.where(man > 0, lz - 8, 0).astype(jnp.uint32)
-    sub_man = (man << shift) & 0x7FFFFF
-    d_exp = jnp.where(exp == 0xFF, jnp.uint32(0x7FF),
-                      jnp.where(exp > 0, exp + 896, jnp.where(man > 0, 905 - lz.astype(jnp.uint32), 0)))
-    d_man = jnp.where((exp == 0) & (man > 0), sub_man, man)
-    high = (sign << 31) | (d_exp.astype(jnp.uint32) << 20) | (d_man >> 3)
-    return jnp.stack([(d_man & 0x7) << 29, high]).astype(jnp.uint32)
-
-
-def _every_row_cap(be: JaxBackend, sl: ShardLayout, n_ids: int) -> int:
-    """The unique-row capacity the engine's non-lazy update ends with (``_capacity_for`` of its
-    padded batch, grown once to ``bucket(1.25 x)`` the rows a device owns when that is short):
-    the same capacity, so the same row pieces: XLA:CPU compiles the math per piece shape, and
-    [11, 3] pieces gave non-lazy Adam 1 ulp off the engine's [8, 3] (same HLO ops, measured)."""
-    p = sl.placement
-    owned = np.bincount(p.owner(np.arange(p.vocabulary_size)) // sl.shards_per_device, minlength=sl.n_dev).max()
-    cap = be._capacity_for(sl, bucket(n_ids))
-    return cap if cap >= owned else bucket(int(owned) + int(owned) // 4)
-
-
-def _row_grads(batch: Batch, rows: list, parts: list) -> list:
-    """Each id's own gradient ``scale · grad[slot]`` (the engine's ``combiners.backward``;
-    padding: slot out of range -> 0)."""
-    out = []
-    for k, _ in parts:
-        g = jnp.take(rows[k], jnp.asarray(batch.slots[k]), axis=0, mode="fill", fill_value=0)
-        out.append(g * jnp.asarray(batch.scale[k])[:, None] if batch.features[k].weighted else g)
-    return out
-
-
-def _step(be: JaxBackend, sl: ShardLayout, dim: int, rule: UpdateRule, datas: tuple, values: tuple, guard: Any,
-          cap: int, ids: Any, grads: Any, combined: tuple | None = None) -> tuple:
-    """One update of ``datas`` with the programs ``TPUEmbedding(jax)`` runs: the rule's fused
-    CPU kernel where the engine takes it (chosen when lowering, so the step also lowers for
-    TPU/GPU), else the XLA step. ``combined``: ``(segs, w, weighted)``, the combiner's backward
-    fused in (row ``i``'s gradient ``w[i] * grads[segs[i]]``)."""
-    segs, w, weighted = combined or (None, None, False)
-    dyn = _runtime(values)
-    dedup = be._dedup_for(sl, int(ids.shape[0]))
-    xla = be.update_program(sl, dim, len(datas), cap, dedup, rule, combined is not None, weighted)
-    extra = (segs, w) if combined else ()
-
-    def run_xla() -> tuple:
-        with traced_rule_errors(rule, "me.jax", "train this table with me.TPUEmbedding"):
-            return tuple(xla(datas, ids, grads, *extra, guard, dyn)[0])
-
-    found = be.fused_program(sl, dim, rule, [d.dtype for d in datas], combined is not None, weighted)
-    if found is None:
-        return run_xla()
-    fused, kernel = found
-    if not combined:
-        segs, w = jnp.zeros(1, jnp.int32), jnp.zeros(1, datas[0].dtype)
-    hp = _double_block(kernel, values)
-    return jax.lax.platform_dependent(cpu=lambda: tuple(fused(datas, ids, grads, segs, w, guard, hp)),
-                                      default=run_xla)
-
-
-def _in_rounds(be: JaxBackend, sl: ShardLayout, dim: int, rule: UpdateRule, datas: tuple, values: tuple,
-               guard: Any, ids: Any, grads: Any) -> tuple:
-    """Gradient accumulation off: each id's contributions applied one after another, in
-    rounds where every id occurs at most once (round r: the r-th occurrence of each id, in
-    batch order), as ``Backend.update_rows_in_order``; the number of rounds is a runtime
-    value (a ``while`` loop), so a batch with more duplicates compiles nothing new."""
-    n = int(ids.shape[0])
-    big = jnp.iinfo(ids.dtype).max
-    key = jnp.where(ids >= 0, ids, big)  # padding last, in no round
-    srt, order = jax.lax.sort_key_val(key, jnp.arange(n, dtype=jnp.int32))  # stable: batch order per id
-    pos = jnp.arange(n, dtype=jnp.int32)
-    first = jnp.concatenate([jnp.ones(1, bool), srt[1:] != srt[:-1]])
-    start = jax.lax.cummax(jnp.where(first, pos, 0))
-    rounds = jnp.zeros(n, jnp.int32).at[order].set(jnp.where(srt != big, pos - start, -1))
-    count = jnp.max(rounds, initial=-1) + 1
-
-    def one(r: Any, tabs: tuple) -> tuple:
-        return _step(be, sl, dim, rule, tabs, values, guard, n, jnp.where(rounds == r, ids, -1), grads)
-
-    return jax.lax.fori_loop(0, count, one, datas)
 
 
 class _ShapesOnly:
@@ -1241,8 +1088,7 @@ def _apply(st: _Static, features: tuple, unique: tuple, with_finite: bool, table
     """Every table's update (the engine's routing, ``update_kind``); ``(tables, all_finite)``
     where ``with_finite`` (else ``(tables, None)``). ``step``: the steps applied before this
     one (the counter of a low-precision table's random bits)."""
-    layout, be = st.layout, st.backend
-    batch = Batch(ids_in, slots, scales, features, unique)
+    layout = st.layout
     finite = None
     if with_finite:  # sum(x * 0): 0 where every value is finite, NaN otherwise (cannot overflow)
         zero = sum(jnp.sum(r * 0) for r in rows) + sum(jnp.asarray(v, jnp.float32) * 0 for v in lrs)
@@ -1255,45 +1101,14 @@ def _apply(st: _Static, features: tuple, unique: tuple, with_finite: bool, table
     # loops around their in-place FFI calls and copy each table twice (W1: 0.5 s a step);
     # with return_finite the updates write nothing unless every value is finite
     guard = jax.lax.optimization_barrier(jnp.asarray(True) if finite is None else finite)
+    inputs = PaddedInputs(Batch(ids_in, slots, scales, features, unique))
+    updater = TracedUpdater(st, inputs, tables_in, lrs, guard, step)
     tables = dict(tables_in)
-    for t in layout.tables:
-        parts = [(k, f) for k, f in enumerate(layout.features) if f.table == t.index]
-        if not parts:
-            continue
-        sl, dim = st.shard_layouts[t.index], t.dimension
-        names = st.names[t.index]  # a dict comes back from jit with sorted keys: the order is ours
-        datas = tuple(tables_in[t.name][n] for n in names)
-        rule = st.rules[t.index]
-        values = _update_fn(t, rule, lrs)
-        kind = update_kind(t)  # the engine's routing
-        ids = jnp.concatenate([jnp.asarray(batch.ids[k]) for k, _ in parts])
-        if precision.is_low(t):  # 16-bit arrays: the engine's own branch (update_table), traced
-            g = jnp.concatenate(_row_grads(batch, rows, parts))
-            cap = _unique_cap(batch, t.index, int(ids.shape[0]))
-            if kind == "every_row":  # every row, g = 0 where not looked up (appended last, as the engine)
-                ids = jnp.concatenate([ids, jnp.arange(t.vocabulary_size, dtype=ids.dtype)])
-                g = jnp.concatenate([g, jnp.zeros((t.vocabulary_size, dim), g.dtype)])
-                cap = t.vocabulary_size
-            run = _low_update if _traced(ids) else _low_update_compiled
-            new = run(st, t, rule, datas, values, guard, ids, g, step, cap)
-        elif kind == "every_row":  # non-lazy Adam/Lion: every row, g = 0 where not looked up (as apply_table)
-            every = jnp.arange(t.vocabulary_size, dtype=ids.dtype)
-            ids = jnp.concatenate([ids, every])
-            g = jnp.concatenate([*_row_grads(batch, rows, parts), jnp.zeros((t.vocabulary_size, dim), jnp.float32)])
-            cap = _every_row_cap(be, sl, int(ids.shape[0]))
-            new = _step(be, sl, dim, rule, datas, values, guard, cap, ids, g)
-        elif kind == "in_order":
-            new = _in_rounds(be, sl, dim, rule, datas, values, guard, ids, jnp.concatenate(_row_grads(batch, rows, parts)))
-        else:  # the combiner's backward fused into the update, as the engine
-            offsets = np.cumsum([0] + [batch.features[k].num_slots for k, _ in parts[:-1]])
-            segs = jnp.concatenate([jnp.asarray(batch.slots[k]) + int(o) for (k, _), o in zip(parts, offsets)])
-            weighted = any(batch.features[k].weighted for k, _ in parts)
-            w = (jnp.concatenate([jnp.asarray(batch.scale[k]) for k, _ in parts]).astype(datas[0].dtype) if weighted
-                 else jnp.zeros(1, datas[0].dtype))
-            source = jnp.concatenate([rows[k] for k, _ in parts]) if len(parts) > 1 else rows[parts[0][0]]
-            cap = _unique_cap(batch, t.index, int(ids.shape[0]))  # a bound prepare checked
-            new = _step(be, sl, dim, rule, datas, values, guard, cap, ids, source, (segs, w, weighted))
-        tables[t.name] = dict(zip(names, new))
+    for t in layout.tables:  # the engine's routing, traced
+        parts = [k for k, f in enumerate(layout.features) if f.table == t.index]
+        if parts:
+            new = routing.update_table(updater, inputs, jnp, t, parts, [rows[k] for k in parts])
+            tables[t.name] = dict(zip(st.names[t.index], new))
     return tables, finite
 
 

@@ -21,11 +21,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from meshembed.backend import Backend, memory
-from meshembed.embedding import combiners, inputs, precision
+from meshembed.embedding import combiners, inputs, precision, routing
 from meshembed.embedding.agreement import agreed, fingerprint, first_argument, validated
 from meshembed.embedding.batch import Batch, by_feature, prepare
 from meshembed.embedding.layout import FeatureSpec, Layout, TableSpec
-from meshembed.embedding.updates import apply_table, is_non_lazy, make_rule, rule_values, update_kind
+from meshembed.embedding.updates import apply_table, is_non_lazy, make_rule, rule_values
 from meshembed.errors import CapacityError, InputError, NonFiniteError, StateError
 from meshembed.math.rule import UpdateRule
 
@@ -411,13 +411,15 @@ def apply_gradients(
     # every process's input is valid and its step, learning rates and mode agree: now the row exchange
     validated(backend, fingerprint(state.step, tuple(lrs), batch.mode, bool(allow_nonfinite)),
               "the step, the learning rates or allow_nonfinite", InputError)
-    step = _TableUpdates(backend, state, batch, grads, rules, values, lrs, guard)
+    inputs = HostInputs(backend, batch)
+    updater = _EngineUpdater(backend, state, inputs, rules, values, lrs, guard, in_update)
     new: dict[int, list[Any]] = {}
     rows = {t.index: sum(batch.features[k].ids.shape[0] for k in per_table[t.index]) for t in layout.tables}
     try:  # the largest update first: when memory runs out there, no table was written yet
         for t in sorted(layout.tables, key=lambda t: (t.index != in_update, -_config_size(layout, t))):
             with _updating(t, rows[t.index], written=[u.name for u in layout.tables if u.index in new]):
-                new[t.index] = step.table(t, per_table[t.index], check_finite=t.index == in_update)
+                features = per_table[t.index]
+                new[t.index] = routing.update_table(updater, inputs, backend.xp, t, features, [grads[k] for k in features])
     except NonFiniteError:  # from the update of table in_update, which wrote nothing
         bad = [f for f, g in zip(layout.features, grads) if f.table == in_update and not backend.all_finite(g)]
         raise nonfinite_error(layout, bad[0] if bad else layout.features[0]) from None
@@ -450,105 +452,93 @@ def _updating(t: TableSpec, ids: int, written: Sequence[str]) -> Any:
                              _update_shape(t, ids), arrays=2 + len(t.optimizer.slot_names), nothing=nothing)
 
 
+class HostInputs:
+    """A host-prepared :class:`Batch` as :func:`routing.update_table` reads it
+    (``routing.StepInputs``): one feature's arrays made once on the backend, several joined on
+    the host (ragged: a new length every step; no backend compiles per length)."""
+
+    def __init__(self, backend: Any, batch: Batch) -> None:
+        self.backend, self.batch = backend, batch
+
+    def array(self, k: int, name: str) -> Any:
+        return self.batch.device_array(self.backend, k, name)
+
+    def joined(self, features: Sequence[int], name: str) -> Any:
+        if len(features) == 1:
+            return self.array(features[0], name)
+        parts = [getattr(self.batch.features[k], name) for k in features]
+        if name == "slots":  # each feature's slots after the previous features' slots
+            offsets = np.cumsum([0] + [self.batch.features[k].num_slots for k in features[:-1]])
+            parts = [p + o for p, o in zip(parts, offsets)]
+        return self.backend.asarray(np.concatenate(parts), dtype="float32" if name == "scale" else "int64")
+
+    def host_ids(self, features: Sequence[int]) -> np.ndarray:
+        parts = [self.batch.features[k].ids for k in features]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def count(self, k: int) -> int:
+        return int(self.batch.features[k].ids.shape[0])
+
+    def identity(self, k: int) -> bool:
+        return bool(self.batch.features[k].identity)
+
+    def unit_scale(self, k: int) -> bool:
+        return bool(self.batch.features[k].unit_scale)
+
+    def backward(self, k: int, grad: Any) -> Any:
+        d = self.batch.features[k]
+        scale = self.backend.xp.reshape(self.array(k, "scale"), (-1, 1))
+        return combiners.backward(self.backend, grad, scale, self.array(k, "slots"), d.unit_scale, d.identity)
+
+
 @dataclass
-class _TableUpdates:
-    """One step's inputs, shared by the per-table updates (:meth:`table`)."""
+class _EngineUpdater:
+    """``routing.TableUpdater`` over the backend protocol on concrete arrays: one step's
+    tables, rules, values and guard; ``checked``: the table whose gradients are checked for
+    NaN/Inf by its update (``_table_checked_in_update``)."""
 
     backend: Any
     state: EngineState
-    batch: Batch
-    grads: list[Any]
+    inputs: HostInputs
     rules: Mapping[int, UpdateRule]
     values: Mapping[int, tuple]
     lrs: list[float]
     guard: Any
+    checked: int | None
 
-    def _ids(self, features: list[int], name: str = "ids") -> Any:
-        """The features' ``ids`` (or ``slots``) on the backend: one array as it is, several
-        joined on the host (ragged: a new length every step; no backend compiles per length)."""
-        if len(features) == 1:
-            return self.batch.device_array(self.backend, features[0], name)
-        return self.backend.asarray(np.concatenate([getattr(self.batch.features[k], name) for k in features]),
-                                    dtype="int64")
+    @property
+    def grad_index_updates(self) -> bool:
+        return bool(self.backend.capabilities.grad_index_updates)
 
-    def _scale(self, k: int) -> Any:
-        return self.batch.device_array(self.backend, k, "scale")
+    @property
+    def shaped_rows(self) -> bool:
+        return bool(self.backend.capabilities.shaped_rows)
 
-    def table(self, t: TableSpec, features: list[int], check_finite: bool) -> list[Any]:
-        """Table ``t``'s new ``[params, *slots]`` from its features' gradients."""
-        if precision.is_low(t):
-            return self._low_precision(t, features, check_finite)
-        be, xp, batch = self.backend, self.backend.xp, self.batch
-        prepared = [batch.features[k] for k in features]
-        grads = [self.grads[k] for k in features]
-        rule, values = self.rules[t.index], self.values[t.index]
-        extra: dict[str, Any] = {"values": values}
+    def _extra(self, t: TableSpec) -> dict[str, Any]:
+        extra: dict[str, Any] = {"values": self.values[t.index]}
         if self.guard is not None:
             extra["guard"] = self.guard
-        if check_finite:  # the update checks the gradients passed as they are; other forms here
-            extra["check_finite"] = True
-        n_ids = sum(int(d.ids.shape[0]) for d in prepared)
-        lazy_sum = update_kind(t) == "accumulate"
-        identity = n_ids and all(d.identity for d in prepared) and lazy_sum
-        if not (identity and len(features) == 1 and be.capabilities.shaped_rows):
-            grads = [xp.reshape(g, (-1, t.dimension)) for g in grads]  # [ids, D]
-        if identity:
-            # Every feature has one id per slot: the (weighted) activation gradients are the
-            # per-id gradients, in id order, so no slot index travels.
-            rows = [g if d.unit_scale else g * xp.reshape(self._scale(k), tuple(g.shape[:-1]) + (1,))
-                    for k, d, g in zip(features, prepared, grads)]
-            source = rows[0] if len(rows) == 1 else xp.concat(rows, axis=0)
-            if check_finite and not all(d.unit_scale for d in prepared):
-                self._check_now(grads)
-                extra.pop("check_finite")
-            return list(be.update_rows(self.state.tables[t.index], self._ids(features), source, rule, **extra))
-        if n_ids and be.capabilities.grad_index_updates and lazy_sum:
-            # The combiner's backward fused into the update: the backend sums
-            # scale_k * grad[slot_k] per row without one gradient row per id.
-            if len(features) == 1:
-                index = self._ids(features, "slots")
-            else:  # each feature's slots after the previous features' slots
-                offsets = np.cumsum([0] + [d.num_slots for d in prepared[:-1]])
-                index = be.asarray(np.concatenate([d.slots + o for d, o in zip(prepared, offsets)]), dtype="int64")
-            if all(d.unit_scale for d in prepared):
-                weights = None  # the sum combiner without weights: nothing to multiply
-            elif len(features) == 1:
-                weights = self._scale(features[0])
-            else:
-                weights = be.asarray(np.concatenate([d.scale for d in prepared]), dtype="float32")
-            source = grads[0] if len(grads) == 1 else xp.concat(grads, axis=0)
-            return list(be.update_rows(self.state.tables[t.index], self._ids(features), source, rule,
-                                       grad_index=index, grad_weights=weights, **extra))
-        if check_finite:
-            self._check_now(grads)
-        host_ids, row_grads = self._per_id(t, features, grads)
-        return apply_table(be, list(self.state.tables[t.index]), t, host_ids, row_grads, self.lrs, rule,
-                           guard=self.guard, part_sizes=[int(d.ids.shape[0]) for d in prepared], values=values)
+        return extra
 
-    def _per_id(self, t: TableSpec, features: list[int], grads: list[Any]) -> tuple[np.ndarray, Any]:
-        """(host ids, one gradient row per id): the combiner's backward pass of ``features``."""
-        be, xp = self.backend, self.backend.xp
-        prepared = [self.batch.features[k] for k in features]
-        host_ids = np.concatenate([d.ids for d in prepared]) if prepared else np.zeros(0, np.int64)
-        rows = [combiners.backward(be, g, xp.reshape(self._scale(k), (-1, 1)), self._ids([k], "slots"),
-                                   d.unit_scale, d.identity) for k, d, g in zip(features, prepared, grads)]
-        if not rows:
-            return host_ids, be.asarray(np.zeros((0, t.dimension), np.float32))
-        return host_ids, xp.concat(rows, axis=0) if len(rows) > 1 else rows[0]
-
-    def _low_precision(self, t: TableSpec, features: list[int], check_finite: bool) -> list[Any]:
-        """A table with 16-bit arrays (``embedding.precision``): per-id gradient rows as the
-        generic path makes them, then one update per unique row in float32, rounded back
-        (protocol methods only; no fused kernel)."""
-        be, xp = self.backend, self.backend.xp
-        grads = [xp.reshape(self.grads[k], (-1, t.dimension)) for k in features]
-        if check_finite:
-            self._check_now(grads)
-        host_ids, row_grads = self._per_id(t, features, grads)
-        return precision.update_table(be, self.state.tables[t.index], t, self.rules[t.index], self.values[t.index],
-                                      host_ids, row_grads, self.state.step, guard=self.guard)
-
-    def _check_now(self, grads: list[Any]) -> None:
-        """NaN/Inf in one table's gradients raise NonFiniteError (nothing written yet)."""
-        if not all(self.backend.all_finite(g) for g in grads):
+    def check(self, t: TableSpec, grads: Sequence[Any]) -> None:
+        """NaN/Inf in the checked table's gradients raise NonFiniteError (nothing written yet)."""
+        if t.index == self.checked and not all(self.backend.all_finite(g) for g in grads):
             raise NonFiniteError()
+
+    def update_rows(self, t: TableSpec, ids: Any, source: Any, checkable: bool, grad_index: Any = None,
+                    grad_weights: Any = None) -> list[Any]:
+        extra = self._extra(t)
+        if checkable and t.index == self.checked:
+            extra["check_finite"] = True
+        if grad_index is not None:
+            extra.update(grad_index=grad_index, grad_weights=grad_weights)
+        return list(self.backend.update_rows(self.state.tables[t.index], ids, source, self.rules[t.index], **extra))
+
+    def per_id(self, t: TableSpec, kind: str, features: Sequence[int], row_grads: Any) -> list[Any]:
+        host_ids = self.inputs.host_ids(features)
+        rule, values = self.rules[t.index], self.values[t.index]
+        if kind == "low_precision":
+            return precision.update_table(self.backend, self.state.tables[t.index], t, rule, values, host_ids,
+                                          row_grads, self.state.step, guard=self.guard)
+        return apply_table(self.backend, list(self.state.tables[t.index]), t, host_ids, row_grads, self.lrs, rule,
+                           guard=self.guard, part_sizes=[self.inputs.count(k) for k in features], values=values)
