@@ -447,3 +447,19 @@ def test_the_private_and_name_checks_catch_what_they_forbid(tmp_path):
         assert backend_name_branches(core) == ["meshembed/ops.py:4 backend.name == 'jax'"]
     finally:
         CORE = saved
+
+
+#: The modules that decide how a table's rows are updated: the routing, the rule that names the
+#: kinds, and the 16-bit branch the routing hands a low-precision table to.
+ROUTING = {"src/meshembed/embedding/routing.py", "src/meshembed/embedding/updates.py",
+           "src/meshembed/embedding/precision.py"}
+
+
+def test_the_per_table_routing_lives_once():
+    """The engine and me.jax both run ``routing.update_table`` (issue #30): no other module
+    decides a table's update kind again (``update_kind``), and both step functions call it."""
+    deciders = sorted(p.relative_to(ROOT).as_posix() for base in (CORE, BACKENDS) for p in base.rglob("*.py")
+                      if "update_kind(" in p.read_text() and p.relative_to(ROOT).as_posix() not in ROUTING)
+    assert deciders == []
+    for rel in ("src/meshembed/embedding/step.py", "backends/meshembed_jax/frontend/step.py"):
+        assert "routing.update_table(" in (ROOT / rel).read_text(), rel

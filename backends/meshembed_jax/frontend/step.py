@@ -1085,7 +1085,7 @@ def apply_gradients(state: EmbeddingState, batch: Batch, gradients: Any, learnin
 
 def _apply(st: _Static, features: tuple, unique: tuple, with_finite: bool, tables_in: dict, rows: list,
            ids_in: tuple, slots: tuple, scales: tuple, lrs: list, step: Any) -> tuple:
-    """Every table's update (the engine's routing, ``update_kind``); ``(tables, all_finite)``
+    """Every table's update (``routing.update_table``, as the engine); ``(tables, all_finite)``
     where ``with_finite`` (else ``(tables, None)``). ``step``: the steps applied before this
     one (the counter of a low-precision table's random bits)."""
     layout = st.layout

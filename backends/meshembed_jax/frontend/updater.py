@@ -15,7 +15,7 @@ import numpy as np
 
 from meshembed.config.rowwise import slot_width
 from meshembed.embedding.layout import TableSpec
-from meshembed.embedding.updates import rule_values, update_kind
+from meshembed.embedding.updates import is_non_lazy, rule_values
 from meshembed.errors import ConfigError
 from meshembed.math.rule import UpdateRule
 from meshembed_jax import native
@@ -102,7 +102,7 @@ class TracedUpdater:
         be = self.st.backend
         sl, datas, rule, values = self._table(t)
         ids = self.inputs.joined(features, "ids")
-        every_row = update_kind(t) == "every_row"
+        every_row = is_non_lazy(t)
         if every_row:  # every row, g = 0 where not looked up (appended last, as the engine's apply_table)
             ids = jnp.concatenate([ids, jnp.arange(t.vocabulary_size, dtype=ids.dtype)])
             row_grads = jnp.concatenate([row_grads, jnp.zeros((t.vocabulary_size, t.dimension), row_grads.dtype)])
