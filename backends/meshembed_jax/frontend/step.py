@@ -4,9 +4,9 @@ the TPU embedding as pure functions over pytrees, for a user's own ``jax.jit``.
 ``init`` -> :class:`EmbeddingState` (tables and slots as sharded ``jax.Array``s, a step
 counter); ``prepare`` (host, outside jit) -> :class:`Batch` of fixed-shape arrays;
 ``lookup(state, batch)`` -> activations by feature name; ``apply_gradients(state, batch,
-grads, learning_rates)`` -> the new state. Underneath are the JAX backend's compiled kernels
-and the core's update functions that ``TPUEmbedding(backend="jax")`` runs (nested ``jax.jit``
-calls traced into the user's step), so both give the same bits.
+grads, learning_rates)`` -> the new state. Each table's update is the engine's
+``routing.update_table`` run with :mod:`.updater` (the JAX backend's compiled programs that
+``TPUEmbedding(backend="jax")`` runs, traced into the user's step), so both give the same bits.
 
 Checks are the engine's (``meshembed.embedding.batch`` / ``step``): values are checked where
 they are known (outside a trace); inside ``jax.jit`` the shapes, dtypes, the state's
@@ -17,7 +17,7 @@ types are registered for ``jax.export`` serialization; :func:`export` says why a
 cannot carry the CPU kernels.
 
 Low-precision tables (``TableConfig(precision=...)``, docs/low_precision.md) run the engine's
-16-bit branch traced (``_low_update`` / ``_low_lookup``): the state holds their 16-bit arrays
+16-bit branch traced (``updater.TracedUpdater`` / ``_low_lookup``): the state holds their 16-bit arrays
 as int16 patterns, and every step gives the engine's bits (the optimizer's float math through
 ``kernels/exact.py``, so XLA cannot fuse it differently from the op-by-op reference).
 """
