@@ -419,7 +419,8 @@ def apply_gradients(
         for t in sorted(layout.tables, key=lambda t: (t.index != in_update, -_config_size(layout, t))):
             with _updating(t, rows[t.index], written=[u.name for u in layout.tables if u.index in new]):
                 features = per_table[t.index]
-                new[t.index] = routing.update_table(updater, inputs, backend.xp, t, features, [grads[k] for k in features])
+                table_grads = [grads[k] for k in features]
+                new[t.index] = routing.update_table(updater, inputs, backend.xp, t, features, table_grads)
     except NonFiniteError:  # from the update of table in_update, which wrote nothing
         bad = [f for f, g in zip(layout.features, grads) if f.table == in_update and not backend.all_finite(g)]
         raise nonfinite_error(layout, bad[0] if bad else layout.features[0]) from None
