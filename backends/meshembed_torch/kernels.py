@@ -393,9 +393,13 @@ class Compiled:
 
     def __init__(self, torch: Any, func: Callable, rows_dynamic: bool = False):
         """``rows_dynamic``: only the first dimension of tensor arguments is dynamic (marked
-        on every call), the others are specialised; otherwise every dimension is dynamic."""
+        on every call), the others are specialised; otherwise dynamo's automatic dynamic
+        shapes (specialised on the first call, dynamic once a shape changes). Not
+        ``dynamic=True``: it also makes the integers a function closes over symbolic, and
+        inductor 2.13 then emitted float vector shifts for the integer program of the Philox
+        words (``embedding.precision``): a C++ compile error."""
         self._torch = torch
-        self._compiled = torch.compile(func, dynamic=False if rows_dynamic else True)
+        self._compiled = torch.compile(func, dynamic=False if rows_dynamic else None)
         self._rows_dynamic = rows_dynamic
         self._seen: set = set()
         self.eager = func

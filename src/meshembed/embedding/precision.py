@@ -29,7 +29,7 @@ from meshembed.embedding.layout import Layout, TableSpec
 from meshembed.errors import ConfigError
 from meshembed.config.precision import array_dtypes
 from meshembed.math.rounding import (counters, interleave, narrow, philox_words, round_bits, stream_of, widen,
-                                     widen_bits, words_for)
+                                     widen_bits)
 from meshembed.math.rule import UpdateRule, apply_rule
 
 __all__ = ["array_dtypes", "check_layout", "fresh_state", "from_storage", "is_low", "lookup_rows",
@@ -105,12 +105,9 @@ def from_storage(patterns: np.ndarray, dtype: str) -> np.ndarray:
 
 # -- device conversions --------------------------------------------------------------------------
 def lookup_rows(backend: Any, table: Any, ids: Any, dtype: str) -> Any:
-    """``table[ids]`` as float32 rows (on a backend that traces, the widening is one compiled
-    program: eagerly, each of its ~40 operations would compile for every new number of ids)."""
+    """``table[ids]`` as float32 rows, widened by one compiled program (:func:`_widener`)."""
     rows = backend.gather(table, ids)
-    if dtype == "float32" or type(backend).is_traced is Backend.is_traced:
-        return widen(backend, rows, dtype)
-    return _program(backend, ("widen", dtype), lambda: lambda h: widen(backend, h, dtype))(rows)
+    return rows if dtype == "float32" else _widener(backend, dtype)(rows)
 
 
 # -- tables ------------------------------------------------------------------------------------
@@ -171,16 +168,19 @@ def update_table(backend: Any, state: Sequence[Any], t: TableSpec, rule: UpdateR
         # programs' rows and gradients would live on different device sets)
         return _update_padded(backend, state, t, rule, values, unique, grads, step)
     p = t.precision
-    rows = [widen(backend, backend.gather(a, uids), d) for a, d in zip(state, dtypes)]
+    rows = [backend.gather(a, uids) for a in state]
+    rows = [r if d == "float32" else _widener(backend, d)(r) for r, d in zip(rows, dtypes)]
     new = backend.apply_rule_rows(rule, values, grads, rows)
+    low = [k for k, d in enumerate(dtypes) if d != "float32"]
+    words: dict[int, tuple] = {k: () for k in low}
+    if p.rounding == "stochastic":  # every 16-bit array's words from the same counters, one program
+        ctr = counters(xp, unique, step, t.dimension, array_api_compat.device(new[0]))
+        streams = tuple(stream_of(t.index, k) for k in low)
+        words = dict(zip(low, _philox(backend, p.seed, streams)(*(limb for word in ctr for limb in word))))
     out = []
     for k, (array, row, dtype) in enumerate(zip(state, new, dtypes)):
         if dtype != "float32":
-            random = None
-            if p.rounding == "stochastic":
-                random = words_for(xp, p.seed, stream_of(t.index, k),
-                                   counters(xp, unique, step, t.dimension, array_api_compat.device(row)), t.dimension)
-            row = narrow(backend, row, dtype, p.rounding, random)
+            row = _rounder(backend, dtype, p.rounding, t.dimension)(row, *words[k])
         out.append(backend.scatter(array, uids, row))
     return out
 
@@ -212,8 +212,7 @@ def _update_padded(backend: Any, state: Sequence[Any], t: TableSpec, rule: Updat
     ids_dev = backend.asarray(ids, dtype="int64")
     mask = backend.asarray(np.arange(nb) < n)
     stored = [backend.gather(a, ids_dev) for a in state]
-    rows = [s if d == "float32" else _program(backend, ("widen", d), lambda d=d: lambda h: widen(backend, h, d))(s)
-            for s, d in zip(stored, dtypes)]
+    rows = [s if d == "float32" else _widener(backend, d)(s) for s, d in zip(stored, dtypes)]
     new = apply_rule(xp, rule, values, grads, *rows)
     ctr = None
     out = []
@@ -225,10 +224,7 @@ def _update_padded(backend: Any, state: Sequence[Any], t: TableSpec, rule: Updat
             words = ()
             if p.rounding == "stochastic":
                 ctr = counters(xp, ids, step, dim) if ctr is None else ctr  # uncommitted: any device set
-                stream = stream_of(t.index, k)
-                make = _program(backend, ("words", p.seed, stream), lambda stream=stream: lambda *limbs: tuple(
-                    philox_words(xp, p.seed, stream, [(limbs[2 * i], limbs[2 * i + 1]) for i in range(4)])))
-                words = make(*(limb for word in ctr for limb in word))
+                words = _philox(backend, p.seed, (stream_of(t.index, k),))(*(limb for word in ctr for limb in word))[0]
 
             def rounding(dtype: str = dtype) -> Any:
                 def rounded(x: Any, m: Any, before: Any, *w: Any) -> Any:
@@ -250,3 +246,42 @@ def _program(backend: Any, key: tuple, build: Any) -> Any:
     if fn is None:
         fn = programs[key] = backend.compile(build())
     return fn
+
+
+# Every library runs these integer programs through ``Backend.compile`` (JAX: jitted, so they
+# do not compile again per operation and shape; torch: compiled by inductor where the arrays are
+# large, one fused loop instead of ~1000 passes over memory; NumPy: as they are). Integer
+# arithmetic is exact, so compiled or not they give the same bits. On a backend that does not
+# trace, the float32 <-> int32 bitcasts stay outside the programs (inductor 2.13 emitted a shift
+# of float vectors for a bitcast inside one: a C++ compile error).
+def _traces(backend: Any) -> bool:
+    return type(backend).is_traced is not Backend.is_traced
+
+
+def _widener(backend: Any, dtype: str) -> Any:
+    """``widen`` of ``dtype`` rows (int16 patterns -> float32) through one program."""
+    if _traces(backend):  # the bitcast inside: eagerly it would compile again for every shape
+        return _program(backend, ("widen", dtype), lambda: lambda h: widen(backend, h, dtype))
+    bits = _program(backend, ("widen_bits", dtype), lambda: lambda h: widen_bits(backend.xp, h, dtype))
+    return lambda h: backend.bitcast(bits(h), "float32")
+
+
+def _philox(backend: Any, seed: int, streams: tuple[int, ...]) -> Any:
+    """For each of ``streams``, the four Philox words of the :func:`counters` limbs
+    (``philox_words``), as one program (one compilation per table, not per array)."""
+    xp = backend.xp
+
+    def words(*limbs: Any) -> tuple:
+        ctr = [(limbs[2 * i], limbs[2 * i + 1]) for i in range(4)]
+        return tuple(tuple(philox_words(xp, seed, stream, ctr)) for stream in streams)
+
+    return _program(backend, ("words", seed, streams), lambda: words)
+
+
+def _rounder(backend: Any, dtype: str, rounding: str, dim: int) -> Any:
+    """``narrow``: float32 rows (and, stochastic, the Philox words) -> ``dtype`` patterns, the
+    rounding of the bits one program."""
+    xp = backend.xp
+    bits_to = _program(backend, ("round_bits", dtype, rounding, dim), lambda: lambda b, *w: round_bits(
+        xp, b, dtype, rounding, interleave(xp, w, dim) if w else None))
+    return lambda x, *w: bits_to(backend.bitcast(xp.astype(x, xp.float32), "int32"), *w)
