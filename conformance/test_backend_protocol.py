@@ -74,6 +74,18 @@ def test_create_table_from_blocks(backend, vocab, shards, strategy):
         np.testing.assert_array_equal(backend.to_numpy(backend.gather(table, backend.asarray(ids))), values[ids])
 
 
+# 16-bit patterns (a low-precision table's storage, int16) are placed as they are; 262,147 x 64
+# int16 is 32 MiB: a backend may fill it window by window too.
+@pytest.mark.parametrize("vocab,shards", [(11, 3), (262147, 3)])
+def test_create_table_from_blocks_of_int16_patterns(backend, vocab, shards):
+    dim = 64 if vocab > 1000 else 4
+    values = np.random.default_rng(7).integers(-2**15, 2**15, (vocab, dim)).astype(np.int16)
+    placement = Placement(vocab, shards, "mod")
+    table = backend.create_table_from_blocks((vocab, dim), _blocks(values, [2, vocab // 2, 9]), placement, "int16")
+    got = backend.unshard(table)
+    assert got.dtype == np.int16 and np.array_equal(got, values)
+
+
 @pytest.mark.parametrize("sizes", [[3, 3], [3, 3, 3, 3, 3], [13, 1]])
 def test_create_table_from_blocks_that_do_not_cover_the_table(backend, sizes):
     values = _table(20, 4, "float32")

@@ -200,7 +200,8 @@ class JaxTables:
         collapse_to_huge_pages(data)
         return JaxShardedTable(data, layout, values.shape[1])
 
-    def create_table_from_blocks(self, shape: tuple[int, int], blocks: Any, placement: Placement) -> JaxShardedTable:
+    def create_table_from_blocks(self, shape: tuple[int, int], blocks: Any, placement: Placement,
+                                 dtype: Any = "float32") -> JaxShardedTable:
         """A large table is made as zeros on its devices and filled window by window, in
         place, so the host never holds the whole table next to the devices' copy; a small
         one is joined on the host and put at once (fewer compiled kernels)."""
@@ -211,13 +212,14 @@ class JaxTables:
         from meshembed_jax.distributed import AXIS
 
         rows, dim = shape
-        if rows * dim * 4 < BLOCKWISE_MIN_BYTES:
-            return super().create_table_from_blocks(shape, blocks, placement)
+        dtype = np.dtype(dtype)
+        if rows * dim * dtype.itemsize < BLOCKWISE_MIN_BYTES:
+            return super().create_table_from_blocks(shape, blocks, placement, dtype)
         layout = self.layout(placement)
         s_all, r_max = placement.num_shards, placement.max_rows
-        c = max(1, min(r_max, WINDOW_BYTES // (4 * dim * s_all)))  # rows per shard and window
-        zeros = self._kernel(("zeros", layout, dim), lambda: self._jax.jit(
-            lambda: jnp.zeros((s_all, r_max, dim), jnp.float32), out_shardings=layout.sharding))
+        c = max(1, min(r_max, WINDOW_BYTES // (dtype.itemsize * dim * s_all)))  # rows per shard and window
+        zeros = self._kernel(("zeros", layout, dim, dtype.name), lambda: self._jax.jit(
+            lambda: jnp.zeros((s_all, r_max, dim), dtype), out_shardings=layout.sharding))
         write = self._kernel(("window_write", layout, c, dim), lambda: kernels.make_window_write(layout))
         by_shard = NamedSharding(layout.mesh, PartitionSpec(AXIS))
         table = JaxShardedTable(zeros(), layout, dim)
@@ -226,7 +228,7 @@ class JaxTables:
             parts = placement.block_parts(start, start + len(block))
             longest = max(len(range(*sl.indices(len(block)))) for _, _, sl in parts)
             for w in range(0, longest, c):
-                window = np.zeros((s_all, c, dim), np.float32)
+                window = np.zeros((s_all, c, dim), dtype)
                 at, lo, hi = (np.zeros(s_all, np.int32) for _ in range(3))
                 for s, first, sl in parts:
                     part = block[sl][w : w + c]

@@ -59,8 +59,9 @@ class NumpyBackend(NumpyDenseMixin, Backend):
     def create_table(self, values: np.ndarray, placement: Placement) -> NumpyShardedTable:
         return NumpyShardedTable(shard(np.asarray(values), placement), placement)  # fresh arrays
 
-    def create_table_from_blocks(self, shape: tuple[int, int], blocks: Any, placement: Placement) -> NumpyShardedTable:
-        shards = [np.empty((placement.rows_in_shard(s), shape[1]), dtype=np.float32)
+    def create_table_from_blocks(self, shape: tuple[int, int], blocks: Any, placement: Placement,
+                                 dtype: Any = "float32") -> NumpyShardedTable:
+        shards = [np.empty((placement.rows_in_shard(s), shape[1]), dtype=np.dtype(dtype))
                   for s in range(placement.num_shards)]
 
         def place(start: int, block: np.ndarray) -> None:

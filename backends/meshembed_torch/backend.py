@@ -223,8 +223,9 @@ class TorchBackend(TorchDenseMixin, Backend):
         table.write_block(0, vals)
         return table
 
-    def create_table_from_blocks(self, shape: tuple[int, int], blocks: Any, placement: Placement) -> TorchShardedTable:
-        table = empty_table(shape[1], self._torch.float32, placement, self._rank_group(), self.device)
+    def create_table_from_blocks(self, shape: tuple[int, int], blocks: Any, placement: Placement,
+                                 dtype: Any = "float32") -> TorchShardedTable:
+        table = empty_table(shape[1], self.torch_dtype(dtype), placement, self._rank_group(), self.device)
         walk_blocks(shape, blocks, table.write_block)
         return table
 

@@ -187,13 +187,13 @@ class Backend(abc.ABC):
         """Place a logical ``[V, D]`` NumPy table over ``placement.num_shards`` shards."""
 
     def create_table_from_blocks(self, shape: tuple[int, int], blocks: Iterable[np.ndarray],
-                                 placement: Placement) -> ShardedTable:
-        """A table from consecutive blocks of its logical rows (in order, ``[V, D]`` in all),
-        so that the whole table need not sit on the host next to the backend's copy: the
-        engine makes tables and slots this way (peak memory at creation ≈ the table, not 2×).
-        Backends place each block with :meth:`Placement.block_parts`; this default joins the
-        blocks and calls :meth:`create_table`."""
-        return self.create_table(join_blocks(shape, blocks, np.float32), placement)
+                                 placement: Placement, dtype: Any = "float32") -> ShardedTable:
+        """A ``dtype`` table from consecutive blocks of its logical rows (in order, ``[V, D]``
+        in all), so that the whole table need not sit on the host next to the backend's copy:
+        the engine makes tables and slots this way (peak memory at creation ≈ the table, not
+        2×; a 16-bit table's blocks are its int16 patterns). Backends place each block with
+        :meth:`Placement.block_parts`; this default joins the blocks and calls :meth:`create_table`."""
+        return self.create_table(join_blocks(shape, blocks, np.dtype(dtype)), placement)
 
     @abc.abstractmethod
     def unshard(self, table: ShardedTable) -> np.ndarray:

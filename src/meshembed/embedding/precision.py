@@ -121,15 +121,8 @@ def fresh_state(backend: Any, t: TableSpec, blocks: Iterable[np.ndarray], placem
     def stored(dtype: str, parts: Iterable[np.ndarray]) -> Any:
         if dtype == "float32":
             return backend.create_table_from_blocks(shape, parts, placement)
-        out = np.empty(shape, STORAGE[dtype])
-        start = 0
-        for block in parts:
-            block = np.asarray(block, dtype=np.float32)
-            out[start:start + len(block)] = to_storage(block, dtype)
-            start += len(block)
-        if start != shape[0]:
-            raise ValueError(f"Invalid table blocks: they cover {start} rows, expected {shape[0]}.")
-        return backend.create_table(out, placement)
+        patterns = (to_storage(np.asarray(block, dtype=np.float32), dtype) for block in parts)
+        return backend.create_table_from_blocks(shape, patterns, placement, STORAGE[dtype])
 
     from meshembed.embedding.initializers import Constant
 
