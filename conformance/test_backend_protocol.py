@@ -78,6 +78,8 @@ def test_create_table_from_blocks(backend, vocab, shards, strategy):
 # int16 is 32 MiB: a backend may fill it window by window too.
 @pytest.mark.parametrize("vocab,shards", [(11, 3), (262147, 3)])
 def test_create_table_from_blocks_of_int16_patterns(backend, vocab, shards):
+    if backend.processes > 1:
+        pytest.skip("16-bit tables run in one process (docs/low_precision.md): gloo has no int16 all-gather")
     dim = 64 if vocab > 1000 else 4
     values = np.random.default_rng(7).integers(-2**15, 2**15, (vocab, dim)).astype(np.int16)
     placement = Placement(vocab, shards, "mod")
