@@ -245,8 +245,9 @@ def _program(backend: Any, key: tuple, build: Any) -> Any:
 # do not compile again per operation and shape; torch: compiled by inductor where the arrays are
 # large, one fused loop instead of ~1000 passes over memory; NumPy: as they are). Integer
 # arithmetic is exact, so compiled or not they give the same bits. On a backend that does not
-# trace, the float32 <-> int32 bitcasts stay outside the programs (inductor 2.13 emitted a shift
-# of float vectors for a bitcast inside one: a C++ compile error).
+# trace, the float32 <-> int32 bitcasts stay outside the programs: inside them, a user's
+# torch.compile'd module forward broke its graph there (dynamo 2.13 cannot compare the NumPy
+# dtype the bitcast is given; conformance's torch-module-compiled entry).
 def _traces(backend: Any) -> bool:
     return type(backend).is_traced is not Backend.is_traced
 
