@@ -110,8 +110,8 @@ def update_table(updater: TableUpdater, inputs: StepInputs, xp: Any, t: TableSpe
                                         grad_index=inputs.joined(features, "slots"), grad_weights=weights))
     updater.check(t, grads)
     rows = [inputs.backward(k, g) for k, g in zip(features, grads)]
-    empty = xp.zeros((0, t.dimension), dtype=xp.float32)
-    return list(updater.per_id(t, kind, features, _joined(xp, rows) if rows else empty))
+    row_grads = _joined(xp, rows) if rows else xp.zeros((0, t.dimension), dtype=xp.float32)
+    return list(updater.per_id(t, kind, features, row_grads))
 
 
 def _joined(xp: Any, arrays: list[Any]) -> Any:
