@@ -244,7 +244,8 @@ class RanksBackend(Backend):
         return self.inner.scatter(table, self._part(ids), rows)
 
     def gather_combine(self, table: ShardedTable, ids: Any, segment_ids: Any, num_segments: int,
-                       weights: Any = None) -> Any:
+                       weights: Any = None, *, offsets: Any = None) -> Any:
+        """Each rank's part of the ids (``offsets`` describe the whole: not passed on)."""
         COLLECTIVE_CALLS[0] += 1
         torch = self._torch
         ids = self._ids(ids, table)

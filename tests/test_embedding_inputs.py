@@ -34,6 +34,17 @@ def test_ragged_combined_and_sequence():
     rg = me.RaggedIds.from_lists([[1, 2, 3, 4], [5]])
     b = inputs.normalize(rg, None, SEQ)
     assert b.ids.tolist() == [1, 2, 3, 5] and b.slots.tolist() == [0, 1, 2, 3]
+    assert b.offsets is None  # positions past M dropped: the splits are not the slots' offsets
+
+
+def test_ragged_rows_give_their_slots_offsets():
+    """One slot per ragged row: the row splits are the slots' offsets (a pooled lookup reads
+    them instead of scanning the slots); the other forms have none."""
+    b = inputs.normalize(me.RaggedIds.from_lists([[1, 2], [], [3]]), None, INFO)
+    assert b.offsets.tolist() == [0, 2, 2, 3]
+    assert np.array_equal(np.repeat(np.arange(3), np.diff(b.offsets)), b.slots)
+    assert inputs.normalize(np.array([4, 5, 6]), None, INFO).offsets is None
+    assert inputs.normalize(me.SparseIds(np.array([[0, 0], [2, 0]]), np.array([1, 3]), [3, 1]), None, INFO).offsets is None
 
 
 def test_duck_typed_tensorflow_like_inputs():
@@ -144,8 +155,8 @@ def test_normalized_batches_never_alias_the_callers_buffers():
                (inputs.normalize(me.RaggedIds(splits, values), me.RaggedIds(splits, w), INFO), [splits, values, w]),
                (inputs.normalize(me.SparseIds(idx, values, [3, 2]), w, INFO), [idx, values, w])]
     for b, given in batches:
-        for held in (b.ids, b.slots, b.weights):
-            assert not any(np.shares_memory(held, g) for g in given)
+        for held in (b.ids, b.slots, b.weights, b.offsets):
+            assert held is None or not any(np.shares_memory(held, g) for g in given)
 
 
 @pytest.mark.parametrize("bad", [np.array(["1", "2", "3"]), np.array([1 + 0j, 2, 3]), np.array([None, 1, 2])])

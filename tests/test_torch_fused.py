@@ -163,6 +163,53 @@ def test_pooled_lookup_in_one_pass(dtype, dim):
         with pytest.raises(me.errors.InputError, match="Expected ids in"):
             on.gather_combine(tables[0], wrong, slots, segments)
     assert native.pooled_sum(tables[0].data, ids, slots, int(slots.max()), 2) is None  # a segment past the count
+    # the segments' offsets given (ragged row splits): read instead of the slots' scan, same bits
+    offsets = torch.searchsorted(slots, torch.arange(segments + 1))
+    for threads in (1, 2):
+        got = native.pooled_sum(tables[0].data, ids, slots, segments, threads, offsets)
+        assert got is not None and torch.equal(got, want), threads
+    assert torch.equal(on.gather_combine(tables[0], ids, slots, segments, offsets=offsets), want)
+    for broken in (offsets.flip(0), offsets - 1, offsets.clamp(max=n - 1)):  # decreasing, not from 0, not to n
+        assert native.pooled_sum(tables[0].data, ids, slots, segments, 2, broken) is None
+    # offsets of the wrong length or dtype are not read: the slots are scanned
+    got = native.pooled_sum(tables[0].data, ids, slots, segments, 2, offsets[:-1])
+    assert got is not None and torch.equal(got, want)
+    got = native.pooled_sum(tables[0].data, ids, slots, segments, 2, offsets.to(torch.int32))
+    assert got is not None and torch.equal(got, want)
+
+
+def test_a_batch_shares_its_arrays_with_torch_and_stays_read_only(monkeypatch):
+    """``Batch.device_array`` hands torch the batch's own memory (``torch.from_numpy`` would
+    copy a read-only array: 2 MB a W1 step) and the batch's arrays stay read-only; a ragged
+    feature's row splits reach the pooled lookup as its offsets."""
+    from meshembed.embedding import batch as batches
+    from meshembed_torch import TorchBackend, backend as torch_backend
+
+    cfg = me.EmbeddingConfig(tables=[me.TableConfig(name="t", vocabulary_size=50, dimension=8, combiner="sum",
+                               optimizer=me.embedding.SGD(learning_rate=0.1))],
+                             features=[me.FeatureConfig(table="t", input_shape=(4,), name="f")])
+    emb = me.TPUEmbedding(cfg, backend=TorchBackend(device="cpu"), num_shards=1)
+    rg = me.RaggedIds.from_lists([[1, 2, 3], [], [4, 4], [7]])
+    batch = batches.prepare(emb.layout, [rg])
+    d = batch.features[0]
+    assert d.offsets.tolist() == [0, 3, 3, 5, 6]
+    for name in ("ids", "slots", "offsets"):
+        held = getattr(d, name)
+        assert np.shares_memory(batch.device_array(emb.backend, 0, name).numpy(), held), name
+        assert not held.flags.writeable, name
+    seen, pooled_sum = [], native.pooled_sum
+
+    def spy(*args):
+        seen.append(args[-1])
+        return pooled_sum(*args)
+
+    monkeypatch.setattr(torch_backend.native, "pooled_sum", spy)
+    emb.enqueue([rg], training=False)
+    got = emb.dequeue()[0]
+    rows = emb.retrieve_parameters("t")["parameters"]
+    want = np.stack([rows[[1, 2, 3]].sum(0), np.zeros(8, np.float32), rows[[4, 4]].sum(0), rows[7]])
+    assert np.array_equal(np.asarray(got), want)
+    assert len(seen) == 1 and seen[0].tolist() == [0, 3, 3, 5, 6]
 
 
 def test_bad_ids_are_checked_by_the_fused_update_and_change_nothing():

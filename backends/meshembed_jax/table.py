@@ -416,7 +416,8 @@ class JaxTables:
         return out
 
     def gather_combine(
-        self, table: JaxShardedTable, ids: Any, segment_ids: Any, num_segments: int, weights: Any = None
+        self, table: JaxShardedTable, ids: Any, segment_ids: Any, num_segments: int, weights: Any = None,
+        *, offsets: Any = None,
     ) -> Any:
         """One compiled kernel: each device gathers the rows it owns in pieces, weights them
         and sums them into its slots; a ``psum`` of ``[num_segments, D]`` combines devices."""

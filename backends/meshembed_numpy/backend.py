@@ -115,7 +115,7 @@ class NumpyBackend(NumpyDenseMixin, Backend):
         return out.reshape((num_segments,) + values.shape[1:])
 
     def gather_combine(self, table: NumpyShardedTable, ids: np.ndarray, segment_ids: np.ndarray, num_segments: int,
-                       weights: np.ndarray | None = None) -> np.ndarray:
+                       weights: np.ndarray | None = None, *, offsets: np.ndarray | None = None) -> np.ndarray:
         """The protocol's gather → weight → segment sum, with the rows gathered as summed."""
         ids = np.asarray(ids, dtype=np.int64)
         dtype = table.dtype if weights is None else np.result_type(table.dtype, weights.dtype)

@@ -301,7 +301,7 @@ class TorchBackend(TorchDenseMixin, Backend):
         return self._k.segment_sum_to(self.asarray(values), seg, int(num_segments))
 
     def gather_combine(self, table: TorchShardedTable, ids: Any, segment_ids: Any, num_segments: int,
-                       weights: Any = None) -> Any:
+                       weights: Any = None, *, offsets: Any = None) -> Any:
         """``segment_sum_to(weights[:, None] * gather(table, ids), segment_ids, num_segments)``
         in one ``embedding_bag`` pass: the ``[len(ids), D]`` rows are never materialised.
 
@@ -313,7 +313,7 @@ class TorchBackend(TorchDenseMixin, Backend):
             # gather + sum of sorted segments in one C++ pass, the ids' range check folded in
             # (native.pooled_sum: embedding_bag's bits); None: the general path below (it
             # also reports bad ids)
-            out = native.pooled_sum(data, ids, segment_ids, int(num_segments), torch.get_num_threads())
+            out = native.pooled_sum(data, ids, segment_ids, int(num_segments), torch.get_num_threads(), offsets)
             if out is not None:
                 return out
         try:

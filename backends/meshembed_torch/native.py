@@ -46,7 +46,7 @@ _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes
          ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_int, ctypes.c_int, ctypes.c_int]
 _POOLED_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+                ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
 _GATHER_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                 ctypes.c_int]
 
@@ -156,15 +156,17 @@ def gather_rows(data: Any, index: Any, out: Any) -> bool:
     return True
 
 
-def pooled_sum(data: Any, ids: Any, slots: Any, num_segments: int, threads: int) -> Any:
+def pooled_sum(data: Any, ids: Any, slots: Any, num_segments: int, threads: int, offsets: Any = None) -> Any:
     """``out[s] = Σ data[ids[i]]`` over the positions ``i`` with ``slots[i] == s`` (the sum
     combiner's forward over sorted segments; an empty segment is zeros) in one C++ pass
     (``meshembed_pooled_sum_*``): each segment summed in registers in position order from 0 —
     the bits of ``embedding_bag(mode="sum")`` and of the NumPy reference — with the ids' range
-    check and the slots' order check folded in, no int32 copy, no offsets. None, having done
-    nothing the caller sees, where it does not apply: not a 2-D float32/float64 CPU table, not
-    1-D int64 CPU ids and slots of one length, an id outside the table or slots that are not
-    non-decreasing in ``[0, num_segments)`` (the caller's general path then reports or sorts)."""
+    check and the slots' order check folded in, no int32 copy. ``offsets`` (int64
+    ``[num_segments + 1]``, the same segments' first positions): read instead of scanning the
+    slots. None, having done nothing the caller sees, where it does not apply: not a 2-D
+    float32/float64 CPU table, not 1-D int64 CPU ids and slots of one length, an id outside
+    the table, slots that are not non-decreasing in ``[0, num_segments)`` or offsets that do
+    not run from 0 to ``len(ids)`` (the caller's general path then reports or sorts)."""
     import torch
 
     n = ids.numel() if isinstance(ids, torch.Tensor) else 0
@@ -175,10 +177,14 @@ def pooled_sum(data: Any, ids: Any, slots: Any, num_segments: int, threads: int)
             or ids.dim() != 1 or slots.dim() != 1 or slots.numel() != n or num_segments < 1
             or not (ids.is_contiguous() and slots.is_contiguous()) or _fused_library() is None):
         return None
+    if offsets is not None and not (isinstance(offsets, torch.Tensor) and offsets.dtype == torch.int64
+                                    and offsets.device.type == "cpu" and offsets.is_contiguous()
+                                    and tuple(offsets.shape) == (num_segments + 1,)):
+        offsets = None  # not the segments' first positions as this kernel reads them: scan the slots
     out = torch.empty((num_segments, data.shape[1]), dtype=data.dtype)
     done = getattr(_fused_library(), f"meshembed_pooled_sum_{dtype}")(
         data.data_ptr(), data.shape[0], data.shape[1], ids.data_ptr(), slots.data_ptr(), n, num_segments,
-        out.data_ptr(), int(threads))
+        None if offsets is None else offsets.data_ptr(), out.data_ptr(), int(threads))
     return out if done == 0 else None
 
 

@@ -235,13 +235,17 @@ class Backend(abc.ABC):
         return self.xp.asarray(all(self.all_finite(a) for a in arrays))
 
     def gather_combine(
-        self, table: ShardedTable, ids: Array, segment_ids: Array, num_segments: int, weights: Array | None = None
+        self, table: ShardedTable, ids: Array, segment_ids: Array, num_segments: int, weights: Array | None = None,
+        *, offsets: Array | None = None,
     ) -> Array:
         """The combiner's forward pass in one call: ``out[s] = Σ weights_i · table[ids_i]``
         over ``i`` with ``segment_ids_i == s``, shape ``[num_segments, D]``.
 
-        Backends override this to avoid materialising the ``[len(ids), D]`` rows (torch's
-        ``embedding_bag``); the default composes ``gather`` and ``segment_sum_to``."""
+        ``offsets`` (int64 ``[num_segments + 1]``, optional): the ids come grouped by segment
+        in segment order, segment ``s`` at positions ``offsets[s]:offsets[s + 1]`` — the same
+        segments as ``segment_ids``, given so a backend need not find them; backends may
+        ignore it. Backends override this to avoid materialising the ``[len(ids), D]`` rows
+        (torch's ``embedding_bag``); the default composes ``gather`` and ``segment_sum_to``."""
         rows = self.gather(table, ids)
         if weights is not None:
             rows = rows * self.xp.reshape(weights, (-1, 1))

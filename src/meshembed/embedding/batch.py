@@ -30,6 +30,18 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def _shared(a: np.ndarray) -> np.ndarray:
+    """A writable view of a frozen batch array whose memory the batch owns, for a backend to
+    share instead of copy (``torch.from_numpy`` copies read-only arrays: 2 MB a W1 step).
+    No backend writes ids, slots or scales; memory nobody may write stays read-only."""
+    view = a.view()
+    try:
+        view.flags.writeable = True
+    except ValueError:  # the owner itself is read-only
+        return a
+    return view
+
+
 @dataclass(frozen=True, eq=False)
 class PreparedFeature:
     """One feature's lookups: id ``ids[k]`` adds ``scale[k] * row`` to output slot ``slots[k]``.
@@ -37,7 +49,10 @@ class PreparedFeature:
     ``scale`` is the combiner factor ``w_k / N_s`` of every id. ``unit_scale``: every factor
     is exactly 1 (sum combiner, unit weights), so the weighting is skipped (``x * 1 == x``).
     ``identity``: id ``k`` alone in slot ``k`` (a sequence feature with every position
-    filled): the lookup is a plain gather and the activation gradient is one row per id."""
+    filled): the lookup is a plain gather and the activation gradient is one row per id.
+    ``offsets`` (int64 ``[num_slots + 1]``, or None): the ids come grouped by slot in slot
+    order, slot ``s`` owning positions ``offsets[s]:offsets[s + 1]`` (ragged rows), so a
+    pooled lookup need not scan ``slots`` for its segments."""
 
     ids: np.ndarray  # int64 [n]
     slots: np.ndarray  # int64 [n]
@@ -45,6 +60,7 @@ class PreparedFeature:
     num_slots: int
     unit_scale: bool = False
     identity: bool = False
+    offsets: np.ndarray | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,12 +76,13 @@ class Batch:
     _device: dict = field(default_factory=dict, repr=False)
 
     def device_array(self, backend: Any, k: int, name: str) -> Any:
-        """Feature ``k``'s ``ids``/``slots`` (int64) or ``scale`` (float32) on ``backend``,
-        made once: a lookup and its gradient step share them. Never kept when traced."""
+        """Feature ``k``'s ``ids``/``slots``/``offsets`` (int64) or ``scale`` (float32) on
+        ``backend``, made once: a lookup and its gradient step share them. Never kept when
+        traced."""
         key = (id(backend), k, name)
         if key in self._device:
             return self._device[key]
-        host = getattr(self.features[k], name)
+        host = _shared(getattr(self.features[k], name))
         arr = backend.asarray(host, dtype="float32" if name == "scale" else "int64")
         if not backend.is_traced(arr):
             self._device[key] = arr
@@ -222,5 +239,6 @@ def from_feature_batches(layout: Layout, batches: Sequence[inputs.FeatureBatch],
                 ids=_frozen(b.ids), slots=_frozen(b.slots), scale=_frozen(np.asarray(scale, np.float32).reshape(-1)),
                 num_slots=int(b.num_slots), unit_scale=bool(unit),
                 identity=bool(combiners.is_identity(b.slots, b.num_slots)),
+                offsets=None if b.offsets is None else _frozen(b.offsets),
             ))
     return Batch(layout, mode, tuple(prepared))

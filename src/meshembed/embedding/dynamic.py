@@ -872,7 +872,8 @@ def map_batch(layout: Any, batch: Any, states: Mapping[int, DynamicVocabularySta
             d = batch.features[k]
             keep = r >= 0
             if keep.all():
-                features[k] = PreparedFeature(_frozen(r), d.slots, d.scale, d.num_slots, d.unit_scale, d.identity)
+                features[k] = PreparedFeature(_frozen(r), d.slots, d.scale, d.num_slots, d.unit_scale, d.identity,
+                                               d.offsets)
             else:
                 slots = np.ascontiguousarray(d.slots[keep])
                 features[k] = PreparedFeature(

@@ -82,6 +82,9 @@ class FeatureBatch:
     weights: np.ndarray  # float32 [n]
     num_slots: int
     unit_weights: bool = False  # no weights were given: every weight is 1 (known without a scan)
+    #: int64 [num_slots + 1] where the ids come grouped by slot in slot order (ragged rows):
+    #: slot ``s`` owns positions ``offsets[s]:offsets[s + 1]``; None otherwise
+    offsets: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -193,11 +196,12 @@ def check_ids(ids: np.ndarray, info: FeatureInfo) -> None:
 
 
 def make_batch(ids: np.ndarray, slots: np.ndarray, weights: np.ndarray | None, info: FeatureInfo,
-               *, slots_in_range: bool = False) -> FeatureBatch:
+               *, slots_in_range: bool = False, offsets: np.ndarray | None = None) -> FeatureBatch:
     """Validate flat ids/slots/weights and pack them (the form every input reduces to).
 
     ``slots_in_range``: the caller built ``slots`` inside ``[0, prod(output_shape))`` by
-    construction, so the scan that checks it is skipped."""
+    construction, so the scan that checks it is skipped. ``offsets``: the checked row splits
+    ``slots`` was built from (:attr:`FeatureBatch.offsets`)."""
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     slots = np.ascontiguousarray(slots, dtype=np.int64).reshape(-1)
     check_ids(ids, info)
@@ -209,8 +213,9 @@ def make_batch(ids: np.ndarray, slots: np.ndarray, weights: np.ndarray | None, i
             f"output shape {info.output_shape}. Received: {int(slots[k])} at position {k}"
         )
     if weights is None:
-        return FeatureBatch(ids, slots, np.ones(ids.shape[0], dtype=np.float32), num_slots, unit_weights=True)
-    return FeatureBatch(ids, slots, np.ascontiguousarray(weights, dtype=np.float32), num_slots)
+        return FeatureBatch(ids, slots, np.ones(ids.shape[0], dtype=np.float32), num_slots, unit_weights=True,
+                            offsets=offsets)
+    return FeatureBatch(ids, slots, np.ascontiguousarray(weights, dtype=np.float32), num_slots, offsets=offsets)
 
 
 # -- the three input forms ---------------------------------------------------------------
@@ -364,8 +369,10 @@ def from_ragged(rg: Any, weights: Any, info: FeatureInfo, backend: Any = None) -
         w = _float_weights(weights, ids.shape[0], info, backend)  # a fresh array
         w = w if keep is None else w[keep]
     # ids is already a private copy (int_array). The slots are row numbers (or
-    # row * M + position < M) of the checked splits: in range by construction.
-    return make_batch(ids if keep is None else ids[keep], slots, w, info, slots_in_range=True)
+    # row * M + position < M) of the checked splits: in range by construction; with one slot
+    # per row the splits are the slots' offsets.
+    return make_batch(ids if keep is None else ids[keep], slots, w, info, slots_in_range=True,
+                      offsets=splits if keep is None else None)
 
 
 def normalize(x: Any, weights: Any, info: FeatureInfo, backend: Any = None) -> FeatureBatch:
