@@ -378,22 +378,25 @@ struct GeneratedUpdate {
     for (size_t k = 0; k < n; ++k) rows[k] = base[k] + row * width[k];
     fn(rows, g, dim, hp);
   }
-  template <class I>
+  // D: the row width when known at compile time (0: dim)
+  template <int D, class I>
   void Prefetch(const I* uniq, int64_t s, int64_t hi) const {
-    if (!rowwise) return meshembed::PrefetchUpdateRows(base, int64_t(n), uniq, s, hi, dim);
+    if (!rowwise) return meshembed::PrefetchUpdateRows(base, int64_t(n), uniq, s, hi, D > 0 ? D : dim);
     for (size_t k = 0; k < n; ++k) meshembed::PrefetchUpdateRows(base + k, 1, uniq, s, hi, width[k]);
   }
 };
 
 // Unique rows [lo, hi) of the fused update: each row's contributions summed in batch order
-// in a LocalRow, then the kernel applied to the table row and its slots at once.
+// in a LocalRow, then the kernel applied to the table row and its slots at once. D: the row
+// width when known at compile time (0: upd.dim), in the prefetches too (as the torch backend's
+// sum_update_rows; src's addresses are the caller's).
 template <int D, bool Scaled, class T, class I, class Src, class Scale>
 void FusedRows(const GeneratedUpdate<T>& upd, const Groups& gr, const I* uniq, int64_t lo, int64_t hi,
                const Src& src, const Scale& scale) {
   meshembed::LocalRow<D, T> sum(upd.dim);
-  const int64_t end = gr.start[hi], row_bytes = int64_t(sizeof(T)) * upd.dim;
+  const int64_t end = gr.start[hi], row_bytes = int64_t(sizeof(T)) * (D > 0 ? D : upd.dim);
   for (int64_t s = lo; s < hi; ++s) {
-    upd.Prefetch(uniq, s, hi);
+    upd.template Prefetch<D>(uniq, s, hi);
     sum.Zero();
     for (int64_t p = gr.start[s], e = gr.start[s + 1]; p < e; ++p) {
       meshembed::PrefetchAhead(p, end, row_bytes, false, [&](int64_t q) { return src(gr.order[q]); });
@@ -465,13 +468,14 @@ ffi::Error FusedUpdateImpl(ffi::ThreadPool pool, ffi::AnyBuffer hp, ffi::AnyBuff
     thread_local Groups per_thread;
     Groups& groups = per_thread;  // the tasks below run on other threads: share this one
     groups.Build(n, count, [&](int64_t k) { return in_range(k) ? int64_t(so[k]) : int64_t(-1); });
-    auto src = [&](int64_t k) { return gr + (combined ? int64_t(sg[k]) : k) * d; };
     const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(64, count / 256));
     const std::vector<int64_t> cut = WorkCuts(groups, count, parts);
     ParallelFor(pool, parts, [&](int64_t p) {
       const int64_t lo = cut[p], hi = cut[p + 1];
       if (lo >= hi) return;
       meshembed::WithWidth(d, [&](auto width) {
+        const int64_t dim = width.value > 0 ? width.value : d;  // a constant where WithWidth knows it
+        auto src = [&](int64_t k) { return gr + (combined ? int64_t(sg[k]) : k) * dim; };
         if (weighted) FusedRows<width.value, true>(upd, groups, u, lo, hi, src, [&](int64_t k) { return wt[k]; });
         else FusedRows<width.value, false>(upd, groups, u, lo, hi, src, [](int64_t) { return T(1); });
       });
