@@ -27,8 +27,11 @@ _KERNEL_CACHE_SIZE = 128
 #: Tables from this size on are filled on their devices block by block
 #: (``create_table_from_blocks``); smaller ones are joined on the host first.
 BLOCKWISE_MIN_BYTES = 32 << 20
-#: Host bytes of one window of that fill (all shards together).
-WINDOW_BYTES = 8 << 20
+#: Host bytes of one window of that fill (all shards together). Small: each window is a host
+#: array and its device copy, freed after the write; once glibc has freed a mapping that
+#: size it serves the next ones from its heaps and keeps them (8 MiB windows left ~20-40 MB
+#: resident at W1; 1 MiB ones about none). As fast at W1 (one write per window either way).
+WINDOW_BYTES = 1 << 20
 
 
 class JaxShardedTable(ShardedTable):
