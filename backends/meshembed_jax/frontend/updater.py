@@ -15,7 +15,7 @@ import numpy as np
 
 from meshembed.config.rowwise import slot_width
 from meshembed.embedding.layout import TableSpec
-from meshembed.embedding.updates import is_non_lazy, rule_values
+from meshembed.embedding.updates import is_non_lazy, rule_values, with_every_row
 from meshembed.errors import ConfigError
 from meshembed.math.rule import UpdateRule
 from meshembed_jax import native
@@ -103,9 +103,8 @@ class TracedUpdater:
         sl, datas, rule, values = self._table(t)
         ids = self.inputs.joined(features, "ids")
         every_row = is_non_lazy(t)
-        if every_row:  # every row, g = 0 where not looked up (appended last, as the engine's apply_table)
-            ids = jnp.concatenate([ids, jnp.arange(t.vocabulary_size, dtype=ids.dtype)])
-            row_grads = jnp.concatenate([row_grads, jnp.zeros((t.vocabulary_size, t.dimension), row_grads.dtype)])
+        if every_row:  # every row, g = 0 where not looked up (appended last, as the engine's)
+            ids, row_grads = with_every_row(t, ids, row_grads)
         if kind == "low_precision":  # 16-bit arrays: the engine's own branch (precision.update_table), traced
             cap = t.vocabulary_size if every_row else self._unique_cap(t, int(ids.shape[0]))
             run = _low_update if isinstance(ids, jax.core.Tracer) else _low_update_compiled

@@ -137,18 +137,14 @@ def update_table(backend: Any, state: Sequence[Any], t: TableSpec, rule: UpdateR
     """Table ``t``'s new ``[params, *slots]``: one update per unique id of ``host_ids`` (their
     per-id gradient rows ``row_grads`` summed first), in float32, each 16-bit array rounded back.
     ``step``: the number of steps applied before this one (a counter of the random bits)."""
-    from meshembed.embedding.updates import is_non_lazy
+    from meshembed.embedding.updates import is_non_lazy, with_every_row
 
     xp = backend.xp
     values = check_rule(rule, values, backend.name)
     dtypes = array_dtypes(t)
     host_ids = np.asarray(host_ids, dtype=np.int64).reshape(-1)
     if is_non_lazy(t):  # every row, with a zero gradient where not looked up
-        every = np.arange(t.vocabulary_size, dtype=np.int64)
-        zeros = xp.zeros((t.vocabulary_size, t.dimension), dtype=row_grads.dtype,
-                         device=array_api_compat.device(row_grads))
-        host_ids = np.concatenate([host_ids, every])
-        row_grads = xp.concat([row_grads, zeros], axis=0)
+        host_ids, row_grads = with_every_row(t, host_ids, row_grads)
     if host_ids.size == 0 or (guard is not None and not bool(guard)):
         return list(state)
     out = backend.update_low_precision(list(state), t, rule, values, host_ids, row_grads, int(step), guard)

@@ -145,6 +145,17 @@ def is_non_lazy(table: TableSpec) -> bool:
     return bool(hp.get("use_non_lazy_adam", False) or hp.get("use_non_lazy_lion", False))
 
 
+def with_every_row(table: TableSpec, ids: Any, row_grads: Any) -> tuple[Any, Any]:
+    """``(ids, row_grads)`` with every row of ``table`` appended with a zero gradient, after the
+    looked-up ids: a non-lazy optimizer's update touches every row. Host or backend arrays,
+    traced ones too (each in its own namespace); the one padding every front end runs."""
+    ixp, gxp = array_api_compat.array_namespace(ids), array_api_compat.array_namespace(row_grads)
+    every = ixp.arange(table.vocabulary_size, dtype=ids.dtype)
+    zeros = gxp.zeros((table.vocabulary_size, table.dimension), dtype=row_grads.dtype,
+                      device=array_api_compat.device(row_grads))
+    return ixp.concat([ids, every]), gxp.concat([row_grads, zeros], axis=0)
+
+
 def uses_accumulation(table: TableSpec) -> bool:
     """UNSPECIFIED (None) counts as enabled, as in TF."""
     return getattr(table.optimizer, "use_gradient_accumulation", True) is not False
@@ -179,18 +190,12 @@ def apply_table(
     ``update_rows`` (false: nothing is written). ``part_sizes``: how many of ``host_ids``
     each feature contributed, in order (gradient accumulation off with several processes
     orders an id's contributions by feature, then rank)."""
-    xp = backend.xp
     extra: dict[str, Any] = {"values": tuple(values)}
     if guard is not None:
         extra["guard"] = guard
     if is_non_lazy(table):
-        every = np.arange(table.vocabulary_size, dtype=np.int64)
-        zeros = xp.zeros(
-            (table.vocabulary_size, table.dimension), dtype=row_grads.dtype,
-            device=array_api_compat.device(row_grads),
-        )
-        ids = backend.asarray(np.concatenate([host_ids, every]), dtype="int64")
-        return list(backend.update_rows(state, ids, xp.concat([row_grads, zeros], axis=0), rule, **extra))
+        ids, grads = with_every_row(table, np.asarray(host_ids, dtype=np.int64), row_grads)
+        return list(backend.update_rows(state, backend.asarray(ids, dtype="int64"), grads, rule, **extra))
     if host_ids.size == 0 and backend.processes == 1:
         return state  # with several processes an empty rank still takes part in the update
     if uses_accumulation(table):
