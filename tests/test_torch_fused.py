@@ -193,7 +193,7 @@ def test_a_batch_shares_its_arrays_with_torch_and_stays_read_only(monkeypatch):
     batch = batches.prepare(emb.layout, [rg])
     d = batch.features[0]
     assert d.offsets.tolist() == [0, 3, 3, 5, 6]
-    for name in ("ids", "slots", "offsets"):
+    for name in ("ids", "slots"):
         held = getattr(d, name)
         assert np.shares_memory(batch.device_array(emb.backend, 0, name).numpy(), held), name
         assert not held.flags.writeable, name

@@ -153,30 +153,33 @@ void SumGroups(const Groups& gr, int64_t lo, int64_t hi, int64_t d, T* dst, cons
   meshembed::WithWidth(d, [&](auto width) { SumGroupsWidth<width.value, Scaled>(gr, lo, hi, d, dst, src, scale); });
 }
 
-// SumGroups for sorted destinations: positions of [lo, hi) are one run of `seg`, found by
-// binary search; each segment is summed in a LocalRow and stored once. keep(p): whether
-// position p has a source row src(p).
-template <int D, bool Scaled, class T, class Keep, class Src, class Scale>
-void SumSortedWidth(const int32_t* seg, int64_t n, int64_t lo, int64_t hi, int64_t d, T* dst, const Keep& keep,
-                    const Src& src, const Scale& scale) {
+// The pooled lookup of sorted destinations: out row s (s in [lo, hi)) = sum of scale(p) *
+// table[id[p]] over the run of `seg` equal to s (found by binary search), ids outside [0, m)
+// adding nothing; in batch order in a LocalRow, stored once; the rows ahead prefetched
+// (row_kernels.h, PrefetchPooled, as the torch backend's pooled sum). D: the row width when
+// known at compile time (0: d).
+template <int D, bool Scaled, class T, class I, class Scale>
+void SumSortedWidth(const int32_t* seg, int64_t n, int64_t lo, int64_t hi, int64_t d, T* dst, const T* table,
+                    const I* id, int64_t m, const Scale& scale) {
   meshembed::LocalRow<D, T> sum(d);
-  const int64_t row_bytes = int64_t(sizeof(T)) * d;
+  const int64_t w = D > 0 ? D : d;
   int64_t p = std::lower_bound(seg, seg + n, int32_t(lo)) - seg;
   const int64_t e = std::lower_bound(seg + p, seg + n, int32_t(hi)) - seg;
   for (int64_t s = lo; s < hi; ++s) {
     sum.Zero();
     for (; p < e && seg[p] == s; ++p) {
-      meshembed::PrefetchAhead(p, e, row_bytes, false, [&](int64_t q) { return keep(q) ? src(q) : nullptr; });
-      if (keep(p)) sum.template Add<Scaled>(src(p), Scaled ? scale(p) : T(1));
+      meshembed::PrefetchPooled(table, uint64_t(m), w, id, p, e);
+      const int64_t r = int64_t(id[p]);
+      if (uint64_t(r) < uint64_t(m)) sum.template Add<Scaled>(table + r * w, Scaled ? scale(p) : T(1));
     }
-    sum.Store(dst + s * d);
+    sum.Store(dst + s * w);
   }
 }
 
-template <bool Scaled, class T, class Keep, class Src, class Scale>
-void SumSorted(const int32_t* seg, int64_t n, int64_t lo, int64_t hi, int64_t d, T* dst, const Keep& keep,
-               const Src& src, const Scale& scale) {
-  meshembed::WithWidth(d, [&](auto width) { SumSortedWidth<width.value, Scaled>(seg, n, lo, hi, d, dst, keep, src, scale); });
+template <bool Scaled, class T, class I, class Scale>
+void SumSorted(const int32_t* seg, int64_t n, int64_t lo, int64_t hi, int64_t d, T* dst, const T* table,
+               const I* id, int64_t m, const Scale& scale) {
+  meshembed::WithWidth(d, [&](auto width) { SumSortedWidth<width.value, Scaled>(seg, n, lo, hi, d, dst, table, id, m, scale); });
 }
 
 // out[s] = sum over i with segs[i] == s of w[i] * table[ids[i]]  (ids[i] >= m: no row).
@@ -199,8 +202,8 @@ ffi::Error GatherCombineImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::An
     auto scale = [&](int64_t k) { return wt[k]; };
     if (std::is_sorted(sg, sg + n)) {  // the engine's sample-major batches: no grouping pass
       ParallelRanges(pool, s_all, kRowsPerTask, [&](int64_t lo, int64_t hi) {
-        if (weighted) SumSorted<true, T>(sg, n, lo, hi, d, o, keep, src, scale);
-        else SumSorted<false, T>(sg, n, lo, hi, d, o, keep, src, scale);
+        if (weighted) SumSorted<true, T>(sg, n, lo, hi, d, o, tab, id, m, scale);
+        else SumSorted<false, T>(sg, n, lo, hi, d, o, tab, id, m, scale);
       });
       return;
     }

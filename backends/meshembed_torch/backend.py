@@ -313,7 +313,8 @@ class TorchBackend(TorchDenseMixin, Backend):
             # gather + sum of sorted segments in one C++ pass, the ids' range check folded in
             # (native.pooled_sum: embedding_bag's bits); None: the general path below (it
             # also reports bad ids)
-            out = native.pooled_sum(data, ids, segment_ids, int(num_segments), torch.get_num_threads(), offsets)
+            out = native.pooled_sum(data, ids, segment_ids, int(num_segments), torch.get_num_threads(),
+                                    None if offsets is None else self.asarray(offsets, dtype="int64"))
             if out is not None:
                 return out
         try:

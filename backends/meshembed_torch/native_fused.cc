@@ -482,26 +482,19 @@ namespace {
 
 // out[s] = sum of table[ids[i]] over the positions i in [offsets[s], offsets[s + 1]), for the
 // segments [lo, hi), each summed in registers (LocalRow) in position order from 0 and stored
-// once, the rows kPooledAhead positions on prefetched into L1. Returns whether every id read is
-// in [0, num_rows) (an id outside adds nothing).
-//
-// One prefetch distance, into L1, where the gradient sums take two (PrefetchAhead): a Zipf
-// batch's table rows are often in the caches already, and the W1 lookup (stand-alone C++ copy of
-// this loop, 2 threads, medians of 200 passes) took 0.41 ms at 32 rows ahead into L1, 0.42-0.45
-// at 24 / 48 / 64, 0.49-0.51 with PrefetchAhead's two distances, 0.55-0.59 without prefetches.
-constexpr int64_t kPooledAhead = 32;
+// once, the rows ahead prefetched (row_kernels.h, PrefetchPooled). Returns whether every id read
+// is in [0, num_rows) (an id outside adds nothing).
 template <int D, class T>
 bool PooledRange(const T* table, int64_t num_rows, int64_t d, const int64_t* ids, const int64_t* offsets,
                  int64_t lo, int64_t hi, T* out) {
   meshembed::LocalRow<D, T> acc(d);
-  const int64_t w = D > 0 ? D : d, row_bytes = w * int64_t(sizeof(T)), end = offsets[hi];
+  const int64_t w = D > 0 ? D : d, end = offsets[hi];
   const uint64_t rows = uint64_t(num_rows);
   uint64_t bad = 0;
   for (int64_t s = lo; s < hi; ++s) {
     acc.Zero();
     for (int64_t p = offsets[s]; p < offsets[s + 1]; ++p) {
-      if (p + kPooledAhead < end && uint64_t(ids[p + kPooledAhead]) < rows)
-        meshembed::PrefetchBytes<3>(table + ids[p + kPooledAhead] * w, row_bytes, false);
+      meshembed::PrefetchPooled(table, rows, w, ids, p, end);
       const int64_t id = ids[p];
       if (uint64_t(id) < rows) acc.template Add<false>(table + id * w, T(1));
       else bad = 1;

@@ -76,9 +76,8 @@ class Batch:
     _device: dict = field(default_factory=dict, repr=False)
 
     def device_array(self, backend: Any, k: int, name: str) -> Any:
-        """Feature ``k``'s ``ids``/``slots``/``offsets`` (int64) or ``scale`` (float32) on
-        ``backend``, made once: a lookup and its gradient step share them. Never kept when
-        traced."""
+        """Feature ``k``'s ``ids``/``slots`` (int64) or ``scale`` (float32) on ``backend``,
+        made once: a lookup and its gradient step share them. Never kept when traced."""
         key = (id(backend), k, name)
         if key in self._device:
             return self._device[key]

@@ -156,9 +156,8 @@ def _lookup_one(backend: Any, state: EngineState, batch: Batch, k: int, f: Featu
             act = act * xp.reshape(batch.device_array(backend, k, "scale"), tuple(act.shape[:-1]) + (1,))
     else:  # fused gather + combine where the backend has one
         weights = None if d.unit_scale else batch.device_array(backend, k, "scale")
-        offsets = None if d.offsets is None else batch.device_array(backend, k, "offsets")
         act = backend.gather_combine(table, ids, batch.device_array(backend, k, "slots"), d.num_slots, weights,
-                                     offsets=offsets)
+                                     offsets=d.offsets)
     shape = f.output_shape + (t.dimension,)
     return act if tuple(act.shape) == shape else xp.reshape(act, shape)
 
