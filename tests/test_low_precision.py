@@ -703,3 +703,36 @@ def test_compiled_integer_programs_give_the_eager_bits():
     assert compiled._compiler.broken is False  # compiled, not the eager fallback after a failure
     for a, b in zip(want[0] + list(want[1:]), got[0] + list(got[1:])):
         assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_a_compiled_module_over_a_large_bf16_table_gives_the_eager_engines_bits():
+    """A ``torch.compile``'d ``me.torch`` module whose bfloat16 update arrays are large enough
+    for the backend to compile its integer programs (a million elements or more) runs them from
+    inside the module's update op — a compilation while the user's compiled graph runs — and
+    gives the bits of the engine on an eager backend (``compile="never"``)."""
+    torch = pytest.importorskip("torch")
+    from meshembed_torch.backend import TorchBackend
+
+    vocab, dim, bags, per_bag = 65536, 64, 8192, 4  # 32,768 ids: per-id rows of 2M elements
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig(name="t", vocabulary_size=vocab, dimension=dim, combiner="sum",
+                               optimizer=me.embedding.Adagrad(learning_rate=0.1),
+                               precision=P(parameters="bfloat16", rounding="stochastic", seed=3))],
+        features=[me.FeatureConfig(table="t", input_shape=(bags,), name="f")])
+    ec = me.torch.EmbeddingCollection(cfg)
+    module = torch.compile(ec, fullgraph=True, dynamic=False)
+    engine = me.TPUEmbedding(cfg, backend=TorchBackend(compile="never"))
+    rng = np.random.default_rng(0)
+    splits = np.arange(0, bags * per_bag + 1, per_bag)
+    for _ in range(2):
+        ids = rng.integers(0, vocab, bags * per_bag)
+        out = module([me.RaggedIds(torch.from_numpy(splits), torch.from_numpy(ids))])["f"]
+        out.square().sum().backward()
+        engine.enqueue([me.RaggedIds(splits, ids)])
+        act = engine.dequeue()[0]
+        assert torch.equal(out.detach(), act)
+        engine.apply_gradients([2 * act])
+    assert ec.engine.backend._compiler.broken is False  # compiled, not the eager fallback after a failure
+    for name in ("parameters", "accumulators"):
+        got, want = ec.engine.retrieve_parameters("t")[name], engine.retrieve_parameters("t")[name]
+        assert np.array_equal(got.view(np.int32), want.view(np.int32)), name
