@@ -232,7 +232,8 @@ void update_range(const Problem<T>& p, int64_t lo, int64_t hi) {
 // own contributions (no scan of all n). Same additions in the same order as sum_range.
 // The row width D is a compile-time constant where WithWidth knows it (0: p.dim at run time),
 // in the addresses and prefetches too: with the width at run time in those, the W1 SGD pass took
-// 2.1-2.7 ms against 1.5-1.8 (stand-alone C++ copy, one thread, medians of 100 passes).
+// 2.04-2.12 ms against 1.73-1.86 (the harness of docs/benchmarks.md's session 16 section, one
+// thread, 15 alternating rounds of 40 passes).
 template <int D, class T>
 void sum_update_rows(const Problem<T>& p, const int32_t* order, const int64_t* start, int64_t lo, int64_t hi) {
   const int64_t dim = D > 0 ? D : p.dim, row_bytes = dim * int64_t(sizeof(T)), end = start[hi];

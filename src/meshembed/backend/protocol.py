@@ -244,8 +244,10 @@ class Backend(abc.ABC):
         ``offsets`` (a host NumPy int64 ``[num_segments + 1]``, optional): the ids come grouped
         by segment in segment order, segment ``s`` at positions ``offsets[s]:offsets[s + 1]`` —
         the same segments as ``segment_ids``, given so a backend need not find them (on the
-        host: a backend that ignores it pays no transfer). Backends override this to avoid materialising the ``[len(ids), D]`` rows
-        (torch's ``embedding_bag``); the default composes ``gather`` and ``segment_sum_to``."""
+        host: a backend that ignores it pays no transfer).
+
+        Backends override this to avoid materialising the ``[len(ids), D]`` rows (torch's
+        ``embedding_bag``); the default composes ``gather`` and ``segment_sum_to``."""
         rows = self.gather(table, ids)
         if weights is not None:
             rows = rows * self.xp.reshape(weights, (-1, 1))
