@@ -181,6 +181,12 @@ class Backend(abc.ABC):
         the stateful engine refuses it rather than storing it. Eager backends: never."""
         return False
 
+    def tracing(self) -> bool:
+        """Whether this backend's operations are being staged now (inside ``jax.jit`` even an
+        operation on concrete arrays yields a tracer): the stateful engine then refuses the
+        call. Asked with one new scalar where the backend traces; eager backends: never."""
+        return type(self).is_traced is not Backend.is_traced and self.is_traced(self.xp.zeros(()))
+
     # -- sharded row tables ------------------------------------------------------------
     @abc.abstractmethod
     def create_table(self, values: np.ndarray, placement: Placement) -> ShardedTable:

@@ -64,9 +64,9 @@ def traced_call_error(call: str) -> StateError:
 
 
 def refuse_if_tracing(backend: Any, call: str) -> None:
-    """Under jax.jit even concrete arrays become tracers in the backend's kernels: a backend
-    that can trace is asked with one scalar (eager backends skip this)."""
-    if type(backend).is_traced is not Backend.is_traced and backend.is_traced(backend.xp.zeros(())):
+    """Under jax.jit even concrete arrays become tracers in the backend's kernels
+    (``Backend.tracing``): the stateful call is refused."""
+    if backend.tracing():
         raise traced_call_error(call)
 
 
