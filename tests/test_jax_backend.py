@@ -642,3 +642,22 @@ def test_module_imports_without_jax():
 def test_invalid_dedup_is_a_config_error():
     with pytest.raises(me.errors.ConfigError, match="Invalid `dedup`.*Received: dedup='hash'"):
         JaxBackend(dedup="hash")
+
+
+def test_tracing_is_answered_inside_jit_and_nowhere_else(be):
+    """``Backend.tracing()``: True while ``jax.jit`` stages the caller (even on concrete arrays,
+    the engine's refusal), False eagerly and under ``jax.grad`` alone; eager backends never."""
+    import jax
+
+    seen = []
+
+    @jax.jit
+    def staged(x):
+        seen.append(be.tracing())
+        return x
+
+    staged(1.0)
+    assert seen == [True] and be.tracing() is False
+    jax.grad(lambda x: (seen.append(be.tracing()), x * x)[1])(1.0)
+    assert seen == [True, False]
+    assert NumpyBackend().tracing() is False
