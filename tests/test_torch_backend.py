@@ -427,3 +427,17 @@ def test_cuda_tables_match_cpu():
     cpu.update_rows(th, cpu.asarray(ids), cpu.asarray(g), rule, values=hv)
     for a, b in zip(tc, th):
         np.testing.assert_allclose(cuda.unshard(a), cpu.unshard(b), rtol=1e-5, atol=1e-6)
+
+
+def test_capabilities_are_made_once_per_state_they_depend_on():
+    """The dense optimizer asks for ``capabilities`` once per variable: the same object comes
+    back while nothing it depends on changes, and a switch it reads (``fused``) still counts."""
+    from meshembed_torch import TorchBackend
+
+    be = TorchBackend(device="cpu")
+    caps = be.capabilities
+    assert be.capabilities is caps and caps.generated_kernels == be.fused
+    be.fused = not be.fused
+    assert be.capabilities.generated_kernels is be.fused and be.capabilities is not caps
+    be.fused = not be.fused
+    assert be.capabilities is caps
