@@ -271,3 +271,31 @@ def test_no_limit_was_changed_here():
 
 
 _LIMITS = resource.getrlimit(resource.RLIMIT_AS)
+
+
+_IMPORTS_SCRIPT = """
+import sys, numpy as np, meshembed as me
+cfg = me.EmbeddingConfig(tables=[me.TableConfig("d", 64, 4, optimizer=me.embedding.Adam(0.1, lazy_adam=False))],
+                         features=[me.FeatureConfig("d", (4,), name="f")])
+emb = me.TPUEmbedding(cfg, backend=sys.argv[1], num_shards=1)
+emb.enqueue([np.array([1, 2, 3, 4])])
+emb.dequeue()
+grads = [emb.backend.asarray(np.ones((4, 4), np.float32))]
+before = set(sys.modules)
+emb.apply_gradients(grads)
+print("NEW", sorted(set(sys.modules) - before))
+"""
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_a_non_lazy_update_imports_nothing(backend):
+    """An import in the middle of an update maps shared objects: short of memory it fails as an
+    ImportError, not the update's ResourceError (the limited run above). The every-row padding
+    of a non-lazy optimizer once imported NumPy's Array API wrapper for the host ids there on
+    torch. A fresh interpreter, so that no earlier test has made the imports already."""
+    pytest.importorskip(backend)
+    run = subprocess.run([sys.executable, "-c", _IMPORTS_SCRIPT, backend], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("NEW")]
+    assert run.returncode == 0 and lines, run.stdout[-2000:] + run.stderr[-2000:]
+    assert lines[-1] == "NEW []", lines[-1]

@@ -147,13 +147,19 @@ def is_non_lazy(table: TableSpec) -> bool:
 
 def with_every_row(table: TableSpec, ids: Any, row_grads: Any) -> tuple[Any, Any]:
     """``(ids, row_grads)`` with every row of ``table`` appended with a zero gradient, after the
-    looked-up ids: a non-lazy optimizer's update touches every row. Host or backend arrays,
-    traced ones too (each in its own namespace); the one padding every front end runs."""
-    ixp, gxp = array_api_compat.array_namespace(ids), array_api_compat.array_namespace(row_grads)
-    every = ixp.arange(table.vocabulary_size, dtype=ids.dtype)
-    zeros = gxp.zeros((table.vocabulary_size, table.dimension), dtype=row_grads.dtype,
-                      device=array_api_compat.device(row_grads))
-    return ixp.concat([ids, every]), gxp.concat([row_grads, zeros], axis=0)
+    looked-up ids: a non-lazy optimizer's update touches every row. Host (NumPy) or backend
+    ids, traced ones too, and backend gradients (each in its own namespace: host ids in NumPy's
+    own, so no Array API wrapper is imported in the middle of an update, perhaps short of
+    memory); the one padding every front end runs."""
+    every = table.vocabulary_size
+    if isinstance(ids, np.ndarray):
+        ids = np.concatenate([ids, np.arange(every, dtype=ids.dtype)])
+    else:
+        ixp = array_api_compat.array_namespace(ids)
+        ids = ixp.concat([ids, ixp.arange(every, dtype=ids.dtype)])
+    gxp = array_api_compat.array_namespace(row_grads)
+    zeros = gxp.zeros((every, table.dimension), dtype=row_grads.dtype, device=array_api_compat.device(row_grads))
+    return ids, gxp.concat([row_grads, zeros], axis=0)
 
 
 def uses_accumulation(table: TableSpec) -> bool:
