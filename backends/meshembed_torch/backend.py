@@ -131,7 +131,10 @@ class TorchBackend(TorchDenseMixin, Backend):
         return found
 
     def stats(self) -> dict[str, int]:
-        return dict(self._stats)
+        out = dict(self._stats)
+        if self._compiler.compiled_calls:
+            out["compiled_calls"] = self._compiler.compiled_calls
+        return out
 
     @property
     def _compile_broken(self) -> bool:

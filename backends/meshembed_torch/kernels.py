@@ -476,6 +476,8 @@ class UpdateCompiler:
     def __init__(self, mode: str, xp: Any):
         self.mode = mode  # "auto" | "always" | "never"
         self.broken = False  # the compiler failed once: eager from then on
+        #: calls of ``Backend.compile`` functions that ran compiled (``stats()["compiled_calls"]``)
+        self.compiled_calls = 0
         #: compiled entries by (rule, row layout, function name)
         self.entries: dict[Any, Compiled] = {}
         self._xp = xp
@@ -590,7 +592,9 @@ class UpdateCompiler:
                 python_floats([args, kwargs], floats)
                 runner = compiled[0].for_values(tuple(floats))  # fn's own constants are fixed
                 if runner is not None:
-                    return self.run(lambda *a: runner(*a, **kwargs), lambda *a: fn(*a, **kwargs), *args)
+                    out = self.run(lambda *a: runner(*a, **kwargs), lambda *a: fn(*a, **kwargs), *args)
+                    self.compiled_calls += not self.broken
+                    return out
             return fn(*args, **kwargs)
 
         dispatch.__wrapped__ = fn  # type: ignore[attr-defined]

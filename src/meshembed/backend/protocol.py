@@ -121,7 +121,8 @@ class Backend(abc.ABC):
         """How often this backend instance took each of its fast paths, by name (a copy):
         ``"fused_updates"`` — :meth:`update_rows` calls run by a fused kernel generated from
         the rule (``meshembed_native.codegen``); ``"fused_dense_updates"`` — calls of a
-        :meth:`compile_update` function run by one. For tests and diagnostics (which path
+        :meth:`compile_update` function run by one; ``"compiled_calls"`` — calls of a
+        :meth:`compile` function that ran compiled, not eagerly. For tests and diagnostics (which path
         ran); a name never counted is absent. The default keeps none."""
         return {}
 
