@@ -164,7 +164,8 @@ class Variable:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(int(d) for d in self._value.shape)
+        shape = self._value.shape
+        return shape if type(shape) is tuple else tuple(map(int, shape))  # NumPy's, JAX's: ints already
 
     @property
     def dtype(self) -> str:

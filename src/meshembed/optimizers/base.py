@@ -148,6 +148,7 @@ class Optimizer(StepMixin, RegularizationMixin, GradientsMixin, VariablesMixin, 
         self._folded: set[int] = set()  # ids of variables whose clipvalue / weight decay the rule applies
         self._rules: dict[tuple, UpdateRule] = {}
         self._in_place_ok = True  # False while a step must read staged values back (EMA)
+        self._in_place_backends: dict[Any, bool] = {}  # within a step: capabilities.in_place of each backend
         self._step_lr: float | None = None
         self._compile_cache: dict[tuple, Callable[..., Any]] = {}  # (backend, rule, in_place)
 

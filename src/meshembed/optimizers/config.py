@@ -182,10 +182,12 @@ class ConfigMixin:
         state = dict(self.__dict__)
         state["_backend"] = getattr(self._backend, "name", self._backend)
         state["_compile_cache"] = {}
+        state["_in_place_backends"] = {}
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_in_place_backends", {})  # pickled before it existed
         if isinstance(self._backend, str):
             from meshembed.backend import get_backend
 
@@ -200,7 +202,7 @@ class ConfigMixin:
         for key, value in self.__dict__.items():
             if key in ("_backend", "mesh"):
                 new.__dict__[key] = value
-            elif key == "_compile_cache":
+            elif key in ("_compile_cache", "_in_place_backends"):
                 new.__dict__[key] = {}
             else:
                 new.__dict__[key] = copy.deepcopy(value, memo)
