@@ -98,7 +98,7 @@ class RegularizationMixin:
         guard covers its own sharded arrays: ``guarded_updates``); others (a torch DTensor)
         go through their all-reduced sums."""
         backend = variables[0].backend
-        if all(backend.sharding_of(x) is None or backend.capabilities.guarded_updates for x in values):
+        if backend.capabilities.guarded_updates or all(backend.sharding_of(x) is None for x in values):
             return bool(backend.finite_guard(list(values)))
         return all(_all_finite(self._xp, x) for x in values)
 
