@@ -738,3 +738,21 @@ def test_a_compiled_module_over_a_large_bf16_table_gives_the_eager_engines_bits(
     for name in ("parameters", "accumulators"):
         got, want = ec.engine.retrieve_parameters("t")[name], engine.retrieve_parameters("t")[name]
         assert np.array_equal(got.view(np.int32), want.view(np.int32)), name
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_an_update_in_chunks_gives_the_same_bits(reference, backend, monkeypatch):
+    """The eager update of a 16-bit table runs its unique rows in chunks of a fixed size (the last
+    one padded with rows it does not write): with chunks of 3 rows every table's update is
+    chunked, and the bits are the reference's (one chunk each)."""
+    if not _usable(backend):
+        pytest.skip(f"{backend} not installed")
+    from meshembed.embedding import precision
+
+    monkeypatch.setattr(precision, "_UPDATE_ELEMENTS", 3 * D)
+    before = precision._UPDATE_STATS["chunked"]
+    state, _ = reference
+    emb = me.TPUEmbedding(_config(), backend=backend, num_shards=1, seed=1)
+    _train(emb, _batches(4))
+    _assert_same_bits(state, _state(emb), backend)
+    assert precision._UPDATE_STATS["chunked"] - before == 8  # 2 low-precision tables x 4 steps

@@ -267,3 +267,104 @@ def test_helpers_concurrent_callers_and_fork():
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+# -- low-precision tables: the pooled lookup and the gather that widen as they read ------------------
+def _patterns(rng, rows, dim):
+    """int16 patterns of every kind: random ones (NaN, inf and subnormal patterns among them)
+    and the specials themselves."""
+    data = rng.integers(-32768, 32768, (rows, dim)).astype(np.int16)
+    specials = np.array([0, -32768, 1, 0x7F80, 0x7FC1, 0x7F81, 0x7C00, 0x7C01, 0x7E00, 0x03FF, -1, -0x0081],
+                        dtype=np.int64).astype(np.int16)
+    data[: len(specials), 0] = specials
+    return data
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_pooled_lookup_and_gather_widen_as_they_read(dtype):
+    """``native.pooled_sum_16`` gives the bits of the widen-then-sum path (the core's exact
+    widening, then ``pooled_sum`` / ``embedding_bag`` over the float32 rows) and
+    ``native.gather_rows_16`` the widened rows themselves, NaN payloads and all, on 1-3
+    threads (50,000 ids); a bad id, unsorted slots or broken offsets: None (the caller's
+    general path); the backend methods count their runs and give way with the kernels off."""
+    from meshembed.embedding.precision import from_storage
+    from meshembed.sharding import Placement
+    from meshembed_torch import TorchBackend
+
+    rng = np.random.default_rng(7)
+    on, off = TorchBackend(device="cpu"), TorchBackend(device="cpu", fused=False)
+    patterns = _patterns(rng, 5000, 16)
+    widened = torch.from_numpy(from_storage(patterns, dtype))
+    table = on.create_table(patterns, Placement(5000))
+    n, segments = 50_000, 9000
+    ids = torch.from_numpy((rng.zipf(1.2, n) - 1) % 5000)
+    ids[:12] = torch.arange(12)  # the special patterns' rows
+    slots = torch.from_numpy(np.sort(rng.integers(0, 8000, n)))
+    want = native.pooled_sum(widened, ids, slots, segments, 1)
+    for threads in (1, 2, 3):
+        got = native.pooled_sum_16(table.data, ids, slots, segments, dtype, threads)
+        assert got is not None and got.dtype == torch.float32
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), threads
+        rows = native.gather_rows_16(table.data, ids, dtype, threads)
+        assert torch.equal(rows.view(torch.int32), widened[ids].view(torch.int32)), threads
+    offsets = torch.searchsorted(slots, torch.arange(segments + 1))
+    got = native.pooled_sum_16(table.data, ids, slots, segments, dtype, 2, offsets)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert native.pooled_sum_16(table.data, ids, slots.flip(0), segments, dtype, 2) is None  # not sorted
+    assert native.pooled_sum_16(table.data, ids, slots, segments, dtype, 2, offsets.flip(0)) is None
+    assert native.pooled_sum_16(table.data, ids, slots, segments, "float32", 2) is None
+    assert native.pooled_sum_16(widened, ids, slots, segments, dtype, 2) is None  # not patterns
+    for bad in (-1, 5000):
+        wrong = ids.clone()
+        wrong[12345] = bad
+        assert native.pooled_sum_16(table.data, wrong, slots, segments, dtype, 2) is None
+        assert native.gather_rows_16(table.data, wrong, dtype, 2) is None
+    # the backend's methods: the kernels' results, counted; with the kernels off, None
+    before = dict(on.stats())
+    got = on.gather_combine_low_precision(table, ids, slots, segments, dtype, offsets=offsets.numpy())
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(on.gather_widened(table, ids, dtype).view(torch.int32), widened[ids].view(torch.int32))
+    after = on.stats()
+    assert after["pooled_low_precision_lookups"] == before.get("pooled_low_precision_lookups", 0) + 1
+    assert after["widened_low_precision_gathers"] == before.get("widened_low_precision_gathers", 0) + 1
+    off_table = off.create_table(patterns, Placement(5000))
+    assert off.gather_combine_low_precision(off_table, ids, slots, segments, dtype) is None
+    assert off.gather_widened(off_table, ids, dtype) is None
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_low_precision_engine_lookup_and_update_take_the_widening_kernels(dtype, combiner):
+    """A 16-bit table on torch: the engine's pooled lookup (sum combiner) runs
+    ``gather_combine_low_precision`` and its update ``gather_widened``, with the bits of the
+    same engine with the fused kernels off (the gather-widen-combine path) and of NumPy;
+    a mean combiner's lookup (weights) keeps the general path, same bits."""
+    from meshembed_torch import TorchBackend
+
+    cfg = me.EmbeddingConfig(
+        tables=[me.TableConfig(name="t", vocabulary_size=300, dimension=16, combiner=combiner,
+                               optimizer=me.embedding.Adagrad(learning_rate=0.1),
+                               precision=me.embedding.Precision(parameters=dtype, rounding="stochastic", seed=5))],
+        features=[me.FeatureConfig(table="t", input_shape=(24,), name="f")])
+    rng = np.random.default_rng(3)
+    on = TorchBackend(device="cpu")
+    runs = [me.TPUEmbedding(cfg, backend=b, num_shards=1, seed=1)
+            for b in (on, TorchBackend(device="cpu", fused=False), "numpy")]
+    for _ in range(3):
+        splits = np.concatenate([[0], np.sort(rng.integers(0, 120, 23)), [120]])
+        feature = me.RaggedIds(splits, rng.integers(0, 300, 120))
+        grad = rng.standard_normal((24, 16)).astype(np.float32)
+        acts = []
+        for emb in runs:
+            emb.enqueue([feature])
+            acts.append(np.asarray(emb.backend.to_numpy(emb.dequeue()[0])))
+            emb.apply_gradients([grad])
+        for a in acts[1:]:
+            assert np.array_equal(acts[0].view(np.int32), a.view(np.int32))
+    states = [e.retrieve_parameters("t") for e in runs]
+    for s in states[1:]:
+        for k in states[0]:
+            assert np.array_equal(states[0][k].view(np.int32), s[k].view(np.int32)), k
+    stats = on.stats()
+    assert stats.get("pooled_low_precision_lookups", 0) == (3 if combiner == "sum" else 0)
+    assert stats["widened_low_precision_gathers"] >= 3

@@ -367,6 +367,35 @@ class TorchBackend(TorchDenseMixin, Backend):
             index = index.to(torch.int32)
         return torch.nn.functional.embedding_bag(index, source, offsets, mode="sum", per_sample_weights=w)
 
+    def gather_widened(self, table: TorchShardedTable, ids: Any, dtype: str) -> Any:
+        """One C++ pass that gathers and widens (``native.gather_rows_16``); None where it does not
+        apply (fused kernels off, sharded, not the CPU, a bad id): the generic path then runs."""
+        data = table.data
+        if not (self.fused and table.group is None and table.rowmap.identity and data.device.type == "cpu"):
+            return None
+        ids = self.asarray(ids)
+        if ids.dtype != self._torch.int64 or ids.dim() != 1:
+            return None
+        out = native.gather_rows_16(data, ids, dtype, self._torch.get_num_threads())
+        if out is not None:
+            self._stats["widened_low_precision_gathers"] += 1
+        return out
+
+    def gather_combine_low_precision(self, table: TorchShardedTable, ids: Any, segment_ids: Any, num_segments: int,
+                                     dtype: str, *, offsets: Any = None) -> Any:
+        """One C++ pass that widens each 16-bit element as it adds it (``native.pooled_sum_16``:
+        the bits of the widen-then-``segment_sum_to`` path, without its ``[len(ids), D]`` rows);
+        None where it does not apply (fused kernels off, sharded, not the CPU, unsorted slots,
+        a bad id): the generic path then runs and reports."""
+        data = table.data
+        if not (self.fused and table.group is None and table.rowmap.identity and data.device.type == "cpu"):
+            return None
+        out = native.pooled_sum_16(data, ids, segment_ids, int(num_segments), dtype, self._torch.get_num_threads(),
+                                   None if offsets is None else self.asarray(offsets, dtype="int64"))
+        if out is not None:
+            self._stats["pooled_low_precision_lookups"] += 1
+        return out
+
     def apply_update(self, u: RowUpdate) -> list[TorchShardedTable]:
         """Dedup → gather params and slots → the rule ``fn`` with ``values`` once per unique
         row → scatter. ``check_finite``: the protocol's; the fused kernel checks while it sums

@@ -47,6 +47,10 @@ _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes
          ctypes.c_int, ctypes.c_int, ctypes.c_int]
 _POOLED_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+_POOLED16_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+_GATHER16_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
 _GATHER_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                 ctypes.c_int]
 
@@ -63,6 +67,8 @@ def _fused_library() -> Any:
     signatures["meshembed_gather_rows"] = (ctypes.c_int64, _GATHER_ARGS)
     for dtype in ("float32", "float64"):
         signatures[f"meshembed_pooled_sum_{dtype}"] = (ctypes.c_int64, _POOLED_ARGS)
+    signatures["meshembed_pooled_sum_16"] = (ctypes.c_int64, _POOLED16_ARGS)
+    signatures["meshembed_gather_rows_16"] = (ctypes.c_int64, _GATHER16_ARGS)
     return build.load_once(_fused_state, _FUSED_SOURCE, "torch_native_fused", signatures,
                            "the torch backend's fused CPU updates are", flags=(*build.FLAGS, "-fopenmp"),
                            hint=" Set MESHEMBED_TORCH_FUSED=0 to silence this.")
@@ -169,23 +175,106 @@ def pooled_sum(data: Any, ids: Any, slots: Any, num_segments: int, threads: int,
     not run from 0 to ``len(ids)`` (the caller's general path then reports or sorts)."""
     import torch
 
-    n = ids.numel() if isinstance(ids, torch.Tensor) else 0
     dtype = {torch.float32: "float32", torch.float64: "float64"}.get(getattr(data, "dtype", None))
-    if (dtype is None or n == 0 or not isinstance(slots, torch.Tensor) or data.dim() != 2
-            or data.device.type != "cpu" or not data.is_contiguous() or ids.dtype != torch.int64
-            or slots.dtype != torch.int64 or ids.device.type != "cpu" or slots.device.type != "cpu"
-            or ids.dim() != 1 or slots.dim() != 1 or slots.numel() != n or num_segments < 1
-            or not (ids.is_contiguous() and slots.is_contiguous()) or _fused_library() is None):
+    n = _pooled_checks(data, ids, slots, num_segments, (torch.float32, torch.float64))
+    if n is None:
         return None
-    if offsets is not None and not (isinstance(offsets, torch.Tensor) and offsets.dtype == torch.int64
-                                    and offsets.device.type == "cpu" and offsets.is_contiguous()
-                                    and tuple(offsets.shape) == (num_segments + 1,)):
-        offsets = None  # not the segments' first positions as this kernel reads them: scan the slots
+    offsets = _pooled_offsets(offsets, num_segments)  # else: scan the slots
     out = torch.empty((num_segments, data.shape[1]), dtype=data.dtype)
     done = getattr(_fused_library(), f"meshembed_pooled_sum_{dtype}")(
         data.data_ptr(), data.shape[0], data.shape[1], ids.data_ptr(), slots.data_ptr(), n, num_segments,
         None if offsets is None else offsets.data_ptr(), out.data_ptr(), int(threads))
     return out if done == 0 else None
+
+
+def _pooled_checks(data: Any, ids: Any, slots: Any, num_segments: int, dtypes: tuple) -> int | None:
+    """The id count where :func:`pooled_sum` / :func:`pooled_sum_16` may run on these arrays
+    (a 2-D contiguous CPU table of one of ``dtypes``, 1-D int64 contiguous CPU ids and slots of
+    one non-zero length, a segment), else None."""
+    import torch
+
+    n = ids.numel() if isinstance(ids, torch.Tensor) else 0
+    if (getattr(data, "dtype", None) not in dtypes or n == 0 or not isinstance(slots, torch.Tensor)
+            or data.dim() != 2 or data.device.type != "cpu" or not data.is_contiguous() or ids.dtype != torch.int64
+            or slots.dtype != torch.int64 or ids.device.type != "cpu" or slots.device.type != "cpu"
+            or ids.dim() != 1 or slots.dim() != 1 or slots.numel() != n or num_segments < 1
+            or not (ids.is_contiguous() and slots.is_contiguous()) or _fused_library() is None):
+        return None
+    return n
+
+
+def _pooled_offsets(offsets: Any, num_segments: int) -> Any:
+    """``offsets`` where the kernel can read them as the segments' first positions, else None
+    (the kernel then scans the slots)."""
+    import torch
+
+    if offsets is not None and not (isinstance(offsets, torch.Tensor) and offsets.dtype == torch.int64
+                                    and offsets.device.type == "cpu" and offsets.is_contiguous()
+                                    and tuple(offsets.shape) == (num_segments + 1,)):
+        return None
+    return offsets
+
+
+def pooled_sum_16(data: Any, ids: Any, slots: Any, num_segments: int, dtype: str, threads: int,
+                  offsets: Any = None) -> Any:
+    """:func:`pooled_sum` of a low-precision table (``int16`` patterns of ``dtype``, ``"bfloat16"``
+    or ``"float16"``): the float32 sums of the rows widened to float32 — exactly the bits of
+    :func:`pooled_sum` (and ``embedding_bag``) over those widened rows — in one C++ pass that
+    widens each element as it adds it (``meshembed_pooled_sum_16``), so neither the gathered 16-bit
+    rows nor their float32 copies exist. bfloat16 widens by a shift; float16 through the float32
+    value of each of the 65,536 patterns, made once by the core's widening
+    (``meshembed.math.rounding.widen_bits``). None, having done nothing the caller sees, where
+    :func:`pooled_sum` would return None (not ``int16`` patterns; see there)."""
+    import torch
+
+    n = _pooled_checks(data, ids, slots, num_segments, (torch.int16,))
+    if n is None or dtype not in ("bfloat16", "float16"):
+        return None
+    lut = None if dtype == "bfloat16" else _widened_patterns(dtype)
+    offsets = _pooled_offsets(offsets, num_segments)
+    out = torch.empty((num_segments, data.shape[1]), dtype=torch.float32)
+    done = _fused_library().meshembed_pooled_sum_16(
+        data.data_ptr(), data.shape[0], data.shape[1], ids.data_ptr(), slots.data_ptr(), n, num_segments,
+        None if offsets is None else offsets.data_ptr(), 0 if lut is None else 1,
+        None if lut is None else lut.ctypes.data, out.data_ptr(), int(threads))
+    return out if done == 0 else None
+
+
+def gather_rows_16(data: Any, ids: Any, dtype: str, threads: int) -> Any:
+    """``data[ids]`` widened to float32 for a low-precision table (``int16`` patterns of ``dtype``,
+    ``"bfloat16"`` or ``"float16"``): the exact values of the core's widening
+    (``meshembed.math.rounding.widen_bits``) in one C++ pass (``meshembed_gather_rows_16``), without
+    the 16-bit rows or an integer temporary. None, having done nothing the caller sees, where it
+    does not apply (not a 2-D contiguous CPU ``int16`` table, not 1-D int64 CPU ids, no library, an
+    id outside the table: the caller's general path then runs and reports)."""
+    import torch
+
+    if (dtype not in ("bfloat16", "float16") or getattr(data, "dtype", None) != torch.int16 or data.dim() != 2
+            or data.device.type != "cpu" or not data.is_contiguous() or not isinstance(ids, torch.Tensor)
+            or ids.dtype != torch.int64 or ids.dim() != 1 or ids.device.type != "cpu" or _fused_library() is None):
+        return None
+    ids = ids.contiguous()
+    lut = None if dtype == "bfloat16" else _widened_patterns(dtype)
+    out = torch.empty((ids.numel(), data.shape[1]), dtype=torch.float32)
+    done = _fused_library().meshembed_gather_rows_16(
+        data.data_ptr(), data.shape[0], data.shape[1], ids.data_ptr(), ids.numel(), 0 if lut is None else 1,
+        None if lut is None else lut.ctypes.data, out.data_ptr(), int(threads))
+    return out if done == ids.numel() else None
+
+
+def _widened_patterns(dtype: str) -> Any:
+    """The float32 values of the 65,536 ``dtype`` patterns, indexed by the pattern as an
+    unsigned 16-bit number (the core's exact widening, made once per format)."""
+    key = "lut_" + dtype
+    if key not in _fused_state:
+        import array_api_compat.numpy as xp
+        import numpy as np
+
+        from meshembed.math.rounding import widen_bits
+
+        patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.int16)
+        _fused_state[key] = np.ascontiguousarray(np.asarray(widen_bits(xp, patterns, dtype), np.int32).view(np.float32))
+    return _fused_state[key]
 
 
 # -- the dense optimizer's fused CPU step (native_dense.cc) ------------------------------

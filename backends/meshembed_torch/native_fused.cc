@@ -505,6 +505,46 @@ bool PooledRange(const T* table, int64_t num_rows, int64_t d, const int64_t* ids
   return !bad;
 }
 
+// PooledRange over a table of 16-bit patterns (a low-precision table, embedding.precision),
+// each element widened to float32 as it is added: Kind 0 = bfloat16, whose pattern is the high
+// half of the float32 (a shift: exact, vectorised); Kind 1 = any 16-bit format through `lut`,
+// the 65,536 float32 values of the patterns (made by the core's widening, meshembed.math.rounding:
+// no conversion is written here). The same additions in the same order as PooledRange over the
+// widened rows, so the same bits as the widen-then-sum path, without its [n, D] rows.
+template <int D, int Kind>
+bool PooledRange16(const uint16_t* table, int64_t num_rows, int64_t d, const int64_t* ids, const int64_t* offsets,
+                   int64_t lo, int64_t hi, const float* lut, float* out) {
+  meshembed::LocalRow<D, float> acc(d);
+  const int64_t w = D > 0 ? D : d, end = offsets[hi];
+  const uint64_t rows = uint64_t(num_rows);
+  uint64_t bad = 0;
+  for (int64_t s = lo; s < hi; ++s) {
+    acc.Zero();
+    float* __restrict a = acc.Data();
+    for (int64_t p = offsets[s]; p < offsets[s + 1]; ++p) {
+      meshembed::PrefetchPooled(table, rows, w, ids, p, end);
+      const int64_t id = ids[p];
+      if (uint64_t(id) >= rows) {
+        bad = 1;
+        continue;
+      }
+      const uint16_t* __restrict row = table + id * w;
+      for (int64_t j = 0; j < w; ++j) {
+        float x;
+        if (Kind == 0) {
+          const uint32_t bits = uint32_t(row[j]) << 16;
+          __builtin_memcpy(&x, &bits, sizeof x);
+        } else {
+          x = lut[row[j]];
+        }
+        a[j] += x;
+      }
+    }
+    acc.Store(out + s * w);
+  }
+  return !bad;
+}
+
 // The segments' offsets from the slots, in the pass that checks their order and range; false if
 // they are not non-decreasing in [0, num_segments).
 inline bool OffsetsOf(const int64_t* slots, int64_t n, int64_t num_segments, int64_t* offsets) {
@@ -529,9 +569,11 @@ inline bool ValidOffsets(const int64_t* given, int64_t n, int64_t num_segments) 
   return true;
 }
 
-template <class T>
-int64_t pooled_sum(const T* table, int64_t num_rows, int64_t d, const int64_t* ids, const int64_t* slots, int64_t n,
-                   int64_t num_segments, const int64_t* given, T* out, int threads) {
+// The pooled sum's driver: the segments' offsets (given, checked, or found from the slots), then
+// range(lo, hi) -> bool (every id read in range) over chunks of segments on up to `threads`.
+template <class Range>
+int64_t pooled_driver(int64_t n, const int64_t* slots, int64_t num_segments, const int64_t* given, int threads,
+                      const Range& range) {
   thread_local std::vector<int64_t> offsets_of;
   const int64_t* offsets = given;
   if (given != nullptr) {
@@ -550,12 +592,38 @@ int64_t pooled_sum(const T* table, int64_t num_rows, int64_t d, const int64_t* i
     const int64_t lo = t == 0 ? 0 : std::lower_bound(offsets, offsets + num_segments, n * t / parts) - offsets;
     const int64_t hi = t + 1 == parts ? num_segments
                                       : std::lower_bound(offsets, offsets + num_segments, n * (t + 1) / parts) - offsets;
-    meshembed::WithWidth(d, [&](auto width) {
-      if (!PooledRange<decltype(width)::value>(table, num_rows, d, ids, offsets, lo, hi, out)) bad.store(1);
-    });
+    if (!range(offsets, lo, hi)) bad.store(1);
   };
   RunChunks(workers, parts, chunk);
   return bad.load() ? -1 : 0;
+}
+
+template <class T>
+int64_t pooled_sum(const T* table, int64_t num_rows, int64_t d, const int64_t* ids, const int64_t* slots, int64_t n,
+                   int64_t num_segments, const int64_t* given, T* out, int threads) {
+  return pooled_driver(n, slots, num_segments, given, threads, [&](const int64_t* offsets, int64_t lo, int64_t hi) {
+    bool ok = true;
+    meshembed::WithWidth(d, [&](auto width) {
+      ok = PooledRange<decltype(width)::value>(table, num_rows, d, ids, offsets, lo, hi, out);
+    });
+    return ok;
+  });
+}
+
+// pooled_sum over 16-bit patterns (PooledRange16): kind 0 bfloat16, kind 1 through `lut`.
+int64_t pooled_sum16(const uint16_t* table, int64_t num_rows, int64_t d, const int64_t* ids, const int64_t* slots,
+                     int64_t n, int64_t num_segments, const int64_t* given, int kind, const float* lut, float* out,
+                     int threads) {
+  if (kind != 0 && (kind != 1 || lut == nullptr)) return -3;
+  return pooled_driver(n, slots, num_segments, given, threads, [&](const int64_t* offsets, int64_t lo, int64_t hi) {
+    bool ok = true;
+    meshembed::WithWidth(d, [&](auto width) {
+      constexpr int D = decltype(width)::value;
+      ok = kind == 0 ? PooledRange16<D, 0>(table, num_rows, d, ids, offsets, lo, hi, lut, out)
+                     : PooledRange16<D, 1>(table, num_rows, d, ids, offsets, lo, hi, lut, out);
+    });
+    return ok;
+  });
 }
 
 }  // namespace
@@ -572,3 +640,49 @@ int64_t pooled_sum(const T* table, int64_t num_rows, int64_t d, const int64_t* i
   }
 MESHEMBED_POOLED(float, meshembed_pooled_sum_float32)
 MESHEMBED_POOLED(double, meshembed_pooled_sum_float64)
+
+// out[i] = table[ids[i]] widened to float32, for a table of 16-bit patterns (kind 0: bfloat16,
+// a shift; kind 1: through `lut`, as meshembed_pooled_sum_16): the gather and the exact widening
+// in one pass, without the 16-bit rows. Returns n, -1 if an id is outside [0, num_rows) (out is
+// then partly written), -3 for a bad kind / no lut.
+extern "C" int64_t meshembed_gather_rows_16(const uint16_t* table, int64_t num_rows, int64_t d, const int64_t* ids,
+                                            int64_t n, int kind, const float* lut, float* out, int threads) {
+  if (kind != 0 && (kind != 1 || lut == nullptr)) return -3;
+  const uint64_t rows = uint64_t(num_rows);
+  // threads for at least 16 Ki rows each; chunks of 4 Ki rows, taken by whichever thread is free
+  const int workers = int(std::max<int64_t>(1, std::min<int64_t>(threads, n >> 14)));
+  const int64_t chunk_rows = 4096, chunks = (n + chunk_rows - 1) / chunk_rows;
+  std::atomic<int64_t> bad{0};
+  auto chunk = [&](int64_t c) {
+    const int64_t lo = c * chunk_rows, hi = std::min(n, lo + chunk_rows);
+    for (int64_t i = lo; i < hi; ++i) {
+      const uint64_t id = uint64_t(ids[i]);
+      if (id >= rows) {
+        bad.store(1);
+        continue;
+      }
+      const uint16_t* __restrict row = table + int64_t(id) * d;
+      float* __restrict o = out + i * d;
+      if (kind == 0) {
+        for (int64_t j = 0; j < d; ++j) {
+          const uint32_t bits = uint32_t(row[j]) << 16;
+          __builtin_memcpy(o + j, &bits, sizeof bits);
+        }
+      } else {
+        for (int64_t j = 0; j < d; ++j) o[j] = lut[row[j]];
+      }
+    }
+  };
+  RunChunks(workers, chunks, chunk);
+  return bad.load() ? -1 : n;
+}
+
+// The pooled sum of a table of 16-bit patterns, each widened to float32 as it is added (kind 0:
+// bfloat16; kind 1: through `lut`, the float32 value of each of the 65,536 patterns): the float32
+// bits of pooled_sum over the widened rows. Returns as pooled_sum, or -3 for a bad kind / no lut.
+extern "C" int64_t meshembed_pooled_sum_16(const uint16_t* table, int64_t num_rows, int64_t d, const int64_t* ids,
+                                           const int64_t* slots, int64_t n, int64_t num_segments,
+                                           const int64_t* offsets, int kind, const float* lut, float* out,
+                                           int threads) {
+  return pooled_sum16(table, num_rows, d, ids, slots, n, num_segments, offsets, kind, lut, out, threads);
+}

@@ -260,6 +260,27 @@ class Backend(abc.ABC):
             rows = rows * self.xp.reshape(weights, (-1, 1))
         return self.segment_sum_to(rows, segment_ids, num_segments)
 
+    def gather_widened(self, table: ShardedTable, ids: Array, dtype: str) -> Array | None:
+        """Rows ``table[ids]`` of a low-precision table (the ``int16`` patterns of ``dtype``,
+        ``"bfloat16"`` or ``"float16"``) widened to float32, ``[len(ids), D]``: exactly the values
+        of the generic path — :meth:`gather`, then the exact widening
+        (``meshembed.math.rounding.widen_bits``) — which runs where this returns None (this
+        default), and which also reports bad ids. A backend overrides it to skip the 16-bit rows
+        and the widening's integer temporaries (and, compiling, the widening's program)."""
+        return None
+
+    def gather_combine_low_precision(self, table: ShardedTable, ids: Array, segment_ids: Array, num_segments: int,
+                                     dtype: str, *, offsets: Array | None = None) -> Array | None:
+        """A low-precision table's pooled lookup with unit weights (``meshembed.embedding.precision``):
+        ``out[s] = Σ widen(table[ids_i])`` over ``i`` with ``segment_ids_i == s``, float32
+        ``[num_segments, D]``, where ``table`` holds the ``int16`` patterns of ``dtype``
+        (``"bfloat16"`` or ``"float16"``) and ``widen`` is the exact widening to float32
+        (``meshembed.math.rounding.widen_bits``). It must give exactly the bits of the generic path
+        — :meth:`gather`, widening, then :meth:`segment_sum_to` — which runs where this returns
+        None (this default), and which also reports bad ids. ``offsets``: as for :meth:`gather_combine`.
+        A backend overrides it to skip the ``[len(ids), D]`` 16-bit rows and their float32 copy."""
+        return None
+
     def hlo_program(self, table_name: str, program: bytes, num_slots: int) -> dict[str, Any]:
         """The static hyper-parameters (``hlo_runner``, ``takes_learning_rate``) with which
         UserDefinedProgram's math runs the serialized HLO ``program`` on this backend; only

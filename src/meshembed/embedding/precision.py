@@ -5,11 +5,15 @@ a slot in 16 bits keeps that array as its 16-bit patterns in an ``int16`` backen
 NumPy (which has no bfloat16), torch, JAX and any Array API library hold the same bits. Every
 step function reads it through here:
 
-* lookups gather the 16-bit rows and widen them to float32 (exact), then combine in float32;
+* lookups gather the 16-bit rows and widen them to float32 (exact), then combine in float32 —
+  or, where the backend has them, its gather that widens as it copies (``Backend.gather_widened``)
+  and its pooled sum that widens as it adds (``Backend.gather_combine_low_precision``): the same
+  bits without the 16-bit rows and their float32 copies;
 * an update sums the gradients per unique id, gathers and widens the rows, applies the
   table's :class:`~meshembed.math.UpdateRule` with ``meshembed.math.apply_rule`` in float32,
   rounds each 16-bit array back (``meshembed.math.rounding``) and scatters — only protocol
   methods, so every backend runs it (the fused update kernels are not used for such tables);
+  eagerly, a few MiB of rows at a time (``_UPDATE_ELEMENTS``: the host memory of its temporaries);
 * creation, ``load_parameters`` and a float32 restore round to nearest even on the host;
   ``retrieve_parameters`` returns the exact float32 values; checkpoints keep the patterns.
 
@@ -38,7 +42,7 @@ __all__ = ["array_dtypes", "check_layout", "fresh_state", "from_storage", "is_lo
 #: NumPy dtype of the stored patterns of each 16-bit format.
 STORAGE = {"bfloat16": np.dtype(np.int16), "float16": np.dtype(np.int16)}
 #: Rows per host block when converting whole tables (bounds the temporaries of the rounding).
-_BLOCK_ROWS = 1 << 16
+_BLOCK_ROWS = 1 << 11
 _xp_host = None
 #: Compiled integer programs of tracing backends, per backend (see :func:`_update_padded`).
 _COMPILED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
@@ -105,9 +109,12 @@ def from_storage(patterns: np.ndarray, dtype: str) -> np.ndarray:
 
 # -- device conversions --------------------------------------------------------------------------
 def lookup_rows(backend: Any, table: Any, ids: Any, dtype: str) -> Any:
-    """``table[ids]`` as float32 rows, widened by one compiled program (:func:`_widener`)."""
-    rows = backend.gather(table, ids)
-    return rows if dtype == "float32" else _widener(backend, dtype)(rows)
+    """``table[ids]`` as float32 rows: the backend's gather that widens as it copies
+    (``Backend.gather_widened``), else gathered and widened by one compiled program (:func:`_widener`)."""
+    if dtype == "float32":
+        return backend.gather(table, ids)
+    rows = backend.gather_widened(table, ids, dtype)
+    return rows if rows is not None else _widener(backend, dtype)(backend.gather(table, ids))
 
 
 # -- tables ------------------------------------------------------------------------------------
@@ -156,21 +163,65 @@ def update_table(backend: Any, state: Sequence[Any], t: TableSpec, rule: UpdateR
         # one device: compiled, padded programs; several: the eager path below (the padded
         # programs' rows and gradients would live on different device sets)
         return _update_padded(backend, state, t, rule, values, unique, grads, step)
+    n = int(unique.shape[0])
+    size = max(1, _UPDATE_ELEMENTS // max(1, t.dimension))
+    if n <= size:
+        return _update_rows(backend, list(state), t, rule, values, unique, uids, grads, step)
+    # Rows in chunks of `size` (the last one padded to that size with copies of its first row,
+    # whose results are not written): each chunk's temporaries are a few MiB, where the whole
+    # update's were several of the gradient sums' size (host memory that the allocator keeps once
+    # freed), and the compiled integer programs see one shape. The rows are unique, so each
+    # chunk's update is the one it had in the whole: the same bits.
+    out = list(state)
+    _UPDATE_STATS["chunked"] += 1
+    for lo in range(0, n, size):
+        hi = min(n, lo + size)
+        ids, g = unique[lo:hi], grads[lo:hi]
+        if hi - lo < size:
+            ids = np.concatenate([ids, np.full(size - (hi - lo), ids[0], np.int64)])
+            g = xp.concat([g, xp.broadcast_to(g[:1], (size - (hi - lo), t.dimension))], axis=0)
+        out = _update_rows(backend, out, t, rule, values, ids, backend.asarray(ids, dtype="int64"), g, step,
+                           hi - lo)
+        del g
+    return out
+
+
+#: Rows of a 16-bit table's eager update are processed this many elements (rows x dimension) at
+#: a time (see :func:`update_table`): 2 MiB of float32 rows per array; at W1 (dimension 64) 8,192
+#: rows, whose rounding programs take 1 Mi elements, which torch still compiles. W1's bf16 rows,
+#: peak memory (benchmarks/w1_memory.py, 3 runs each): Adagrad 532-548 MB in one piece, 515-520
+#: in chunks of 2**20 elements, 505-507 in chunks of 2**19.
+_UPDATE_ELEMENTS = 1 << 19
+#: How many updates ran in chunks (``"chunked"``): what a test reads.
+_UPDATE_STATS = {"chunked": 0}
+
+
+def _update_rows(backend: Any, state: list, t: TableSpec, rule: UpdateRule, values: Sequence[Any], unique: np.ndarray,
+                 uids: Any, grads: Any, step: int, count: int | None = None) -> list[Any]:
+    """The update of rows ``unique`` (host ids, ``uids`` on the backend) with their summed
+    gradients ``grads``; only the first ``count`` rows (all: None) written."""
+    xp = backend.xp
+    dtypes = array_dtypes(t)
     p = t.precision
-    rows = [backend.gather(a, uids) for a in state]
-    rows = [r if d == "float32" else _widener(backend, d)(r) for r, d in zip(rows, dtypes)]
-    new = backend.apply_rule_rows(rule, values, grads, rows)
+    rows = [lookup_rows(backend, a, uids, d) for a, d in zip(state, dtypes)]
+    new = list(backend.apply_rule_rows(rule, values, grads, rows))
+    del rows, grads  # (each temporary dropped once used: the update's peak memory)
     low = [k for k, d in enumerate(dtypes) if d != "float32"]
     words: dict[int, tuple] = {k: () for k in low}
     if p.rounding == "stochastic":  # every 16-bit array's words from the same counters, one program
         ctr = counters(xp, unique, step, t.dimension, array_api_compat.device(new[0]))
         streams = tuple(stream_of(t.index, k) for k in low)
         words = dict(zip(low, _philox(backend, p.seed, streams)(*(limb for word in ctr for limb in word))))
+        del ctr
+    if count is not None:
+        uids = uids[:count]
     out = []
-    for k, (array, row, dtype) in enumerate(zip(state, new, dtypes)):
+    for k, (array, dtype) in enumerate(zip(state, dtypes)):
+        row, new[k] = new[k], None
         if dtype != "float32":
-            row = _rounder(backend, dtype, p.rounding, t.dimension)(row, *words[k])
-        out.append(backend.scatter(array, uids, row))
+            row = _rounder(backend, dtype, p.rounding, t.dimension)(row, *words.pop(k))
+        out.append(backend.scatter(array, uids, row if count is None else row[:count]))
+        del row
     return out
 
 

@@ -167,8 +167,16 @@ def _low_precision_lookup(backend: Any, t: TableSpec, f: FeatureSpec, d: Any, ta
     """One feature's float32 activation from a low-precision table (``embedding.precision``):
     the rows widened exactly, then simulated quantization and the combiner in float32."""
     xp = backend.xp
-    rows = precision.lookup_rows(backend, table, ids, precision.array_dtypes(t)[0])
-    if quant is not None and getattr(quant, "enabled", True):
+    dtype = precision.array_dtypes(t)[0]
+    quantized = quant is not None and getattr(quant, "enabled", True)
+    if dtype != "float32" and not quantized and not d.identity and d.unit_scale:
+        # the backend's pooled sum that widens as it adds (the same bits), where it has one
+        act = backend.gather_combine_low_precision(table, ids, batch.device_array(backend, k, "slots"), d.num_slots,
+                                                   dtype, offsets=d.offsets)
+        if act is not None:
+            return xp.reshape(act, f.output_shape + (t.dimension,))
+    rows = precision.lookup_rows(backend, table, ids, dtype)
+    if quantized:
         from meshembed.math import quantize
 
         lo = -np.inf if quant.lower is None else quant.lower
