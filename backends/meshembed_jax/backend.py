@@ -37,6 +37,24 @@ from meshembed_jax.distributed import JaxProcesses, ShardLayout, bucket
 from meshembed_jax.table import JaxShardedTable, JaxTables, ReleasedRows
 
 
+#: The alignment at which XLA's CPU client takes a host array's memory as its own buffer
+#: instead of copying it (``device_put`` of an int32 batch array: ~0.1 ms less each, W1).
+HOST_ALIGNMENT = 64
+
+
+def cast_aligned(host: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``host.astype(dtype)`` in new memory aligned to :data:`HOST_ALIGNMENT` bytes (NumPy
+    aligns to 16): ``device_put`` on a CPU device then keeps it instead of copying it. The
+    memory is fresh, so nobody else can write to it."""
+    dtype = np.dtype(dtype)
+    nbytes = host.size * dtype.itemsize
+    raw = np.empty(nbytes + HOST_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % HOST_ALIGNMENT
+    out = raw[start:start + nbytes].view(dtype).reshape(host.shape)
+    np.copyto(out, host, casting="unsafe")  # range-checked by the caller
+    return out
+
+
 class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
     """Tables on a ``jax.sharding.Mesh``; compiled, donated, shard_map-routed row kernels.
 
@@ -220,7 +238,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
                 f"{narrow} (range {info.min}..{info.max}). Received: min={host.min()}, max={host.max()}. "
                 "Fix: enable x64 yourself at startup (jax.config.update('jax_enable_x64', True))."
             )
-        return self._jax.device_put(host.astype(narrow))
+        return self._jax.device_put(cast_aligned(host, narrow))
 
     def to_numpy(self, x: Any) -> np.ndarray:
         if isinstance(x, JaxShardedTable):

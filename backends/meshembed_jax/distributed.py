@@ -84,6 +84,11 @@ class ShardLayout:
 
         return NamedSharding(self.mesh, PartitionSpec())
 
+    @cached_property
+    def device_set(self) -> set:
+        """The mesh's devices (compared with an array's ``devices()``)."""
+        return set(self.mesh.devices.flat)
+
 
 def choose_devices(num_shards: int, devices: list[Any], process_count: int) -> list[Any]:
     """Devices for ``num_shards`` logical shards: the largest count that divides ``num_shards``.
