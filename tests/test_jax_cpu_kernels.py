@@ -234,3 +234,29 @@ def test_huge_page_hint_keeps_the_table(monkeypatch):
     expected = values.copy()
     expected[[5, 4000]] -= 1
     np.testing.assert_array_equal(be.unshard(t), expected)
+
+
+@needs_compiler
+@pytest.mark.parametrize("descent", ["none", "first", "last", "middle"])
+def test_gather_combine_takes_the_sorted_path_only_for_non_decreasing_segments(descent):
+    """The pooled kernel reads segments by binary search when they never decrease (its test
+    of the whole array is a vectorised pass): one descent anywhere, first or last pair
+    included, must send it to the grouping path, with the reference's sums either way."""
+    assert native.load()
+    rng = np.random.default_rng(7)
+    n, s, m = 4099, 600, 50
+    table = rng.standard_normal((m, 8)).astype(np.float32)
+    ids = rng.integers(0, m, n).astype(np.int32)
+    segs = np.sort(rng.integers(0, s, n)).astype(np.int32)
+    at = {"none": None, "first": 1, "last": n - 1, "middle": n // 2}[descent]
+    if at is not None:
+        segs[at] = segs[at - 1] - 1 if segs[at - 1] > 0 else segs[at - 1]
+        segs[at - 1] = max(segs[at - 1], 1)
+        segs[at] = segs[at - 1] - 1
+    assert (np.diff(segs) >= 0).all() == (at is None)
+    want = np.zeros((s, 8), np.float64)
+    for i, g in zip(ids, segs):  # batch order, in float32 as the kernel
+        want[g] = np.float32(want[g] + table[i])
+    out = jax.jit(lambda t, i, g: native.gather_combine(t, i, g, jnp.zeros((1,), jnp.float32), s, False))(
+        jnp.asarray(table), jnp.asarray(ids), jnp.asarray(segs))
+    np.testing.assert_array_equal(np.asarray(out), want.astype(np.float32))

@@ -182,6 +182,15 @@ void SumSorted(const int32_t* seg, int64_t n, int64_t lo, int64_t hi, int64_t d,
   meshembed::WithWidth(d, [&](auto width) { SumSortedWidth<width.value, Scaled>(seg, n, lo, hi, d, dst, table, id, m, scale); });
 }
 
+// Whether segs[0..n) never decreases: one pass without an early exit, which the compiler
+// vectorises (std::is_sorted's scalar loop: ~80 us over W1's 131,072 segments, before the
+// parallel part; this ~10 us).
+inline bool NonDecreasing(const int32_t* segs, int64_t n) {
+  int32_t down = 0;
+  for (int64_t i = 1; i < n; ++i) down |= segs[i] < segs[i - 1];
+  return down == 0;
+}
+
 // out[s] = sum over i with segs[i] == s of w[i] * table[ids[i]]  (ids[i] >= m: no row).
 ffi::Error GatherCombineImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyBuffer ids,
                              ffi::AnyBuffer segs, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
@@ -200,7 +209,7 @@ ffi::Error GatherCombineImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::An
     auto keep = [&](int64_t k) { return id[k] >= 0 && id[k] < m; };
     auto src = [&](int64_t k) { return tab + int64_t(id[k]) * d; };
     auto scale = [&](int64_t k) { return wt[k]; };
-    if (std::is_sorted(sg, sg + n)) {  // the engine's sample-major batches: no grouping pass
+    if (NonDecreasing(sg, n)) {  // the engine's sample-major batches: no grouping pass
       ParallelRanges(pool, s_all, kRowsPerTask, [&](int64_t lo, int64_t hi) {
         if (weighted) SumSorted<true, T>(sg, n, lo, hi, d, o, tab, id, m, scale);
         else SumSorted<false, T>(sg, n, lo, hi, d, o, tab, id, m, scale);
