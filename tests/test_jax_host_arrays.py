@@ -62,3 +62,25 @@ def test_one_device_kernels_take_a_ready_array_without_a_device_put():
     assert be._replicated_1d(layout, ids, 8, -1, np.int32) is ids  # remembered
     padded = be._replicated_1d(layout, ids, 16, -1, np.int32)  # padding still makes a new array
     np.testing.assert_array_equal(np.asarray(padded), list(range(8)) + [-1] * 8)
+
+
+def test_the_updates_gradient_rows_reach_a_one_device_kernel_as_they_are(monkeypatch):
+    """The combiner's backward update takes the activation gradient without a device_put on a
+    one-device layout (the bits: every fused-update test; here, that no copy is made)."""
+    be = JaxBackend()
+    layout = be.layout(Placement(100, 1, "mod"))
+    g = jax.numpy.ones((4, 3), np.float32)
+    assert be._replicated(layout, g) is g
+    puts = []
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: puts.append(a) or real(*a, **k))
+    import meshembed as me
+
+    cfg = me.EmbeddingConfig(tables=[me.TableConfig("t", 100, 3, optimizer=me.embedding.SGD(0.1), combiner="sum")],
+                             features=[me.FeatureConfig("t", (4,), name="f")])
+    emb = me.TPUEmbedding(cfg, backend=be)
+    emb.enqueue([me.RaggedIds(np.array([0, 2, 3, 5, 6]), np.array([1, 2, 3, 4, 5, 6]))])
+    emb.dequeue()
+    puts.clear()
+    emb.apply_gradients([g])
+    assert not any(a and a[0] is g for a in puts)

@@ -361,7 +361,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         weighted = grad_weights is not None
         w = (self._replicated_1d(layout, grad_weights, nb, 0, tables[0].dtype) if weighted
              else self._no_weights(layout, tables[0].dtype))
-        g = self._jax.device_put(source, layout.replicated)
+        g = self._replicated(layout, source)
         return self._update(tables, layout, dim, fn, nb, (gids, g, segs, w, guard), weighted, values=values,
                             check_finite=check_finite)
 

@@ -390,9 +390,7 @@ class JaxTables:
             if hit is not None and hit[0] is x:
                 return hit[1]
             if x.ndim == 1 and x.shape[0] == nb and x.dtype == dtype:  # nothing to pad or cast:
-                if layout.n_dev == 1 and x.devices() == layout.device_set:
-                    return self._remember(key, x, x)  # already where the kernels run (~25 us a device_put)
-                return self._remember(key, x, self._jax.device_put(x, layout.replicated))  # no host trip
+                return self._remember(key, x, self._replicated(layout, x))  # no host trip
             if any(d.platform != "cpu" for d in x.devices()):  # keep it on the accelerator
                 import jax.numpy as jnp
 
@@ -406,6 +404,13 @@ class JaxTables:
         host[: flat.shape[0]] = flat
         out = self._jax.device_put(host, layout.replicated)
         return self._remember(key, x, out) if native else out
+
+    def _replicated(self, layout: ShardLayout, x: Any) -> Any:
+        """A native array replicated on the layout's mesh: as it is on a one-device layout
+        whose device holds it (a device_put to the same device costs ~25 us eagerly)."""
+        if layout.n_dev == 1 and x.devices() == layout.device_set:
+            return x
+        return self._jax.device_put(x, layout.replicated)
 
     def _no_weights(self, layout: ShardLayout, dtype: Any) -> Any:
         """The placeholder weights of an unweighted kernel call (made once per layout/dtype)."""
