@@ -41,7 +41,9 @@ __all__ = ["array_dtypes", "check_layout", "fresh_state", "from_storage", "is_lo
 
 #: NumPy dtype of the stored patterns of each 16-bit format.
 STORAGE = {"bfloat16": np.dtype(np.int16), "float16": np.dtype(np.int16)}
-#: Rows per host block when converting whole tables (bounds the temporaries of the rounding).
+#: Rows per host block when converting whole tables (bounds the temporaries of the rounding):
+#: W1's 10**6 x 64 bf16 table on torch peaked 182-185 MB above the baseline at creation in blocks
+#: of 2**16 rows, 165-167 in blocks of 2**11 (the table 122, the batch and modules ~20).
 _BLOCK_ROWS = 1 << 11
 _xp_host = None
 #: Compiled integer programs of tracing backends, per backend (see :func:`_update_padded`).
@@ -190,7 +192,10 @@ def update_table(backend: Any, state: Sequence[Any], t: TableSpec, rule: UpdateR
 #: a time (see :func:`update_table`): 2 MiB of float32 rows per array; at W1 (dimension 64) 8,192
 #: rows, whose rounding programs take 1 Mi elements, which torch still compiles. W1's bf16 rows,
 #: peak memory (benchmarks/w1_memory.py, 3 runs each): Adagrad 532-548 MB in one piece, 515-520
-#: in chunks of 2**20 elements, 505-507 in chunks of 2**19.
+#: in chunks of 2**20 elements, 505-507 in chunks of 2**19. Time: one thread, 55-59 ms a step in
+#: one piece, 58-61 in chunks (the same work, plus the padding); on all threads of the loaded 2-core
+#: machine each chunk's parallel regions wait for cores (medians 180-490 ms either way, noise).
+#: Fixed-size chunks also spare torch the recompilation of the rounding for a new row count.
 _UPDATE_ELEMENTS = 1 << 19
 #: How many updates ran in chunks (``"chunked"``): what a test reads.
 _UPDATE_STATS = {"chunked": 0}
