@@ -145,3 +145,49 @@ def test_kernel_address_and_parameter_block_reach_the_ffi():
     text = step.lower(datas, ids, jax.numpy.zeros((8, 3), np.float32), ids, jax.numpy.zeros(1, np.float32),
                       jax.numpy.asarray(True), jax.numpy.asarray(block[:2])).as_text()
     assert "meshembed_fused_update" in text and str(kernel.address) in text
+
+
+def test_the_engines_fused_step_is_dispatched_not_run_on_the_calling_thread():
+    """XLA's CPU client runs a program whose cost analysis counts fewer than 1,000 flops on the
+    calling thread before the call returns, and counts an FFI call as none: the engine's fused
+    step carries ``kernels.dispatch_marker`` so that it is dispatched (the host prepares the next
+    step while it runs); me.jax's, traced into the user's program, has no marker. The engine's
+    steps give the same table bits with or without it (the marker reads the ids, writes nothing)."""
+    import jax
+
+    from meshembed_jax import kernels
+
+    be = JaxBackend()
+    rule = make_rule(build_layout(_config(me.embedding.Adagrad(0.1))).tables[0], be)
+    layout = be.layout(Placement(V, 1, "mod"))
+    n = 4 * kernels.DISPATCH_FLOPS
+    datas = tuple(jax.numpy.zeros((1, V, 3), np.float32) for _ in range(2))
+    args = (jax.numpy.zeros(n, np.int32), jax.numpy.ones((n, 3), np.float32), jax.numpy.zeros(n, np.int32),
+            jax.numpy.zeros(1, np.float32), jax.numpy.asarray(True), jax.numpy.asarray(native.hp_block([0.1])))
+    flops = {}
+    for dispatched in (False, True):
+        step, _ = be.fused_program(layout, 3, rule, [np.float32] * 2, True, False, dispatched=dispatched)
+        flops[dispatched] = step.lower(datas, *args).compile().cost_analysis()["flops"]
+    assert flops[False] < 1000 <= kernels.DISPATCH_FLOPS <= flops[True]  # the premise, then the fix
+
+    def trained(marker: bool):
+        backend = JaxBackend()
+        if not marker:  # the step as it was: the plain program, run on the calling thread
+            plain = backend.fused_program
+
+            def no_marker(*a, dispatched=False):
+                found = plain(*a)
+                return found and ((lambda *x: (found[0](*x), None)), found[1])
+
+            backend.fused_program = no_marker
+        emb = _engine(backend, me.embedding.Adagrad(0.1), batch=64)
+        rng = np.random.default_rng(5)
+        for _ in range(3):
+            emb.enqueue([rng.integers(0, 1000, 64)])
+            acts = emb.dequeue()
+            emb.apply_gradients([np.ones_like(np.asarray(acts[0]))])
+        assert backend.stats()["fused_updates"] == 3
+        return [np.asarray(backend.unshard(t)) for t in emb.state.tables[0]]
+
+    for a, b in zip(trained(True), trained(False)):
+        np.testing.assert_array_equal(a, b)

@@ -434,11 +434,13 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
                             lambda: kernels.make_update(layout, dim, n_tables, capacity, dedup, call, combined, weighted))
 
     def fused_program(self, layout: ShardLayout, dim: int, rule: UpdateRule, dtypes: Sequence[Any], combined: bool,
-                      weighted: bool) -> tuple[Callable, Any] | None:
+                      weighted: bool, dispatched: bool = False) -> tuple[Callable, Any] | None:
         """``(step, kernel)``: the compiled fused step (``kernels.make_fused_update``) over the
         rule's generated row kernel, for tables of ``dtypes`` (the table, then its slots), or
         None where the XLA step must run: a fixed capacity (a promise the capacity-bounded
-        step keeps), mixed or non-float dtypes, no CPU FFI kernels, no generated kernel."""
+        step keeps), mixed or non-float dtypes, no CPU FFI kernels, no generated kernel.
+        ``dispatched``: the eager engine's step, which returns ``(datas, marker)`` and is not
+        run on the calling thread (``kernels.DISPATCH_FLOPS``)."""
         from meshembed_jax import kernels, native
 
         dtypes = [np.dtype(d) for d in dtypes]
@@ -449,9 +451,9 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         kernel = native.row_kernel(rule, len(dtypes), dtypes[0])
         if kernel is None:
             return None
-        step = self._kernel(("fused_update", layout, dim, len(dtypes), kernel.symbol, combined, weighted),
+        step = self._kernel(("fused_update", layout, dim, len(dtypes), kernel.symbol, combined, weighted, dispatched),
                             lambda: kernels.make_fused_update(layout, dim, len(dtypes), kernel.address, combined,
-                                                              weighted))
+                                                              weighted, dispatched))
         return step, kernel
 
     def _fused_update(self, tables: list[JaxShardedTable], layout: ShardLayout, dim: int, rule: UpdateRule,
@@ -468,7 +470,8 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         if grads.shape[-1] != dim or (weighted is None and rows != args[0].shape[0]):
             return False  # the XLA path reports the shape error before anything is written
         combined = weighted is not None
-        found = self.fused_program(layout, dim, rule, [t.dtype for t in tables], combined, bool(weighted))
+        found = self.fused_program(layout, dim, rule, [t.dtype for t in tables], combined, bool(weighted),
+                                   dispatched=True)
         if found is None:
             return False
         step, kernel = found
@@ -479,7 +482,7 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
         # the values as a host array of the call, whatever they are: a learning rate that
         # changes every step costs exactly what a constant one does (no cache to miss)
         hp = native.hp_block(tuple(kernel.params(values)))
-        new = step(tuple(t.data for t in tables), ids, grads, segs, w, guard, hp)
+        new, _ = step(tuple(t.data for t in tables), ids, grads, segs, w, guard, hp)  # returns while it runs
         for t, d in zip(tables, new):
             t.data = d  # (unchanged when the guard is false: the old buffers were donated)
         self._stats["fused_updates"] += 1

@@ -467,13 +467,32 @@ def make_update(layout: ShardLayout, dim: int, n_tables: int, capacity: int, ded
     return jax.jit(fn, donate_argnums=(0,))
 
 
+#: XLA's CPU client runs a program on the calling thread, before the call returns, when its
+#: cost analysis counts fewer than 1,000 flops (a "cheap" program, PjRt's CPU client), and
+#: an FFI call counts as none: a program of FFI calls alone is always run so. The engine's
+#: fused update (1.5 ms at W1) then held the Python thread, which could have prepared the
+#: next step meanwhile. A program given :func:`dispatch_marker` counts this many and is
+#: dispatched like any other (run when its inputs are ready, on the client's threads).
+DISPATCH_FLOPS = 2048
+
+
+def dispatch_marker(ids: jax.Array) -> jax.Array:
+    """A scalar output (the largest of the first ``DISPATCH_FLOPS`` ids) whose reduction XLA's
+    cost analysis counts as ``DISPATCH_FLOPS`` flops (~1 us of work): the program holding it
+    is not "cheap", so the call returns while it runs (:data:`DISPATCH_FLOPS`). Fewer ids:
+    a program that small is cheap either way."""
+    return jnp.max(ids[: min(int(ids.shape[0]), DISPATCH_FLOPS)], initial=jnp.iinfo(ids.dtype).min)
+
+
 def make_fused_update(layout: ShardLayout, dim: int, n_tables: int, address: int, combined: bool,
-                      weighted: bool) -> Callable:
+                      weighted: bool, dispatched: bool = False) -> Callable:
     """``update(datas, ids, grads, segs, w, guard, hp) -> datas``: the rule's generated row
     kernel (``address``, see ``native.row_kernel``) run by ``native.fused_update``
     on CPU devices: dedup, per-row sums and the kernel in one in-place pass per device. Its
     buffers are sized by the batch, so no capacity can overflow; the call is skipped when
-    ``guard`` is false. ``combined``: row ``i``'s gradient is ``w[i] * grads[segs[i]]``."""
+    ``guard`` is false. ``combined``: row ``i``'s gradient is ``w[i] * grads[segs[i]]``.
+    ``dispatched`` (the engine's eager step): ``-> (datas, marker)`` with
+    :func:`dispatch_marker`, so the call returns before the update has run."""
     m = layout.rows_per_device
     k, r_max = layout.shards_per_device, layout.max_rows
 
@@ -494,7 +513,13 @@ def make_fused_update(layout: ShardLayout, dim: int, n_tables: int, address: int
 
     specs = (tuple(P(AXIS) for _ in range(n_tables)), P(), P(), P(), P(), P(), P())
     fn = device_map(layout, per_device, in_specs=specs, out_specs=tuple(P(AXIS) for _ in range(n_tables)))
-    return jax.jit(fn, donate_argnums=(0,))
+    if not dispatched:
+        return jax.jit(fn, donate_argnums=(0,))
+
+    def update(datas: tuple, ids: jax.Array, *rest: jax.Array) -> tuple:
+        return fn(datas, ids, *rest), dispatch_marker(ids)
+
+    return jax.jit(update, donate_argnums=(0,))
 
 
 def _as_rows(new: Any, n_tables: int) -> list[Any]:
