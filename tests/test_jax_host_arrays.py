@@ -32,19 +32,25 @@ def test_narrowed_ids_are_kept_by_the_device_and_never_the_callers_memory(monkey
     from meshembed_jax import backend as jax_backend
 
     made = []
+    real = jax_backend.aligned_empty
 
-    def recording(host, dtype):
-        out = cast_aligned(host, dtype)
+    def recording(shape, dtype):
+        out = real(shape, dtype)
         made.append(out.ctypes.data)
         return out
 
-    monkeypatch.setattr(jax_backend, "cast_aligned", recording)
+    monkeypatch.setattr(jax_backend, "aligned_empty", recording)
+    from meshembed_jax import native
+
+    native.load()  # the one-pass narrowing where it builds, and NumPy's passes
+    for be in (JaxBackend(), JaxBackend(cpu_kernels=False)):
+        for n in (5, 1000, 131_072):
+            made.clear()
+            arr = be.asarray(np.arange(n, dtype=np.int64), dtype="int64")
+            assert arr.dtype == np.int32 and made
+            if arr.devices().pop().platform == "cpu":  # the narrowed copy itself, not a second one
+                assert arr.unsafe_buffer_pointer() == made[-1]
     be = JaxBackend()
-    for n in (5, 1000, 131_072):
-        arr = be.asarray(np.arange(n, dtype=np.int64), dtype="int64")
-        assert arr.dtype == np.int32 and made
-        if arr.devices().pop().platform == "cpu":  # the narrowed copy itself, not a second one
-            assert arr.unsafe_buffer_pointer() == made[-1]
     host = np.array([0, 7, 2**31 - 1, -2**31, 5], np.int64)
     arr = be.asarray(host, dtype="int64")
     host[:] = 1  # the caller's array changes: the device array does not
@@ -84,3 +90,32 @@ def test_the_updates_gradient_rows_reach_a_one_device_kernel_as_they_are(monkeyp
     puts.clear()
     emb.apply_gradients([g])
     assert not any(a and a[0] is g for a in puts)
+
+
+def test_the_one_pass_narrowing_gives_numpys_values_and_range_errors(monkeypatch):
+    """int64 ids and slots are narrowed by one C pass that also finds their range (NumPy's min,
+    max and copy: three): the same int32 values, the same refusal of values outside int32
+    (either side) with nothing sent to a device, and NumPy's passes where the library is not
+    loaded or the kernels are switched off."""
+    from meshembed_jax import native
+
+    if not native.load():
+        pytest.skip("the JAX CPU kernels could not be built here")
+    calls = []
+    real = native.narrow_int64
+    monkeypatch.setattr(native, "narrow_int64", lambda *a: calls.append(1) or real(*a))
+    be = JaxBackend()
+    rng = np.random.default_rng(3)
+    for host in (rng.integers(-2**31, 2**31, 100_003), np.array([5], np.int64), np.arange(10)[::2].copy()):
+        out = be.asarray(host, dtype="int64")
+        np.testing.assert_array_equal(np.asarray(out), host)
+    assert len(calls) == 3
+    for bad in ([0, 2**31], [-2**31 - 1, 0], [2**40, -2**40]):
+        with pytest.raises(InputError, match=f"min={min(bad)}, max={max(bad)}"):
+            be.asarray(np.array(bad, np.int64), dtype="int64")
+    off = JaxBackend(cpu_kernels=False)
+    calls.clear()
+    np.testing.assert_array_equal(np.asarray(off.asarray(np.arange(7), dtype="int64")), np.arange(7))
+    with pytest.raises(InputError, match="must fit"):
+        off.asarray(np.array([2**31], np.int64), dtype="int64")
+    assert not calls

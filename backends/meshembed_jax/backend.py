@@ -42,16 +42,21 @@ from meshembed_jax.table import JaxShardedTable, JaxTables, ReleasedRows
 HOST_ALIGNMENT = 64
 
 
-def cast_aligned(host: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """``host.astype(dtype)`` in new memory aligned to :data:`HOST_ALIGNMENT` bytes (NumPy
-    aligns to 16): ``device_put`` on a CPU device then keeps it instead of copying it. The
-    memory is fresh, so nobody else can write to it."""
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A new array in memory aligned to :data:`HOST_ALIGNMENT` bytes (NumPy aligns to 16):
+    ``device_put`` on a CPU device keeps it instead of copying it. The memory is fresh, so
+    nobody else can write to it."""
     dtype = np.dtype(dtype)
-    nbytes = host.size * dtype.itemsize
+    nbytes = int(np.prod(shape)) * dtype.itemsize
     raw = np.empty(nbytes + HOST_ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % HOST_ALIGNMENT
-    out = raw[start:start + nbytes].view(dtype).reshape(host.shape)
-    np.copyto(out, host, casting="unsafe")  # range-checked by the caller
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def cast_aligned(host: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``host.astype(dtype)`` into :func:`aligned_empty` memory (range-checked by the caller)."""
+    out = aligned_empty(host.shape, dtype)
+    np.copyto(out, host, casting="unsafe")
     return out
 
 
@@ -232,13 +237,22 @@ class JaxBackend(JaxTables, JaxProcesses, JaxDenseMixin, Backend):
             return x if x.dtype == narrow else x.astype(narrow)  # already at most 32 bits
         host = np.asarray(x)
         info = np.iinfo(narrow)
-        if host.size and (host.min() < info.min or host.max() > info.max):
+        out, bounds = None, None
+        if self.use_cpu_kernels and host.dtype == np.int64 and host.flags.c_contiguous:
+            from meshembed_jax import native
+
+            out = aligned_empty(host.shape, narrow)
+            bounds = native.narrow_int64(host, out)  # one pass (None: the library is not loaded)
+        if bounds is None:
+            out = None
+            bounds = (host.min(), host.max()) if host.size else (0, 0)
+        if bounds[0] < info.min or bounds[1] > info.max:
             raise InputError(
                 f"Invalid integer values for the jax backend without jax_enable_x64: they must fit "
-                f"{narrow} (range {info.min}..{info.max}). Received: min={host.min()}, max={host.max()}. "
+                f"{narrow} (range {info.min}..{info.max}). Received: min={bounds[0]}, max={bounds[1]}. "
                 "Fix: enable x64 yourself at startup (jax.config.update('jax_enable_x64', True))."
             )
-        return self._jax.device_put(cast_aligned(host, narrow))
+        return self._jax.device_put(cast_aligned(host, narrow) if out is None else out)
 
     def to_numpy(self, x: Any) -> np.ndarray:
         if isinstance(x, JaxShardedTable):

@@ -11,6 +11,7 @@
 // Built on first use by native.py (g++ -O3, headers from jax.ffi.include_dir()).
 
 #include <algorithm>
+#include <climits>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -642,6 +643,23 @@ ffi::Error ScatterRowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer table, ffi::AnyB
 }
 
 }  // namespace
+
+// The host side of a batch's int64 ids or slots without x64 (JaxBackend._narrow_ids): out[i] =
+// int32(in[i]) in one pass that also finds the range (NumPy's min, max and astype: three
+// passes over the int64 array). Returns whether every value fits int32; lo / hi: the range
+// (n > 0). The caller refuses the batch, with nothing sent to a device, when it does not fit.
+extern "C" int meshembed_narrow_int64(const int64_t* in, int32_t* out, int64_t n, int64_t* lo, int64_t* hi) {
+  int64_t mn = n ? in[0] : 0, mx = mn;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t v = in[i];
+    mn = v < mn ? v : mn;
+    mx = v > mx ? v : mx;
+    out[i] = int32_t(v);
+  }
+  *lo = mn;
+  *hi = mx;
+  return mn >= INT32_MIN && mx <= INT32_MAX;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshembedGatherCombine, GatherCombineImpl,
                               ffi::Ffi::Bind()

@@ -208,6 +208,23 @@ def dense_update(hp: Any, grads: list, targets: list, kernel: Any) -> list:
     return [list(res[k * count:(k + 1) * count]) for k in range(k_targets)]
 
 
+def narrow_int64(host: np.ndarray, out: np.ndarray) -> tuple[int, int] | None:
+    """``out[:] = host`` (int64 -> int32, both C-contiguous, same size) in one C pass that also
+    finds ``(min, max)`` of ``host`` (returned; the caller checks them before using ``out``), or
+    None where the library is not loaded (the caller's NumPy passes then run)."""
+    lib = _state.get("lib")
+    if lib is None or host.size == 0:
+        return None
+    fn = _state.get("narrow")
+    if fn is None:
+        fn = _state["narrow"] = lib.meshembed_narrow_int64
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    bounds = np.empty(2, np.int64)
+    fn(host.ctypes.data, out.ctypes.data, host.size, bounds.ctypes.data, bounds.ctypes.data + 8)
+    return int(bounds[0]), int(bounds[1])
+
+
 def hp_block(params: Any) -> np.ndarray:
     """Host parameter blocks (one row of ``RowKernel.params`` per tensor, or one flat row) as
     the FFI kernels read them: the float64 values' bits as uint32 pairs, so the doubles reach
