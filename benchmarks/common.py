@@ -100,12 +100,15 @@ def start_peak_rss() -> float:
 _baseline: list[float] = []
 
 
-def start_frameworks(names: list[str]) -> None:
+def start_frameworks(names: list[str], torch_compiler: bool = False) -> None:
     """Import (and start) the frameworks a job uses before its memory baseline is taken, so
     that a row's peak is the job's, not the framework's fixed cost: torch with the compiler
     stack ``torch.compile`` loads on first use (~100 MB of Python modules), jax with its CPU
     runtime and compiler started by one tiny compiled call (~40 MB of code and buffers).
-    Both are the same for any table size. A framework that is not installed is skipped."""
+    Both are the same for any table size. ``torch_compiler``: torch's compiler started too by
+    one tiny ``torch.compile`` call, as jax's is (inductor's first compilation in a process
+    keeps ~28 MB and peaks ~68 MB higher, whatever it compiles; ~4 s, so only the memory rows
+    ask for it). A framework that is not installed is skipped."""
     import importlib
 
     for name in names:
@@ -115,6 +118,8 @@ def start_frameworks(names: list[str]) -> None:
             continue
         if name == "torch":
             importlib.import_module("torch._inductor.compile_fx")
+            if torch_compiler:
+                module.compile(lambda x: x * 3 + 1)(module.ones(4))
         elif name == "jax":
             module.jit(lambda x: x + 1)(1.0).block_until_ready()
 

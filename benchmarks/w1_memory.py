@@ -55,7 +55,7 @@ def measure(backend: str, algorithm: str, row: str, sizes: dict, steps: int = ST
     from benchmarks import common, w1_all
 
     frameworks = _PEER_FRAMEWORKS.get(row, _FRAMEWORKS.get(backend, [backend]))
-    common.start_frameworks(frameworks)
+    common.start_frameworks(frameworks, torch_compiler=True)
     if row not in _PEER_FRAMEWORKS:
         import meshembed as me
 
