@@ -756,3 +756,33 @@ def test_an_update_in_chunks_gives_the_same_bits(reference, backend, monkeypatch
     _train(emb, _batches(4))
     _assert_same_bits(state, _state(emb), backend)
     assert precision._UPDATE_STATS["chunked"] - before == 8  # 2 low-precision tables x 4 steps
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_a_chunked_update_that_fails_writes_nothing(backend, monkeypatch):
+    """The chunks' new rows are all made before any is written: a failure in a later chunk (here
+    the second chunk's rows) leaves every table and slot bit-identical."""
+    if not _usable(backend):
+        pytest.skip(f"{backend} not installed")
+    from meshembed.embedding import precision
+
+    monkeypatch.setattr(precision, "_UPDATE_ELEMENTS", 3 * D)
+    emb = me.TPUEmbedding(_config(), backend=backend, num_shards=1, seed=1)
+    _train(emb, _batches(1))
+    before = _state(emb)
+    real, calls = precision._new_rows, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("the second chunk")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(precision, "_new_rows", failing)
+    feats, grads = _batches(1, seed=1)[0]
+    emb.enqueue(feats)
+    emb.dequeue()
+    with pytest.raises(Exception):
+        emb.apply_gradients(grads)
+    assert len(calls) == 2
+    _assert_same_bits(before, _state(emb))

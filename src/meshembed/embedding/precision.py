@@ -168,23 +168,29 @@ def update_table(backend: Any, state: Sequence[Any], t: TableSpec, rule: UpdateR
     n = int(unique.shape[0])
     size = max(1, _UPDATE_ELEMENTS // max(1, t.dimension))
     if n <= size:
-        return _update_rows(backend, list(state), t, rule, values, unique, uids, grads, step)
-    # Rows in chunks of `size` (the last one padded to that size with copies of its first row,
-    # whose results are not written): each chunk's temporaries are a few MiB, where the whole
-    # update's were several of the gradient sums' size (host memory that the allocator keeps once
-    # freed), and the compiled integer programs see one shape. The rows are unique, so each
-    # chunk's update is the one it had in the whole: the same bits.
+        done = [(uids, _new_rows(backend, state, t, rule, values, unique, uids, grads, step))]
+    else:
+        # Rows in chunks of `size` (the last one padded to that size with copies of its first
+        # row, whose results are dropped): each chunk's temporaries are a few MiB, where the whole
+        # update's were several of the gradient sums' size (host memory that the allocator keeps
+        # once freed), and the compiled integer programs see one shape. The rows are unique, so
+        # each chunk's rows are the ones they were in the whole: the same bits. Only the new rows
+        # (in their stored dtypes) are kept, and nothing is written before every chunk is done.
+        _UPDATE_STATS["chunked"] += 1
+        done = []
+        for lo in range(0, n, size):
+            hi = min(n, lo + size)
+            ids, g = unique[lo:hi], grads[lo:hi]
+            if hi - lo < size:
+                ids = np.concatenate([ids, np.full(size - (hi - lo), ids[0], np.int64)])
+                g = xp.concat([g, xp.broadcast_to(g[:1], (size - (hi - lo), t.dimension))], axis=0)
+            ids_dev = backend.asarray(ids, dtype="int64")
+            rows = _new_rows(backend, state, t, rule, values, ids, ids_dev, g, step)
+            done.append((ids_dev[: hi - lo], [r[: hi - lo] for r in rows]))
+            del g, rows
     out = list(state)
-    _UPDATE_STATS["chunked"] += 1
-    for lo in range(0, n, size):
-        hi = min(n, lo + size)
-        ids, g = unique[lo:hi], grads[lo:hi]
-        if hi - lo < size:
-            ids = np.concatenate([ids, np.full(size - (hi - lo), ids[0], np.int64)])
-            g = xp.concat([g, xp.broadcast_to(g[:1], (size - (hi - lo), t.dimension))], axis=0)
-        out = _update_rows(backend, out, t, rule, values, ids, backend.asarray(ids, dtype="int64"), g, step,
-                           hi - lo)
-        del g
+    for ids_dev, rows in done:
+        out = [backend.scatter(array, ids_dev, row) for array, row in zip(out, rows)]
     return out
 
 
@@ -201,10 +207,10 @@ _UPDATE_ELEMENTS = 1 << 19
 _UPDATE_STATS = {"chunked": 0}
 
 
-def _update_rows(backend: Any, state: list, t: TableSpec, rule: UpdateRule, values: Sequence[Any], unique: np.ndarray,
-                 uids: Any, grads: Any, step: int, count: int | None = None) -> list[Any]:
-    """The update of rows ``unique`` (host ids, ``uids`` on the backend) with their summed
-    gradients ``grads``; only the first ``count`` rows (all: None) written."""
+def _new_rows(backend: Any, state: Sequence[Any], t: TableSpec, rule: UpdateRule, values: Sequence[Any],
+              unique: np.ndarray, uids: Any, grads: Any, step: int) -> list[Any]:
+    """Each array's new rows ``unique`` (host ids, ``uids`` on the backend) from their summed
+    gradients ``grads``, in the array's stored dtype (16-bit ones rounded); nothing written."""
     xp = backend.xp
     dtypes = array_dtypes(t)
     p = t.precision
@@ -218,16 +224,9 @@ def _update_rows(backend: Any, state: list, t: TableSpec, rule: UpdateRule, valu
         streams = tuple(stream_of(t.index, k) for k in low)
         words = dict(zip(low, _philox(backend, p.seed, streams)(*(limb for word in ctr for limb in word))))
         del ctr
-    if count is not None:
-        uids = uids[:count]
-    out = []
-    for k, (array, dtype) in enumerate(zip(state, dtypes)):
-        row, new[k] = new[k], None
-        if dtype != "float32":
-            row = _rounder(backend, dtype, p.rounding, t.dimension)(row, *words.pop(k))
-        out.append(backend.scatter(array, uids, row if count is None else row[:count]))
-        del row
-    return out
+    for k in low:
+        new[k] = _rounder(backend, dtypes[k], p.rounding, t.dimension)(new[k], *words.pop(k))
+    return new
 
 
 def _bucket(n: int) -> int:
