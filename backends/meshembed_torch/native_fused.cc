@@ -482,13 +482,14 @@ extern "C" int64_t meshembed_gather_rows(const char* table, int64_t num_rows, co
 namespace {
 
 // out[s] = sum of table[ids[i]] over the positions i in [offsets[s], offsets[s + 1]), for the
-// segments [lo, hi), each summed in registers (LocalRow) in position order from 0 and stored
-// once, the rows ahead prefetched (row_kernels.h, PrefetchPooled). Returns whether every id read
-// is in [0, num_rows) (an id outside adds nothing).
-template <int D, class T>
-bool PooledRange(const T* table, int64_t num_rows, int64_t d, const int64_t* ids, const int64_t* offsets,
-                 int64_t lo, int64_t hi, T* out) {
-  meshembed::LocalRow<D, T> acc(d);
+// segments [lo, hi), each summed in registers (LocalRow<D, Acc>) in position order from 0 and
+// stored once, the rows ahead prefetched (row_kernels.h, PrefetchPooled); add(acc, row) adds one
+// table row of `w` elements. Returns whether every id read is in [0, num_rows) (an id outside
+// adds nothing).
+template <int D, class Acc, class T, class AddRow>
+bool PooledSegments(const T* table, int64_t num_rows, int64_t d, const int64_t* ids, const int64_t* offsets,
+                    int64_t lo, int64_t hi, Acc* out, const AddRow& add) {
+  meshembed::LocalRow<D, Acc> acc(d);
   const int64_t w = D > 0 ? D : d, end = offsets[hi];
   const uint64_t rows = uint64_t(num_rows);
   uint64_t bad = 0;
@@ -497,7 +498,7 @@ bool PooledRange(const T* table, int64_t num_rows, int64_t d, const int64_t* ids
     for (int64_t p = offsets[s]; p < offsets[s + 1]; ++p) {
       meshembed::PrefetchPooled(table, rows, w, ids, p, end);
       const int64_t id = ids[p];
-      if (uint64_t(id) < rows) acc.template Add<false>(table + id * w, T(1));
+      if (uint64_t(id) < rows) add(acc, table + id * w);
       else bad = 1;
     }
     acc.Store(out + s * w);
@@ -505,7 +506,15 @@ bool PooledRange(const T* table, int64_t num_rows, int64_t d, const int64_t* ids
   return !bad;
 }
 
-// PooledRange over a table of 16-bit patterns (a low-precision table, embedding.precision),
+// PooledSegments over a float table: each row added as it is.
+template <int D, class T>
+bool PooledRange(const T* table, int64_t num_rows, int64_t d, const int64_t* ids, const int64_t* offsets,
+                 int64_t lo, int64_t hi, T* out) {
+  return PooledSegments<D>(table, num_rows, d, ids, offsets, lo, hi, out,
+                           [](meshembed::LocalRow<D, T>& acc, const T* row) { acc.template Add<false>(row, T(1)); });
+}
+
+// PooledSegments over a table of 16-bit patterns (a low-precision table, embedding.precision),
 // each element widened to float32 as it is added: Kind 0 = bfloat16, whose pattern is the high
 // half of the float32 (a shift: exact, vectorised); Kind 1 = any 16-bit format through `lut`,
 // the 65,536 float32 values of the patterns (made by the core's widening, meshembed.math.rounding:
@@ -514,35 +523,21 @@ bool PooledRange(const T* table, int64_t num_rows, int64_t d, const int64_t* ids
 template <int D, int Kind>
 bool PooledRange16(const uint16_t* table, int64_t num_rows, int64_t d, const int64_t* ids, const int64_t* offsets,
                    int64_t lo, int64_t hi, const float* lut, float* out) {
-  meshembed::LocalRow<D, float> acc(d);
-  const int64_t w = D > 0 ? D : d, end = offsets[hi];
-  const uint64_t rows = uint64_t(num_rows);
-  uint64_t bad = 0;
-  for (int64_t s = lo; s < hi; ++s) {
-    acc.Zero();
-    float* __restrict a = acc.Data();
-    for (int64_t p = offsets[s]; p < offsets[s + 1]; ++p) {
-      meshembed::PrefetchPooled(table, rows, w, ids, p, end);
-      const int64_t id = ids[p];
-      if (uint64_t(id) >= rows) {
-        bad = 1;
-        continue;
-      }
-      const uint16_t* __restrict row = table + id * w;
-      for (int64_t j = 0; j < w; ++j) {
-        float x;
-        if (Kind == 0) {
-          const uint32_t bits = uint32_t(row[j]) << 16;
-          __builtin_memcpy(&x, &bits, sizeof x);
-        } else {
-          x = lut[row[j]];
-        }
-        a[j] += x;
-      }
-    }
-    acc.Store(out + s * w);
-  }
-  return !bad;
+  const int64_t w = D > 0 ? D : d;
+  return PooledSegments<D>(table, num_rows, d, ids, offsets, lo, hi, out,
+                           [w, lut](meshembed::LocalRow<D, float>& acc, const uint16_t* __restrict row) {
+                             float* __restrict a = acc.Data();
+                             for (int64_t j = 0; j < w; ++j) {
+                               float x;
+                               if (Kind == 0) {
+                                 const uint32_t bits = uint32_t(row[j]) << 16;
+                                 __builtin_memcpy(&x, &bits, sizeof x);
+                               } else {
+                                 x = lut[row[j]];
+                               }
+                               a[j] += x;
+                             }
+                           });
 }
 
 // The segments' offsets from the slots, in the pass that checks their order and range; false if
